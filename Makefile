@@ -1,0 +1,38 @@
+# textgen: set-up, run, test, benchmark. `make install` then `make run` or `make test`.
+PYTHON ?= python3
+PROTO_OUT ?= proto
+MODEL_DIR ?= models/tiny-llama
+MODEL_ARCH ?= llama
+MODEL_SIZE ?= tiny
+PORT ?= 3000
+
+.PHONY: install proto run test bench demo-model
+
+# torch first and pinned: the CPU wheel; an unpinned torch pulls several GB of CUDA packages.
+install:
+	$(PYTHON) -m pip install torch==2.13.0
+	$(PYTHON) -m pip install -e ".[test]"
+	$(MAKE) proto
+
+# Generated gRPC/protobuf modules: a build output, never edited by hand.
+proto: $(PROTO_OUT)/textgen_pb/generate_pb2.py
+
+$(PROTO_OUT)/textgen_pb/generate_pb2.py: proto/v3/generate.proto
+	mkdir -p $(PROTO_OUT)/textgen_pb
+	$(PYTHON) -m grpc_tools.protoc -Itextgen_pb=proto/v3 --python_out=$(PROTO_OUT) \
+		--pyi_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) proto/v3/generate.proto
+
+demo-model: $(MODEL_DIR)/config.json
+
+$(MODEL_DIR)/config.json:
+	textgen-server build-test-model $(MODEL_DIR) --arch $(MODEL_ARCH) --size $(MODEL_SIZE)
+
+# Serves the locally built demo model (no hub is reachable here) on http://127.0.0.1:$(PORT).
+run: proto demo-model
+	textgen-launcher --model-id $(MODEL_DIR) --port $(PORT) --hostname 127.0.0.1
+
+test: proto
+	$(PYTHON) -m pytest -q
+
+bench: proto
+	$(PYTHON) benchmark/shard_decode.py

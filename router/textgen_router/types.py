@@ -1,0 +1,135 @@
+"""Plain data exchanged between the router's HTTP layer, queue and batching loop.
+
+The HTTP layer turns a request body into a `ValidRequest`; the inference side (queue + batching loop)
+answers with a stream of `PrefillEvent` / `IntermediateEvent` / `EndEvent`, or raises an `InferError`.
+Neither side imports the other's internals: this module is the whole contract between them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ChooserParameters:
+    """Token selection parameters, mirrored 1:1 onto generate.v3 NextTokenChooserParameters."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    do_sample: bool = False
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    watermark: bool = False
+    grammar: str = ""
+    grammar_type: int = 0
+
+
+@dataclass
+class StoppingParameters:
+    """Mirrored 1:1 onto generate.v3 StoppingCriteriaParameters."""
+
+    max_new_tokens: int
+    stop_sequences: list[str] = field(default_factory=list)
+    ignore_eos_token: bool = False
+
+
+@dataclass
+class ValidRequest:
+    """A validated, tokenized request ready for the queue."""
+
+    inputs: str
+    input_ids: list[int]
+    truncate: int
+    add_special_tokens: bool
+    decoder_input_details: bool
+    top_n_tokens: int
+    parameters: ChooserParameters
+    stopping_parameters: StoppingParameters
+
+    @property
+    def input_length(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class Token:
+    id: int
+    text: str
+    logprob: float  # NaN for the first prefill token
+    special: bool = False
+
+
+@dataclass
+class GeneratedText:
+    text: str
+    generated_tokens: int
+    finish_reason: str  # "length" | "eos_token" | "stop_sequence"
+    seed: int | None
+
+
+@dataclass
+class PrefillEvent:
+    """The prompt tokens with their logprobs (only when decoder_input_details was asked)."""
+
+    tokens: list[Token]
+
+
+@dataclass
+class IntermediateEvent:
+    token: Token
+    top_tokens: list[Token]
+
+
+@dataclass
+class EndEvent:
+    """The last token; `queued` and `start` are time.monotonic() stamps (enqueued, first batch run)."""
+
+    token: Token
+    top_tokens: list[Token]
+    generated_text: GeneratedText
+    queued: float
+    start: float
+
+
+StreamEvent = PrefillEvent | IntermediateEvent | EndEvent
+
+
+class InferError(Exception):
+    """An error with TGI's HTTP status and `error_type`; str(err) is the user-visible message."""
+
+    status_code = 500
+    error_type = "unknown"
+
+
+class GenerationError(InferError):
+    status_code = 424
+    error_type = "generation"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"Request failed during generation: {message}")
+
+
+class OverloadedError(InferError):
+    status_code = 429
+    error_type = "overloaded"
+
+    def __init__(self) -> None:
+        super().__init__("Model is overloaded")
+
+
+class ValidationError(InferError):
+    status_code = 422
+    error_type = "validation"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"Input validation error: {message}")
+
+
+class IncompleteGenerationError(InferError):
+    status_code = 500
+    error_type = "incomplete_generation"
+
+    def __init__(self) -> None:
+        super().__init__("Incomplete generation")
