@@ -1,0 +1,302 @@
+"""W1 HTTP load: a fixed, seeded workload against a running server, or against servers this script starts.
+
+W1 = 64 requests, prompts of 32-256 tokens, 64-128 new tokens, sent all at once (burst) or at a Poisson rate.
+Reports throughput (generated tokens/s), time to first token and inter-token latency (p50/p99), and writes a
+PNG plot. With --compare it starts textgen (launcher) and `transformers serve` on the same model one after the
+other in this process tree and prints the ratio; with --routes it runs W1 through /generate_stream and
+/v1/chat/completions on one textgen server (the OpenAI layer's overhead).
+
+    python benchmark/http_load.py --model models/small-llama --compare
+    python benchmark/http_load.py --model models/small-llama --routes generate,chat
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+@dataclass
+class Job:
+    prompt: str
+    max_new_tokens: int
+    send_at: float
+
+
+@dataclass
+class Result:
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+def make_workload(tokenizer_dir: str, n: int, seed: int, arrival: str, rate: float) -> list[Job]:
+    """Seeded prompts of 32-256 tokens (decoded from random vocabulary ids), 64-128 new tokens each."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rng = random.Random(seed)
+    special = set(tok.all_special_ids)
+    ids = [i for i in range(len(tok)) if i not in special]
+    jobs, t = [], 0.0
+    for _ in range(n):
+        length = rng.randint(32, 256)
+        text = tok.decode([rng.choice(ids) for _ in range(length)])
+        # Re-encode and cut so the prompt really has about `length` tokens after tokenization.
+        text = tok.decode(tok(text, add_special_tokens=False)["input_ids"][:length])
+        if arrival == "poisson":
+            t += rng.expovariate(rate)
+        jobs.append(Job(text, rng.randint(64, 128), t))
+    return jobs
+
+
+def _body(route: str, job: Job) -> tuple[str, dict]:
+    if route == "generate":
+        return "/generate_stream", {"inputs": job.prompt, "parameters": {"max_new_tokens": job.max_new_tokens}}
+    body = {
+        "model": "tgi",
+        "messages": [{"role": "user", "content": job.prompt}],
+        "max_tokens": job.max_new_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    return "/v1/chat/completions", body
+
+
+def _is_token_event(route: str, payload: dict) -> bool:
+    if route == "generate":
+        return "token" in payload and not payload["token"].get("special", False)
+    choices = payload.get("choices") or []
+    return bool(choices and (choices[0].get("delta") or {}).get("content"))
+
+
+async def _one(client: httpx.AsyncClient, route: str, job: Job, t0: float) -> Result:
+    await asyncio.sleep(max(0.0, t0 + job.send_at - time.perf_counter()))
+    path, body = _body(route, job)
+    res, start = Result(), time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", path, json=body) as resp:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                payload = json.loads(data)
+                if "error" in payload:
+                    res.error = str(payload["error"])
+                    break
+                if _is_token_event(route, payload):
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - start
+                    else:
+                        res.gaps.append(now - last)
+                    last = now
+                    res.tokens += 1
+    except httpx.HTTPError as err:
+        res.error = repr(err)
+    return res
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p / 100 * len(values)))]
+
+
+async def run_load(url: str, route: str, jobs: list[Job]) -> dict:
+    limits = httpx.Limits(max_connections=len(jobs), max_keepalive_connections=len(jobs))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, route, j, t0) for j in jobs))
+        wall = time.perf_counter() - t0
+    tokens = sum(r.tokens for r in results)
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    gaps = [g for r in results for g in r.gaps]
+    return {
+        "route": route,
+        "requests": len(jobs),
+        "errors": sum(r.error is not None for r in results),
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "throughput_tok_s": tokens / wall,
+        "ttft_p50_ms": pct(ttfts, 50) * 1e3,
+        "ttft_p99_ms": pct(ttfts, 99) * 1e3,
+        "itl_p50_ms": pct(gaps, 50) * 1e3,
+        "itl_p99_ms": pct(gaps, 99) * 1e3,
+        "_ttfts": ttfts,
+        "_gaps": gaps,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process started by this script, in its own process group, waited on until healthy."""
+
+    def __init__(self, name: str, argv: list[str], port: int, health: str, env: dict | None = None) -> None:
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log = open(f"/tmp/http_load_{name}.log", "w")
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited early; see {self.log.name}")
+            try:
+                if httpx.get(self.url + health, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{name} not healthy after 300 s; see {self.log.name}")
+
+    def cpu_seconds(self, cmd_fragment: str) -> float:
+        procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        total = 0.0
+        for p in procs:
+            try:
+                if cmd_fragment in " ".join(p.cmdline()):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def decode_steps(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("tgi_batch_inference_count") and 'method="decode"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def textgen_server(model: str) -> Server:
+    port = free_port()
+    argv = ["textgen-launcher", "--model-id", model, "--port", str(port), "--hostname", "127.0.0.1",
+            "--shard-uds-path", f"/tmp/w1-{port}", "--max-concurrent-requests", "256"]
+    return Server("textgen", argv, port, "/health")
+
+
+def measure_textgen(model: str, routes: list[str], jobs: list[Job]) -> list[dict]:
+    server, out = textgen_server(model), []
+    try:
+        for route in routes:
+            steps0, cpu0 = decode_steps(server.url), server.cpu_seconds("textgen-router")
+            r = asyncio.run(run_load(server.url, route, jobs))
+            steps = decode_steps(server.url) - steps0
+            cpu = server.cpu_seconds("textgen-router") - cpu0
+            r["server"] = "textgen"
+            r["router_cpu_ms_per_decode_step"] = cpu / steps * 1e3 if steps else float("nan")
+            out.append(r)
+    finally:
+        server.stop()
+    return out
+
+
+def measure_transformers(model: str, jobs: list[Job]) -> dict:
+    port = free_port()
+    argv = ["transformers", "serve", model, "--port", str(port), "--host", "127.0.0.1"]
+    server = Server("transformers", argv, port, "/health")
+    try:
+        r = asyncio.run(run_load(server.url, "chat", jobs))
+    finally:
+        server.stop()
+    r["server"] = "transformers serve"
+    return r
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        label = f"{r['server']} {r['route']}"
+        a.hist([t * 1e3 for t in r["_ttfts"]], bins=20, alpha=0.5, label=label)
+        b.hist([g * 1e3 for g in r["_gaps"]], bins=40, alpha=0.5, label=label)
+    a.set(title="time to first token", xlabel="ms", ylabel="requests")
+    b.set(title="inter-token latency", xlabel="ms", ylabel="tokens")
+    a.legend(), b.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model directory (also the tokenizer)")
+    p.add_argument("--url", help="a running textgen server; default: start one with textgen-launcher")
+    p.add_argument("--routes", default="generate", help="comma list of generate, chat")
+    p.add_argument("--compare", action="store_true", help="also run W1 against `transformers serve`")
+    p.add_argument("--arrival", choices=["burst", "poisson"], default="burst")
+    p.add_argument("--rate", type=float, default=4.0, help="requests/s for --arrival poisson")
+    p.add_argument("-n", "--requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default="benchmark/results/w1.png")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+
+    jobs = make_workload(args.model, args.requests, args.seed, args.arrival, args.rate)
+    routes = args.routes.split(",")
+    if args.url:
+        results = [dict(asyncio.run(run_load(args.url, r, jobs)), server="textgen") for r in routes]
+    else:
+        results = measure_textgen(args.model, routes, jobs)
+    if args.compare:
+        results.append(measure_transformers(args.model, jobs))
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    plot(results, args.plot)
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
+    if args.json:
+        print(json.dumps(public, indent=2))
+        return
+    print(f"W1: {args.requests} requests, {args.arrival} arrival, seed {args.seed}")
+    print("| server | route | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors | router CPU ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in public:
+        cpu = r.get("router_cpu_ms_per_decode_step", float("nan"))
+        print(f"| {r['server']} | {r['route']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
+              f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['errors']} | {cpu:.2f} |")
+    base = public[0]["throughput_tok_s"]
+    for r in public[1:]:
+        print(f"{public[0]['server']} {public[0]['route']} / {r['server']} {r['route']}: "
+              f"{base / r['throughput_tok_s']:.2f}x")
+    print(f"plot: {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
