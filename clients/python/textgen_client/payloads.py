@@ -1,0 +1,105 @@
+"""Request bodies and SSE decoding shared by the sync and async clients."""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
+
+from textgen_client.errors import TextGenerationError, parse_error
+from textgen_client.types import ChatRequest, CompletionRequest, Grammar, Message, Parameters, Request
+
+DONE = object()
+"""Returned by `parse_sse_line` for the OpenAI routes' terminal `data:[DONE]`."""
+
+
+def generate_body(
+    prompt: str,
+    stream: bool,
+    *,
+    do_sample: bool = False,
+    max_new_tokens: int = 20,
+    best_of: int | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    return_full_text: bool = False,
+    seed: int | None = None,
+    stop_sequences: list[str] | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    truncate: int | None = None,
+    typical_p: float | None = None,
+    watermark: bool = False,
+    decoder_input_details: bool = False,
+    top_n_tokens: int | None = None,
+    grammar: Grammar | dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Body for POST / ; validated client-side, every field sent (nulls included) as TGI's client does."""
+    parameters = Parameters(
+        details=True,
+        do_sample=do_sample,
+        max_new_tokens=max_new_tokens,
+        best_of=best_of,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        return_full_text=return_full_text,
+        seed=seed,
+        stop=stop_sequences if stop_sequences is not None else [],
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        truncate=truncate,
+        typical_p=typical_p,
+        watermark=watermark,
+        decoder_input_details=decoder_input_details,
+        top_n_tokens=top_n_tokens,
+        grammar=Grammar.model_validate(grammar) if isinstance(grammar, dict) else grammar,
+    )
+    return Request(inputs=prompt, stream=stream, parameters=parameters).model_dump(mode="json")
+
+
+def chat_body(messages: Sequence[Message | dict[str, Any]], stream: bool, **kwargs: Any) -> dict[str, Any]:
+    """Body for POST /v1/chat/completions; unset optional fields are left out."""
+    msgs = [m if isinstance(m, Message) else Message.model_validate(m) for m in messages]
+    request = ChatRequest(messages=msgs, stream=stream, **kwargs)
+    return request.model_dump(mode="json", exclude_none=True)
+
+
+def completion_body(prompt: str | list[str], stream: bool, **kwargs: Any) -> dict[str, Any]:
+    """Body for POST /v1/completions; unset optional fields are left out."""
+    return CompletionRequest(prompt=prompt, stream=stream, **kwargs).model_dump(mode="json", exclude_none=True)
+
+
+def error_from_body(status_code: int, body: bytes) -> TextGenerationError:
+    try:
+        payload: Any = json.loads(body)
+    except ValueError:
+        payload = body.decode(errors="replace")
+    return parse_error(status_code, payload)
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | object | None:
+    """Decode one SSE line: its JSON payload, `DONE`, or None for blank/comment lines.
+
+    Raises the matching `TextGenerationError` when the event is an error event (streams report errors
+    in-band on an HTTP 200).
+    """
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:"):].strip()
+    if data == "[DONE]":
+        return DONE
+    payload = json.loads(data)
+    if isinstance(payload, dict) and "error" in payload:
+        raise parse_error(200, payload)
+    return payload
+
+
+def parse_event(model: type[BaseModel], payload: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(payload)
+    except PydanticValidationError as err:
+        raise parse_error(200, {"error": f"unexpected stream event {payload!r}: {err}"}) from err

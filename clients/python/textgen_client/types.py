@@ -1,0 +1,306 @@
+"""Request and response models of the textgen HTTP API (TGI-compatible JSON shapes).
+
+Requests are validated on the client before they are sent, with the same rules as TGI's Python client
+(which is slightly stricter than the server: e.g. `frequency_penalty` must be > 0).
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+
+class GrammarType(str, Enum):
+    json = "json"
+    regex = "regex"
+
+
+class Grammar(BaseModel):
+    type: GrammarType
+    # A JSON schema (object or JSON string) for `json`, a pattern for `regex`.
+    value: Any
+
+    @field_validator("value")
+    @classmethod
+    def _non_empty(cls, v: Any) -> Any:
+        if not v:
+            raise ValueError("`value` cannot be empty")
+        return v
+
+
+def _strictly_positive(name: str, v: float | int | None) -> None:
+    if v is not None and v <= 0:
+        raise ValueError(f"`{name}` must be strictly positive")
+
+
+class Parameters(BaseModel):
+    """The `parameters` object of a /generate request."""
+
+    do_sample: bool = False
+    max_new_tokens: int | None = 20
+    best_of: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    return_full_text: bool = False
+    seed: int | None = None
+    stop: list[str] = []
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int | None = None
+    grammar: Grammar | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Parameters:
+        _strictly_positive("best_of", self.best_of)
+        if self.best_of is not None and self.best_of > 1:
+            if self.seed is not None:
+                raise ValueError("`seed` must not be set when `best_of` is > 1")
+            sampling = (
+                self.do_sample
+                or self.temperature is not None
+                or self.top_k is not None
+                or self.top_p is not None
+                or self.typical_p is not None
+            )
+            if not sampling:
+                raise ValueError("you must use sampling when `best_of` is > 1")
+        for name in ("repetition_penalty", "frequency_penalty", "temperature", "top_k", "truncate",
+                     "top_n_tokens", "max_new_tokens"):
+            _strictly_positive(name, getattr(self, name))
+        if self.seed is not None and self.seed < 0:
+            raise ValueError("`seed` must be positive")
+        for name in ("top_p", "typical_p"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 1:
+                raise ValueError(f"`{name}` must be > 0.0 and < 1.0")
+        return self
+
+
+class Request(BaseModel):
+    """Body of POST / (the compat route the client uses for generate and generate_stream)."""
+
+    inputs: str
+    parameters: Parameters | None = None
+    stream: bool = False
+
+    @field_validator("inputs")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("`inputs` cannot be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _no_best_of_stream(self) -> Request:
+        p = self.parameters
+        if self.stream and p is not None and p.best_of is not None and p.best_of > 1:
+            raise ValueError("`best_of` != 1 is not supported when `stream` is True")
+        return self
+
+
+class InputToken(BaseModel):
+    id: int
+    text: str
+    # None for the first prompt token, which has no preceding context.
+    logprob: float | None = None
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None
+    special: bool
+
+
+class FinishReason(str, Enum):
+    Length = "length"
+    EndOfSequenceToken = "eos_token"
+    StopSequence = "stop_sequence"
+
+
+class BestOfSequence(BaseModel):
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[InputToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+
+
+class Details(BaseModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[InputToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+    best_of_sequences: list[BestOfSequence] | None = None
+
+
+class Response(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None = None
+    input_length: int | None = None
+
+
+class StreamResponse(BaseModel):
+    """One SSE event of a generate stream; `generated_text`/`details` only on the last one."""
+
+    index: int | None = None
+    token: Token
+    top_tokens: list[Token] | None = None
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+# ---- OpenAI-compatible routes ------------------------------------------------------------------
+
+
+class TextChunk(BaseModel):
+    type: str = "text"
+    text: str
+
+
+class Message(BaseModel):
+    role: str
+    content: str | list[TextChunk] | None = None
+    name: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob]
+
+
+class OutputMessage(BaseModel):
+    # Tolerate tool-call messages a TGI server may send (fields beyond role/content).
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionComplete(BaseModel):
+    index: int
+    message: OutputMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatComplete(BaseModel):
+    """Response of POST /v1/chat/completions (stream=false)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatCompletionComplete]
+    usage: Usage
+
+
+class ChoiceDelta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | None = None
+
+
+class Choice(BaseModel):
+    index: int
+    delta: ChoiceDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of POST /v1/chat/completions (stream=true); `choices` is empty in the usage chunk."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[Choice]
+    usage: Usage | None = None
+
+
+class ChatRequest(BaseModel):
+    model: str = "tgi"
+    messages: list[Message]
+    frequency_penalty: float | None = None
+    logit_bias: list[float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    stream: bool = False
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
+    stream_options: dict[str, bool] | None = None
+
+
+class CompletionComplete(BaseModel):
+    index: int
+    text: str
+    logprobs: Any | None = None
+    # Non-stream responses map eos to "stop"; stream chunks carry "" until the last one per prompt.
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    """Response of POST /v1/completions, and also each of its stream chunks (then `usage` may be absent)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionComplete]
+    usage: Usage | None = None
+
+
+class CompletionRequest(BaseModel):
+    model: str = "tgi"
+    prompt: str | list[str]
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] | None = None
