@@ -3,7 +3,7 @@
 Models (session-scoped, built once and cached on disk):
 - `tiny_llama`, `tiny_gpt2`: `Path` of a directory holding a tiny real model (random weights, trained
   tokenizer) made by `textgen_server.builder.build_test_model`. Built models are cached under
-  `~/.cache/textgen-test-models/<arch>-<size>-<hash of builder.py>` (override the root with
+  `~/.cache/textgen-test-models/<arch>-<size>-v<BUILDER_VERSION>-py<X.Y>-torch<V>` (override the root with
   TEXTGEN_TEST_MODELS), so a second run costs nothing. `build_model(arch, size)` does the same for others.
 
 Real shard processes:
@@ -23,9 +23,7 @@ Real shard processes:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -44,26 +42,14 @@ MODEL_CACHE_ROOT = Path(os.environ.get("TEXTGEN_TEST_MODELS", Path.home() / ".ca
 
 
 def build_model(arch: str, size: str = "tiny") -> Path:
-    """Build (or reuse from the on-disk cache) a test model; keyed by the builder's source hash."""
+    """Build (or reuse from the on-disk cache) a test model, keyed by everything that changes its bytes."""
+    import torch
     from textgen_server import builder
 
-    digest = hashlib.sha256(Path(builder.__file__).read_bytes()).hexdigest()[:12]
-    target = MODEL_CACHE_ROOT / f"{arch}-{size}-{digest}"
-    if (target / "config.json").exists():
-        return target
-    MODEL_CACHE_ROOT.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent test runs never see a half-written model.
-    scratch = Path(tempfile.mkdtemp(prefix=f".{arch}-{size}-", dir=MODEL_CACHE_ROOT))
-    try:
-        builder.build_test_model(scratch, arch=arch, size=size)
-        try:
-            scratch.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    key = f"{arch}-{size}-v{builder.BUILDER_VERSION}-py{py}-torch{torch.__version__.split('+')[0]}"
+    # The builder reuses a matching build and writes through a temporary directory plus rename.
+    return builder.build_test_model(MODEL_CACHE_ROOT / key, arch=arch, size=size)
 
 
 @pytest.fixture(scope="session")
