@@ -1,0 +1,50 @@
+"""Rotary position embedding with every scaling variant transformers knows (linear, dynamic, llama3, yarn...).
+
+Inverse frequencies come from `transformers.modeling_rope_utils`, and `dynamic_rope_update` recomputes them
+for the dynamic/longrope variants, so positions are encoded exactly as the reference models encode them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+
+def _default_inv_freq(config: PretrainedConfig, device: torch.device | None = None,
+                      **_: object) -> tuple[torch.Tensor, float]:
+    """Unscaled RoPE: 1 / theta^(2i/d); attention scaling 1."""
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    theta = config.rope_parameters["rope_theta"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    return 1.0 / (theta**exponents), 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for `position_ids`; attribute names follow what `dynamic_rope_update` expects."""
+
+    def __init__(self, config: PretrainedConfig, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        init = _default_inv_freq if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init(config, device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.original_inv_freq = inv_freq
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [B, S, head_dim] in x's dtype."""
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, S, D] by the per-position angles (cos/sin [B, S, D], broadcast over heads)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

@@ -1,0 +1,210 @@
+"""Tensor-parallel Llama-family causal LM (llama, mistral, qwen2) loaded straight from safetensors.
+
+Contract with the padded CausalLM (models/causal_lm.py): `load_tp_model(...)` returns a module whose
+`forward(input_ids [B,S], attention_mask [B, past+S] (1 = real token, left padding), position_ids [B,S],
+past_key_values: DynamicCache | None, use_cache=True)` returns `.logits` [B,S,V] over the FULL vocabulary
+(identical on every rank) and `.past_key_values` holding this rank's KV heads
+(num_key_value_heads / world_size of them) — the same shapes an HF causal LM gives on one shard.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from textgen_server.layers.norm import RMSNorm
+from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary
+from textgen_server.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from textgen_server.utils.dist import DistInfo
+from textgen_server.utils.weights import Weights
+
+TP_MODEL_TYPES: set[str] = {"llama", "mistral", "qwen2"}
+
+
+def check_shardable(config: PretrainedConfig, world_size: int) -> None:
+    """Raise ValueError, naming the offending number, when `config` cannot be split over `world_size` ranks."""
+    if config.model_type not in TP_MODEL_TYPES:
+        raise ValueError(
+            f"model type {config.model_type!r} has no tensor-parallel implementation "
+            f"(supported: {', '.join(sorted(TP_MODEL_TYPES))})"
+        )
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, field)
+        if value % world_size != 0:
+            raise ValueError(
+                f"{field}={value} is not divisible by the number of shards ({world_size}); "
+                f"choose a --num-shard that divides it"
+            )
+
+
+def _layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Sliding-window size per layer (None = full attention), as the reference models decide it."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _attention_mask(attention_mask: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:
+    """Boolean [B, 1, S, T] mask: causal, no padded keys, optional sliding window.
+
+    Key column j and query i sit at cache positions j and T - S + i (left padding included), the same
+    indexing the reference masks use. Every query may also see itself, so a padded query row is never fully
+    masked (that would give NaN, and NaN values leak through the next layer's zero attention weights).
+    """
+    total = attention_mask.shape[-1]
+    q_pos = torch.arange(total - seq_len, total, device=attention_mask.device)[:, None]
+    k_pos = torch.arange(total, device=attention_mask.device)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible = visible & (k_pos > q_pos - window)
+    allowed = (visible[None] & attention_mask[:, None, :].bool()) | (k_pos == q_pos)[None]
+    return allowed[:, None]
+
+
+class Attention(nn.Module):
+    """This rank's heads: fused q/k/v column projection, RoPE, SDPA, row-parallel o_proj (one all_reduce)."""
+
+    def __init__(self, config: PretrainedConfig, weights: Weights, prefix: str, layer_idx: int,
+                 dist: DistInfo) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads // dist.world_size
+        self.num_kv_heads = config.num_key_value_heads // dist.world_size
+        self.scaling = self.head_dim**-0.5
+        self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                      self.num_kv_heads * self.head_dim]
+        # Biases are read from the checkpoint, not the config: qwen2 has q/k/v bias only, llama's
+        # attention_bias puts one on o_proj too.
+        self.qkv = ColumnParallelLinear.load_multi(
+            weights, [f"{prefix}.{p}_proj" for p in "qkv"], bias=f"{prefix}.q_proj.bias" in weights
+        )
+        self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", f"{prefix}.o_proj.bias" in weights, dist)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: DynamicCache | None) -> torch.Tensor:
+        batch, seq_len, _ = hidden.shape
+        q, k, v = self.qkv(hidden).split(self.split, dim=-1)
+        q = apply_rotary(q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rotary(k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        if mask is not None:
+            # A sliding-window cache layer may return fewer keys than the mask has columns: they are the
+            # most recent ones, so align right.
+            mask = mask[..., -k.shape[2]:]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads,
+            is_causal=mask is None and seq_len > 1,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class MLP(nn.Module):
+    """act(gate) * up in one fused column matmul, then a row-parallel down projection."""
+
+    def __init__(self, config: PretrainedConfig, weights: Weights, prefix: str, dist: DistInfo) -> None:
+        super().__init__()
+        self.gate_up = ColumnParallelLinear.load_multi(
+            weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=f"{prefix}.gate_proj.bias" in weights
+        )
+        self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", f"{prefix}.down_proj.bias" in weights,
+                                           dist)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, weights: Weights, layer_idx: int, dist: DistInfo) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer_idx}"
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.input_layernorm.weight"), eps)
+        self.self_attn = Attention(config, weights, f"{prefix}.self_attn", layer_idx, dist)
+        self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.mlp = MLP(config, weights, f"{prefix}.mlp", dist)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: DynamicCache | None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class TPCausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm -> LM head, every weight holding only this rank's share."""
+
+    def __init__(self, config: PretrainedConfig, weights: Weights, dist: DistInfo, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight", dist)
+        self.layers = nn.ModuleList(DecoderLayer(config, weights, i, dist) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(weights.get_tensor("model.norm.weight"), config.rms_norm_eps)
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", dist, embedding=tied)
+        self.rotary = RotaryEmbedding(config, device)
+        self.windows = _layer_windows(config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: DynamicCache | None = None,
+                use_cache: bool = True, logits_to_keep: int = 0) -> CausalLMOutputWithPast:
+        """HF-compatible forward; `logits_to_keep` > 0 computes logits only for the last positions."""
+        batch, seq_len = input_ids.shape
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        cache = past_key_values if use_cache else None
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + seq_len, device=input_ids.device).expand(batch, -1)
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, past + seq_len, dtype=torch.long, device=input_ids.device)
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(hidden, position_ids)
+        masks = self._masks(attention_mask, seq_len)
+        for layer, window in zip(self.layers, self.windows):
+            hidden = layer(hidden, cos, sin, masks[window], cache)
+        hidden = self.norm(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=cache)
+
+    def _masks(self, attention_mask: torch.Tensor, seq_len: int) -> dict[int | None, torch.Tensor | None]:
+        """One mask per distinct window size; None (SDPA's own causal path) when nothing needs masking."""
+        no_padding = bool(attention_mask.all())
+        total = attention_mask.shape[-1]
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for window in set(self.windows):
+            # Without padding, a window only matters once the sequence outgrows it; a fresh prefill
+            # (seq_len == total) or a single decode row needs no explicit mask then.
+            if no_padding and (window is None or total <= window) and (seq_len == 1 or seq_len == total):
+                masks[window] = None
+                continue
+            masks[window] = _attention_mask(attention_mask, seq_len, window)
+        return masks
+
+
+def load_tp_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                  dist: DistInfo) -> TPCausalLM:
+    """This rank's share of a Llama-family model; ValueError if the architecture or sizes cannot be split."""
+    check_shardable(config, dist.world_size)
+    aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
+    weights = Weights.from_dir(Path(model_dir), device, dtype, dist.rank, dist.world_size, aliases)
+    # Ranks read their blocks at their own pace; meet before and after so no peer starts collectives early.
+    dist.barrier()
+    model = TPCausalLM(config, weights, dist, device).eval()
+    dist.barrier()
+    return model

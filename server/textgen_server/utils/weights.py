@@ -1,0 +1,108 @@
+"""Lazy, rank-aware access to a model's safetensors weights.
+
+A shard never reads a whole tensor it does not own: `get_partial_sharded` / `get_sharded` read only this
+rank's block through safetensors' lazy slices, so per-shard memory is weights / world_size (plus the small
+replicated tensors: norms, row-parallel biases).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class Weights:
+    """Tensor name -> safetensors file map over every `*.safetensors` file of a model directory.
+
+    `aliases` maps a wanted name to other names that may hold it (e.g. a tied `lm_head.weight` stored only
+    as `model.embed_tokens.weight`). Floating tensors are converted to `dtype`, then moved to `device`.
+    """
+
+    def __init__(
+        self,
+        files: list[Path],
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        aliases: dict[str, list[str]] | None = None,
+    ) -> None:
+        if not files:
+            raise ValueError("no .safetensors weight files given")
+        self.device = device
+        self.dtype = dtype
+        self.rank = rank
+        self.world_size = world_size
+        self.aliases = aliases or {}
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._routing: dict[str, int] = {}
+        for i, handle in enumerate(self._handles):
+            for name in handle.keys():
+                if name in self._routing:
+                    other = files[self._routing[name]]
+                    raise ValueError(f"tensor {name} is stored twice: in {other} and in {files[i]}")
+                self._routing[name] = i
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0,
+                 world_size: int = 1, aliases: dict[str, list[str]] | None = None) -> Weights:
+        """All safetensors files directly inside `model_dir`, in name order."""
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no .safetensors weight files in {model_dir}")
+        return cls(files, device, dtype, rank, world_size, aliases)
+
+    def __contains__(self, name: str) -> bool:
+        return self._resolve(name, missing_ok=True) is not None
+
+    def _resolve(self, name: str, missing_ok: bool = False) -> str | None:
+        for candidate in [name, *self.aliases.get(name, [])]:
+            if candidate in self._routing:
+                return candidate
+        if missing_ok:
+            return None
+        raise ValueError(f"weight {name} does not exist")
+
+    def get_slice(self, name: str):  # -> safetensors PySafeSlice (no public type)
+        """The lazy slice of `name`: indexing it reads only the indexed part from disk."""
+        real = self._resolve(name)
+        return self._handles[self._routing[real]].get_slice(real)
+
+    def get_shape(self, name: str) -> list[int]:
+        return list(self.get_slice(name).get_shape())
+
+    def _finish(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Integer tensors (quantisation metadata, ids) keep their dtype; only floats follow the model.
+        if tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+        return tensor.to(self.device)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor (for replicated weights such as norms)."""
+        return self._finish(self.get_slice(name)[:])
+
+    def get_partial_sharded(self, name: str, dim: int) -> torch.Tensor:
+        """This rank's block of `name` along `dim` (0 or 1); block = ceil(size / world), the last may be short."""
+        if dim not in (0, 1):
+            raise ValueError(f"can only shard on dimension 0 or 1, got {dim}")
+        slice_ = self.get_slice(name)
+        size = slice_.get_shape()[dim]
+        block = (size + self.world_size - 1) // self.world_size
+        start, stop = self.rank * block, min((self.rank + 1) * block, size)
+        part = slice_[start:stop] if dim == 0 else slice_[:, start:stop]
+        return self._finish(part)
+
+    def get_sharded(self, name: str, dim: int) -> torch.Tensor:
+        """Like `get_partial_sharded`, but every rank must get an equal block."""
+        size = self.get_shape(name)[dim]
+        if size % self.world_size != 0:
+            raise ValueError(
+                f"dimension {dim} of {name} has size {size}, which is not divisible by the number of shards "
+                f"({self.world_size})"
+            )
+        return self.get_partial_sharded(name, dim)
+
+    def get_multi_sharded(self, names: list[str], dim: int) -> torch.Tensor:
+        """This rank's block of each of `names`, concatenated on `dim` (fuses e.g. q/k/v into one matmul)."""
+        return torch.cat([self.get_sharded(n, dim) for n in names], dim=dim)
