@@ -1,0 +1,223 @@
+"""Builds small real models offline: seeded random weights plus a byte-level BPE tokenizer trained locally.
+
+No model hub is reachable from the machines this project runs on, so tests, the demo and the benchmarks use
+models built here. A built directory is a normal Hugging Face checkpoint (``config.json``,
+``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json`` with a ChatML-like chat template,
+``model.safetensors``) that ``AutoModelForCausalLM`` / ``AutoTokenizer`` load as is.
+
+Contract for callers (the ``textgen-server build-test-model DIR --arch A --size S [--seed N]`` CLI and the test
+fixtures): ``build_test_model(out_dir, arch, size, seed) -> Path`` is deterministic for a given
+``BUILDER_VERSION``, Python minor version (the tokenizer corpus is stdlib source) and torch version, and
+returns at once when ``out_dir`` already holds the same build (a ``.textgen-build.json`` stamp says which).
+Cache built models by ``BUILDER_VERSION``: it is bumped whenever the output changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+BUILDER_VERSION = 1
+
+ARCHS = ("llama", "gpt2", "mistral", "qwen2")
+SIZES = ("tiny", "small", "1b")
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]
+
+# ChatML-like; `add_generation_prompt` opens the assistant turn the way chat models expect.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Fixed stdlib files as training text, read in this order: identical bytes on every machine with the same
+# Python minor version. Modules removed in 3.12/3.13 are left out so the list survives upgrades.
+TINY_CORPUS = ("textwrap.py", "string.py", "colorsys.py", "bisect.py", "heapq.py", "fractions.py",
+               "queue.py", "shlex.py")
+LARGE_CORPUS = TINY_CORPUS + (
+    "_pydecimal.py", "turtle.py", "inspect.py", "typing.py", "pydoc.py", "tarfile.py", "doctest.py",
+    "argparse.py", "_pyio.py", "pickletools.py", "zipfile.py", "datetime.py", "subprocess.py", "difflib.py",
+    "locale.py", "enum.py", "mailbox.py", "ipaddress.py", "pickle.py", "pdb.py", "ast.py", "optparse.py",
+    "dataclasses.py", "threading.py", "shutil.py", "configparser.py", "imaplib.py", "ssl.py", "pathlib.py",
+    "statistics.py", "smtplib.py", "platform.py", "traceback.py", "os.py", "functools.py", "socket.py",
+    "codecs.py", "ftplib.py", "bdb.py", "random.py", "zipimport.py", "ntpath.py", "_collections_abc.py",
+    "tempfile.py", "pstats.py", "trace.py", "dis.py", "plistlib.py", "uuid.py", "socketserver.py",
+    "contextlib.py", "tokenize.py", "_strptime.py",
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Shape of one size; vocab, heads and intermediate are even so 2-way tensor parallelism splits them."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    dtype: torch.dtype
+    corpus: tuple[str, ...]
+
+
+SIZE_DIMS: dict[str, Dims] = {
+    "tiny": Dims(64, 2, 4, 2, 128, 1024, 2048, torch.float32, TINY_CORPUS),
+    "small": Dims(768, 12, 12, 12, 2048, 16000, 2048, torch.float32, LARGE_CORPUS),
+    # GPU measurements only; no test builds it (bf16 halves the 4 GB an fp32 copy would take).
+    "1b": Dims(2048, 16, 16, 8, 5632, 32000, 4096, torch.bfloat16, LARGE_CORPUS),
+}
+
+# Wider than the usual 0.02 so a random tiny model has clear greedy winners: near-ties between logits would
+# let batched and unbatched float rounding pick different tokens and make greedy-equality tests flaky.
+INIT_STD = 0.2
+
+STAMP = ".textgen-build.json"
+
+
+def corpus_texts(files: tuple[str, ...]) -> list[str]:
+    """The training text: the named stdlib files that exist here, in the given order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [(stdlib / name).read_text(encoding="utf-8") for name in files if (stdlib / name).is_file()]
+
+
+def train_tokenizer(vocab_size: int, files: tuple[str, ...], add_bos: bool) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style): any text encodes, and multi-byte characters may split across tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_texts(files), trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer corpus too small: {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    if add_bos:
+        bos_id = tok.token_to_id(BOS)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def model_config(arch: str, d: Dims, ids: dict[str, int]) -> PretrainedConfig:
+    """The transformers config for `arch` at dims `d` with the tokenizer's special ids."""
+    common = dict(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD], vocab_size=d.vocab,
+                  initializer_range=INIT_STD)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=d.hidden, n_layer=d.layers, n_head=d.heads, n_inner=d.intermediate,
+                          n_positions=d.max_positions, **common)
+    llama_like = dict(hidden_size=d.hidden, num_hidden_layers=d.layers, num_attention_heads=d.heads,
+                      num_key_value_heads=d.kv_heads, intermediate_size=d.intermediate,
+                      max_position_embeddings=d.max_positions, tie_word_embeddings=False, **common)
+    if arch == "llama":
+        return LlamaConfig(**llama_like)
+    if arch == "mistral":
+        return MistralConfig(sliding_window=None, **llama_like)
+    if arch == "qwen2":
+        return Qwen2Config(**llama_like)  # q/k/v projections carry a bias in Qwen2
+    raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+
+
+MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
+}
+
+
+def random_model(arch: str, config: PretrainedConfig, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    """Seeded random weights; biases get noise too so a bias-handling bug cannot hide behind zeros."""
+    torch.manual_seed(seed)
+    model = MODEL_CLASSES[arch](config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, INIT_STD)
+    return model.to(dtype).eval()
+
+
+def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
+    """Build (or reuse) a random `arch` model of `size` in `out_dir`; returns the directory.
+
+    arch: llama | gpt2 | mistral | qwen2. size: tiny (seconds, for tests) | small (~110M, benchmarks) |
+    1b (GPU measurements only). Raises ValueError for an unknown arch or size.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
+    out = Path(out_dir)
+    stamp = {"builder_version": BUILDER_VERSION, "arch": arch, "size": size, "seed": seed}
+    stamp_file = out / STAMP
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        return out
+    d = SIZE_DIMS[size]
+    # Build beside the target and rename at the end so a crash never leaves a half-written model behind.
+    tmp = out.with_name(out.name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+    raw = train_tokenizer(d.vocab, d.corpus, add_bos=arch in ("llama", "mistral"))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END], chat_template=CHAT_TEMPLATE,
+        model_max_length=d.max_positions,
+    )
+    # save_jinja_files=False keeps the chat template inside tokenizer_config.json, where TGI looks for it.
+    tokenizer.save_pretrained(tmp, save_jinja_files=False)
+
+    ids = {t: raw.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = model_config(arch, d, ids)
+    model = random_model(arch, config, d.dtype, seed)
+    model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[EOS],
+                                               pad_token_id=ids[PAD])
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / STAMP).write_text(json.dumps(stamp))
+
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m textgen_server.builder DIR --arch A --size S` until the textgen-server CLI wires it."""
+    parser = argparse.ArgumentParser(description="Build a random test model with a locally trained tokenizer")
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", default="llama", choices=ARCHS)
+    parser.add_argument("--size", default="tiny", choices=SIZES)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(build_test_model(args.out_dir, args.arch, args.size, args.seed))
+
+
+if __name__ == "__main__":
+    main()
