@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sysconfig
 from dataclasses import dataclass
@@ -177,12 +178,12 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
         raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
     out = Path(out_dir)
     stamp = {"builder_version": BUILDER_VERSION, "arch": arch, "size": size, "seed": seed}
-    stamp_file = out / STAMP
-    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+    if _is_built(out, stamp):
         return out
     d = SIZE_DIMS[size]
-    # Build beside the target and rename at the end so a crash never leaves a half-written model behind.
-    tmp = out.with_name(out.name + ".building")
+    # Build beside the target and rename at the end so a crash never leaves a half-written model behind;
+    # the pid keeps two test runs building the same cached model from writing into one directory.
+    tmp = out.with_name(f"{out.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
@@ -203,9 +204,20 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / STAMP).write_text(json.dumps(stamp))
 
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    if not _is_built(out, stamp):
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not _is_built(out, stamp):  # lost the race to a concurrent identical build: keep theirs
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _is_built(out: Path, stamp: dict[str, object]) -> bool:
+    stamp_file = out / STAMP
+    return stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
 
 
 def main(argv: list[str] | None = None) -> None:
