@@ -1,0 +1,122 @@
+"""get_model: from a model id and the serve options to a loaded `Model` (one shard of it when sharded)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from textgen_server.models.causal_lm import CausalLM
+from textgen_server.models.model import Model
+from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class UnsupportedConfigError(ValueError):
+    """The shard cannot serve the model as asked; the CLI reports it as one clear line and exits."""
+
+
+def resolve_model_dir(model_id: str, revision: str | None) -> Path:
+    """A local directory as is; otherwise the hub snapshot that download-weights already fetched."""
+    if os.path.isdir(model_id):
+        return Path(model_id)
+    from textgen_server.hub import resolve_model_dir as hub_resolve
+
+    return hub_resolve(model_id, revision)
+
+
+def load_module(
+    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, dist: DistInfo,
+    trust_remote_code: bool,
+) -> torch.nn.Module:
+    """The network: a forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+    returning .logits and .past_key_values (a DynamicCache), like a transformers causal LM."""
+    # ---- Tensor-parallel dispatch point (models/tp_llama.py plugs in here) ----
+    if dist.world_size > 1:
+        raise UnsupportedConfigError(
+            f"--sharded over {dist.world_size} shards: no tensor-parallel implementation for model type "
+            f"{config.model_type!r}"
+        )
+    # ---- end of the dispatch point ----
+    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    return module.to(device).eval()
+
+
+def get_model(
+    model_id: str,
+    revision: str | None = None,
+    sharded: bool = False,
+    quantize: str | None = None,
+    speculate: int | None = None,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    max_input_tokens: int | None = None,
+) -> Model:
+    """Load `model_id` for this shard; options it cannot honour raise UnsupportedConfigError."""
+    if quantize:
+        raise UnsupportedConfigError(
+            f"--quantize {quantize} is not supported: this shard runs transformers models unquantized"
+        )
+    if speculate:
+        raise UnsupportedConfigError(f"--speculate {speculate} is not supported: the padded CausalLM never speculates")
+    if dtype is not None and dtype not in DTYPES:
+        raise UnsupportedConfigError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+
+    dist = initialize_torch_distributed() if sharded else DistInfo(0, 1, None)
+    device = torch.device(f"cuda:{dist.rank}") if torch.cuda.is_available() else torch.device("cpu")
+    # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
+    torch_dtype = DTYPES[dtype] if dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+
+    model_dir = resolve_model_dir(model_id, revision)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_dir, trust_remote_code=trust_remote_code, padding_side="left", truncation_side="left"
+    )
+    if tokenizer.pad_token_id is None:
+        # TGI's fallback order: config pad, config eos, tokenizer eos, then a new [PAD] token.
+        fallback = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        if isinstance(fallback, list):
+            fallback = fallback[0]
+        if fallback is not None:
+            tokenizer.pad_token_id = fallback
+        elif tokenizer.eos_token_id is not None:
+            tokenizer.pad_token_id = tokenizer.eos_token_id
+        else:
+            tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+
+    dist.barrier()
+    module = load_module(model_dir, config, torch_dtype, device, dist, trust_remote_code)
+    dist.barrier()
+    return CausalLM(
+        module,
+        model_id=model_id,
+        tokenizer=tokenizer,
+        dtype=torch_dtype,
+        device=device,
+        vocab_size=config.get_text_config().vocab_size,
+        eos_token_ids=eos_token_ids(model_dir, config, tokenizer.eos_token_id),
+        rank=dist.rank,
+        world_size=dist.world_size,
+        # What transformers resolved at load time; the tensor-parallel modules use SDPA.
+        attention_impl=getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa",
+        max_input_tokens=max_input_tokens,
+    )
+
+
+def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int | None) -> set[int]:
+    """Every id that ends a sequence: generation_config's eos list (chat models have several), the
+    config's and the tokenizer's."""
+    ids: set[int] = set()
+    candidates: list[object] = [config.eos_token_id, tokenizer_eos]
+    try:
+        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass  # no generation_config.json: the config's and tokenizer's eos are all there is
+    for candidate in candidates:
+        if isinstance(candidate, int):
+            ids.add(candidate)
+        elif isinstance(candidate, list):
+            ids.update(int(c) for c in candidate)
+    return ids

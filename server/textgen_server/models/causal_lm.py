@@ -1,0 +1,365 @@
+"""The padded causal-LM path (TGI's CausalLM): any transformers decoder, batches as padded tensors.
+
+Layout of a batch with B rows after t steps (L = max_input_length, the longest row incl. the token fed now):
+  input_ids [B, 1] (prefill: [B, L], left padded), position_ids likewise;
+  attention_mask [B, L + padding_right_offset]: live part left padded, then zero columns reserved for the
+  tokens still to come (one is switched on per step, so decode never reallocates the mask);
+  past KV per layer [B, kv_heads, L - 1, head_dim], right aligned like the mask (the fed token is not in it).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from textgen_pb import generate_pb2
+from textgen_server.models.model import (
+    Batch,
+    InvalidRequestError,
+    Model,
+    request_text,
+    validate_stopping,
+)
+from textgen_server.utils.stopping import StoppingCriteria
+from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
+
+
+@dataclass
+class CausalLMBatch(Batch):
+    batch_id: int
+    requests: list[generate_pb2.Request]
+    requests_idx_mapping: dict[int, int]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    past_key_values: DynamicCache | None
+    all_input_ids: list[list[int]]  # prompt + generated ids of each row, unpadded
+    input_lengths: list[int]
+    prefix_offsets: list[int]
+    read_offsets: list[int]
+    next_token_chooser: HeterogeneousNextTokenChooser
+    stopping_criterias: list[StoppingCriteria]
+    top_n_tokens: list[int]
+    max_input_length: int
+    padding_right_offset: int
+    max_tokens: int
+
+    @classmethod
+    def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> CausalLMBatch:
+        if not pb.requests:
+            raise InvalidRequestError("Batch must have at least one request")
+        tokenizer = model.tokenizer
+        all_input_ids: list[list[int]] = []
+        for r in pb.requests:
+            validate_stopping(r)
+            ids = tokenizer(request_text(r), add_special_tokens=r.add_special_tokens)["input_ids"]
+            if r.truncate and len(ids) > r.truncate:
+                ids = ids[len(ids) - r.truncate :]  # TGI truncates on the left: the prompt's end matters
+            if model.max_input_tokens is not None and len(ids) > model.max_input_tokens:
+                raise InvalidRequestError(
+                    f"request {r.id}: `inputs` must have less than {model.max_input_tokens} tokens. "
+                    f"Given: {len(ids)}"
+                )
+            if not ids:
+                raise InvalidRequestError(f"request {r.id}: the prompt has no tokens")
+            all_input_ids.append(ids)
+        chooser = HeterogeneousNextTokenChooser.from_pb(
+            [r.parameters for r in pb.requests], all_input_ids, model.vocab_size, model.device
+        )
+        stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.eos_token_ids) for r in pb.requests]
+
+        size = len(pb.requests)
+        input_lengths = [len(ids) for ids in all_input_ids]
+        max_input_length = max(input_lengths)
+        padding_right_offset = max(s.max_new_tokens for s in stopping)
+        pad_id = tokenizer.pad_token_id
+        input_ids = torch.full((size, max_input_length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((size, max_input_length + padding_right_offset), dtype=torch.long)
+        for row, ids in enumerate(all_input_ids):
+            input_ids[row, max_input_length - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, max_input_length - len(ids) : max_input_length] = 1
+        live_mask = attention_mask[:, :max_input_length]
+        position_ids = live_mask.cumsum(-1) - 1
+        position_ids.masked_fill_(live_mask == 0, 1)
+        return cls(
+            batch_id=pb.id,
+            requests=list(pb.requests),
+            requests_idx_mapping={r.id: i for i, r in enumerate(pb.requests)},
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
+            position_ids=position_ids.to(model.device),
+            past_key_values=None,
+            all_input_ids=all_input_ids,
+            input_lengths=input_lengths,
+            prefix_offsets=[max(n - 5, 0) for n in input_lengths],
+            read_offsets=input_lengths[:],
+            next_token_chooser=chooser,
+            stopping_criterias=stopping,
+            top_n_tokens=[r.top_n_tokens for r in pb.requests],
+            max_input_length=max_input_length,
+            padding_right_offset=padding_right_offset,
+            max_tokens=size * max_input_length + sum(s.max_new_tokens for s in stopping),
+        )
+
+    def to_pb(self) -> generate_pb2.CachedBatch:
+        return generate_pb2.CachedBatch(
+            id=self.batch_id,
+            request_ids=[r.id for r in self.requests],
+            size=len(self),
+            max_tokens=self.max_tokens,
+            current_tokens=len(self.input_ids),
+        )
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.input_lengths)
+
+    def filter(self, request_ids: list[int]) -> CausalLMBatch:
+        """Keep `request_ids` in place: rows, mask columns and KV positions nobody needs any more go."""
+        if not request_ids:
+            raise InvalidRequestError("Batch must have at least one request")
+        unknown = [i for i in request_ids if i not in self.requests_idx_mapping]
+        if unknown:
+            raise InvalidRequestError(f"request ids {unknown} are not in batch {self.batch_id}")
+        if len(request_ids) == len(self) and len(set(request_ids)) == len(self):
+            return self
+        keep = [self.requests_idx_mapping[i] for i in request_ids]
+        stopping = [self.stopping_criterias[i] for i in keep]
+        input_lengths = [self.input_lengths[i] for i in keep]
+        new_max_input_length = max(input_lengths)
+        new_padding_right_offset = max(s.max_new_tokens - s.current_tokens for s in stopping)
+        index = torch.tensor(keep, dtype=torch.long, device=self.input_ids.device)
+
+        live_end = self.attention_mask.shape[1] - self.padding_right_offset
+        self.attention_mask = self.attention_mask[
+            index, live_end - new_max_input_length : live_end + new_padding_right_offset
+        ]
+        self.input_ids = self.input_ids.index_select(0, index)
+        self.position_ids = self.position_ids.index_select(0, index)
+        if self.past_key_values is not None:
+            keep_positions = new_max_input_length - 1
+            for layer in self.past_key_values.layers:
+                seq = layer.keys.shape[2]
+                layer.keys = layer.keys[index, :, seq - keep_positions :]
+                layer.values = layer.values[index, :, seq - keep_positions :]
+
+        self.requests = [self.requests[i] for i in keep]
+        self.requests_idx_mapping = {r.id: i for i, r in enumerate(self.requests)}
+        self.all_input_ids = [self.all_input_ids[i] for i in keep]
+        self.input_lengths = input_lengths
+        self.prefix_offsets = [self.prefix_offsets[i] for i in keep]
+        self.read_offsets = [self.read_offsets[i] for i in keep]
+        self.next_token_chooser = self.next_token_chooser.filter(keep)
+        self.stopping_criterias = stopping
+        self.top_n_tokens = [self.top_n_tokens[i] for i in keep]
+        self.max_input_length = new_max_input_length
+        self.padding_right_offset = new_padding_right_offset
+        self.max_tokens = len(keep) * new_max_input_length + sum(
+            s.max_new_tokens - s.current_tokens for s in stopping
+        )
+        return self
+
+    @classmethod
+    def concatenate(cls, batches: list[CausalLMBatch]) -> CausalLMBatch:
+        """Stack batches row-wise, right-aligning every mask and KV cache on the longest row."""
+        if any(b.past_key_values is None for b in batches):
+            raise InvalidRequestError("only batches that ran a prefill can be concatenated")
+        size = sum(len(b) for b in batches)
+        max_input_length = max(b.max_input_length for b in batches)
+        padding_right_offset = max(b.padding_right_offset for b in batches)
+        first = batches[0]
+        device = first.input_ids.device
+        attention_mask = first.attention_mask.new_zeros((size, max_input_length + padding_right_offset))
+        start = 0
+        for b in batches:
+            left = max_input_length - b.max_input_length
+            attention_mask[start : start + len(b), left:max_input_length] = b.attention_mask[:, : b.max_input_length]
+            start += len(b)
+
+        cache = first.past_key_values
+        assert cache is not None
+        kv_length = max_input_length - 1
+        for layer_idx, layer in enumerate(cache.layers):
+            heads, head_dim = layer.keys.shape[1], layer.keys.shape[3]
+            keys = layer.keys.new_zeros((size, heads, kv_length, head_dim))
+            values = layer.values.new_zeros((size, heads, kv_length, head_dim))
+            start = 0
+            for b in batches:
+                b_layer = b.past_key_values.layers[layer_idx]  # type: ignore[union-attr]
+                n = b.max_input_length - 1
+                keys[start : start + len(b), :, kv_length - n :] = b_layer.keys[:, :, b_layer.keys.shape[2] - n :]
+                values[start : start + len(b), :, kv_length - n :] = b_layer.values[:, :, b_layer.values.shape[2] - n :]
+                if b is not first:  # free each source layer as soon as it is copied: peak memory ~ one layer
+                    b_layer.keys = b_layer.values = None
+                start += len(b)
+            layer.keys, layer.values = keys, values
+
+        requests = [r for b in batches for r in b.requests]
+        return cls(
+            batch_id=first.batch_id,
+            requests=requests,
+            requests_idx_mapping={r.id: i for i, r in enumerate(requests)},
+            input_ids=torch.cat([b.input_ids for b in batches]).to(device),
+            attention_mask=attention_mask,
+            position_ids=torch.cat([b.position_ids for b in batches]),
+            past_key_values=cache,
+            all_input_ids=[ids for b in batches for ids in b.all_input_ids],
+            input_lengths=[n for b in batches for n in b.input_lengths],
+            prefix_offsets=[o for b in batches for o in b.prefix_offsets],
+            read_offsets=[o for b in batches for o in b.read_offsets],
+            next_token_chooser=HeterogeneousNextTokenChooser.concatenate([b.next_token_chooser for b in batches]),
+            stopping_criterias=[s for b in batches for s in b.stopping_criterias],
+            top_n_tokens=[n for b in batches for n in b.top_n_tokens],
+            max_input_length=max_input_length,
+            padding_right_offset=padding_right_offset,
+            max_tokens=sum(b.max_tokens + (max_input_length - b.max_input_length) * len(b) for b in batches),
+        )
+
+
+class CausalLM(Model[CausalLMBatch]):
+    """Runs padded prefill/decode steps on a causal LM module with the transformers forward signature."""
+
+    def __init__(self, module: torch.nn.Module, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.module = module
+        params = inspect.signature(module.forward).parameters
+        # Prefill without prompt logprobs needs only the last position's logits: skip the LM head elsewhere.
+        self._has_logits_to_keep = "logits_to_keep" in params
+
+    @property
+    def batch_type(self) -> type[CausalLMBatch]:
+        return CausalLMBatch
+
+    def forward(self, batch: CausalLMBatch, all_logits: bool) -> tuple[torch.Tensor, DynamicCache]:
+        """Logits [B, S, V] (S = 1 unless `all_logits`) and the grown KV cache."""
+        cache = batch.past_key_values if batch.past_key_values is not None else DynamicCache()
+        width = batch.attention_mask.shape[1] - batch.padding_right_offset
+        kwargs: dict[str, object] = {}
+        if self._has_logits_to_keep and not all_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self.module(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask[:, :width],
+            position_ids=batch.position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+        )
+        return out.logits, out.past_key_values
+
+    @torch.inference_mode()
+    def generate_token(
+        self, batch: CausalLMBatch
+    ) -> tuple[list[generate_pb2.Generation], CausalLMBatch | None, tuple[int, int]]:
+        start = time.perf_counter_ns()
+        prefill = batch.past_key_values is None
+        want_prefill_logprobs = prefill and any(r.prefill_logprobs for r in batch.requests)
+        logits, cache = self.forward(batch, all_logits=want_prefill_logprobs)
+        last_logits = logits[:, -1, :]
+        next_ids, logprobs = batch.next_token_chooser(batch.input_ids[:, -1], last_logits)
+        chosen_logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+        # One host sync per step for the chosen ids and their logprobs (float64 holds every id exactly).
+        chosen = torch.stack([next_ids.double(), chosen_logprobs.double()]).tolist()
+        top_ids, top_logprobs = ([], [])
+        if any(batch.top_n_tokens):
+            # TGI's CausalLM reports top-n from the raw logits, not the processed scores.
+            top_ids, top_logprobs = batch_top_tokens(batch.top_n_tokens, torch.log_softmax(last_logits.float(), -1))
+        prompt_logprobs = self._prompt_logprobs(batch, logits) if want_prefill_logprobs else None
+        forward_ns = time.perf_counter_ns() - start
+
+        decode_start = time.perf_counter_ns()
+        generations: list[generate_pb2.Generation] = []
+        stopped_all = True
+        special = self.all_special_ids
+        for i, request in enumerate(batch.requests):
+            next_id = int(chosen[0][i])
+            ids = batch.all_input_ids[i]
+            ids.append(next_id)
+            text, batch.prefix_offsets[i], batch.read_offsets[i] = self.decode_token(
+                ids, batch.prefix_offsets[i], batch.read_offsets[i]
+            )
+            criteria = batch.stopping_criterias[i]
+            stop, reason = criteria(next_id, text)
+            stopped_all = stopped_all and stop
+            batch.input_lengths[i] += 1
+            if i % self.world_size != self.rank:
+                continue  # another rank reports this row; the router concatenates all ranks' lists
+            generation = generate_pb2.Generation(
+                request_id=request.id,
+                tokens=generate_pb2.Tokens(
+                    ids=[next_id], logprobs=[chosen[1][i]], texts=[text], is_special=[next_id in special]
+                ),
+            )
+            if stop:
+                generation.generated_text.CopyFrom(self._generated_text(batch, i, criteria, reason))
+            if prompt_logprobs is not None and request.prefill_logprobs:
+                generation.prefill_tokens.CopyFrom(self._prefill_tokens(batch.all_input_ids[i][:-1], prompt_logprobs[i]))
+            if batch.top_n_tokens[i]:
+                generation.top_tokens.append(
+                    generate_pb2.Tokens(
+                        ids=top_ids[i],
+                        logprobs=top_logprobs[i],
+                        texts=[self.tokenizer.decode([t]) for t in top_ids[i]],
+                        is_special=[t in special for t in top_ids[i]],
+                    )
+                )
+            generations.append(generation)
+
+        if stopped_all:
+            return generations, None, (forward_ns, time.perf_counter_ns() - decode_start)
+
+        # Advance in place: the fed column leaves, the chosen ids become the next input.
+        batch.input_ids = next_ids.view(-1, 1)
+        batch.attention_mask[:, batch.attention_mask.shape[1] - batch.padding_right_offset] = 1
+        batch.padding_right_offset -= 1
+        batch.position_ids = batch.position_ids[:, -1:] + 1
+        batch.past_key_values = cache
+        batch.max_input_length += 1
+        return generations, batch, (forward_ns, time.perf_counter_ns() - decode_start)
+
+    def _prompt_logprobs(self, batch: CausalLMBatch, logits: torch.Tensor) -> list[list[float]]:
+        """Per row: NaN for the first prompt token, then log_softmax(raw logits) of each next prompt id."""
+        result: list[list[float]] = []
+        width = logits.shape[1]
+        for i, ids in enumerate(batch.all_input_ids):
+            n = len(ids)
+            if n == 1:
+                result.append([math.nan])
+                continue
+            rows = logits[i, width - n : width - 1].float().log_softmax(-1)
+            targets = torch.tensor(ids[1:], dtype=torch.long, device=rows.device).unsqueeze(1)
+            result.append([math.nan] + rows.gather(1, targets).squeeze(1).tolist())
+        return result
+
+    def _prefill_tokens(self, prompt_ids: list[int], logprobs: list[float]) -> generate_pb2.Tokens:
+        return generate_pb2.Tokens(
+            ids=prompt_ids,
+            logprobs=logprobs,
+            texts=self.tokenizer.batch_decode([[t] for t in prompt_ids]),
+            is_special=[t in self.all_special_ids for t in prompt_ids],
+        )
+
+    def _generated_text(
+        self, batch: CausalLMBatch, i: int, criteria: StoppingCriteria, reason: int | None
+    ) -> generate_pb2.GeneratedText:
+        """The whole generated text, decoded with one token of left context so a leading space survives."""
+        ids = batch.all_input_ids[i]
+        read = len(ids) - criteria.current_tokens
+        prefix = max(read - 1, 0)
+        context = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        generated = generate_pb2.GeneratedText(
+            text=full[len(context) :],
+            generated_tokens=criteria.current_tokens,
+            finish_reason=reason if reason is not None else generate_pb2.FINISH_REASON_LENGTH,
+        )
+        if batch.next_token_chooser.do_sample[i]:
+            generated.seed = batch.next_token_chooser.seeds[i]
+        return generated

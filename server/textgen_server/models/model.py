@@ -1,0 +1,172 @@
+"""The two contracts the servicer drives: `Batch` (a cached batch's state) and `Model` (runs steps on it).
+
+The servicer never looks inside either: it builds a batch with `Model.batch_type.from_pb`, runs
+`Model.generate_token`, stores the returned batch in the cache, and answers with `Batch.to_pb()`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Generic, TypeVar
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from textgen_pb import generate_pb2
+
+
+class InvalidRequestError(ValueError):
+    """A request the shard cannot run as asked (maps to gRPC INVALID_ARGUMENT); the shard keeps serving."""
+
+
+class Batch(ABC):
+    """A live batch: token ids, KV cache, sampling and stopping state of every request in it."""
+
+    batch_id: int
+
+    @classmethod
+    @abstractmethod
+    def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> Batch:
+        """Tokenize with `model.tokenizer` and set up a new batch on `model.device`; bad input raises
+        ValueError (InvalidRequestError for the batch's own checks)."""
+
+    @abstractmethod
+    def to_pb(self) -> generate_pb2.CachedBatch:
+        """The ids-only view the router keeps (CachedBatch)."""
+
+    @abstractmethod
+    def filter(self, request_ids: list[int]) -> Batch:
+        """Keep only `request_ids` (each request's state exact); unknown ids raise InvalidRequestError."""
+
+    @classmethod
+    @abstractmethod
+    def concatenate(cls, batches: list[Batch]) -> Batch:
+        """Merge batches that each ran at least one step into one, under the first batch's id."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of requests in the batch."""
+
+    @property
+    @abstractmethod
+    def total_tokens(self) -> int:
+        """Tokens held for all requests now: every prompt token plus every token generated so far."""
+
+
+B = TypeVar("B", bound=Batch)
+
+
+def validate_stopping(request: generate_pb2.Request) -> None:
+    """Reject stopping values no batch can honour (sampling values are checked by the token chooser)."""
+    if request.stopping_parameters.max_new_tokens == 0:
+        raise InvalidRequestError(f"request {request.id}: `max_new_tokens` must be strictly positive")
+
+
+def request_text(request: generate_pb2.Request) -> str:
+    """The prompt: the single text chunk of `input_chunks` (image chunks ignored), else `inputs`."""
+    if request.HasField("input_chunks") and request.input_chunks.chunks:
+        texts = [c.text for c in request.input_chunks.chunks if c.WhichOneof("chunk") == "text"]
+        if len(texts) > 1:
+            raise InvalidRequestError(f"request {request.id}: cannot concatenate more than one text chunk")
+        text = texts[0] if texts else ""
+    else:
+        text = request.inputs
+    if not text:
+        raise InvalidRequestError(f"request {request.id}: the prompt is empty")
+    return text
+
+
+class Model(ABC, Generic[B]):
+    """A loaded model shard: runs prefill/decode steps on batches of `batch_type`."""
+
+    def __init__(
+        self,
+        model_id: str,
+        tokenizer: PreTrainedTokenizerBase,
+        dtype: torch.dtype,
+        device: torch.device,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        rank: int = 0,
+        world_size: int = 1,
+        attention_impl: str = "eager",
+        max_input_tokens: int | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.device = device
+        self.vocab_size = vocab_size  # width of the logits the model returns
+        self.eos_token_ids = eos_token_ids
+        self.rank = rank
+        self.world_size = world_size
+        self.attention_impl = attention_impl
+        self.max_input_tokens = max_input_tokens
+        self.max_prefill_tokens: int | None = None
+        self.all_special_ids = set(tokenizer.all_special_ids)
+
+    @property
+    @abstractmethod
+    def batch_type(self) -> type[B]:
+        """The Batch class this model consumes."""
+
+    @abstractmethod
+    def generate_token(self, batch: B) -> tuple[list[generate_pb2.Generation], B | None, tuple[int, int]]:
+        """One step: returns this rank's generations, the batch for the next step (None when every
+        request stopped) and (forward_ns, decode_ns)."""
+
+    @property
+    def info(self) -> generate_pb2.InfoResponse:
+        # Padded batches with a transformers KV cache: no paging, so no blocks, chunking or prefix cache.
+        return generate_pb2.InfoResponse(
+            requires_padding=True,
+            dtype=str(self.dtype),
+            device_type=self.device.type,
+            speculate=0,
+            support_chunking=False,
+            use_prefix_caching=False,
+            attention_impl=self.attention_impl,
+            block_size=0,
+        )
+
+    def set_max_prefill_tokens(self, max_prefill_tokens: int) -> None:
+        self.max_prefill_tokens = max_prefill_tokens
+
+    def warmup(
+        self, batch: B, max_input_tokens: int | None, max_total_tokens: int | None
+    ) -> tuple[int | None, int, int]:
+        """Run the warmup batch's prefill once (then the caller frees it) and settle the token limits.
+
+        Returns (max_supported_total_tokens, max_input_tokens, max_total_tokens). A padded model has no
+        KV-cache pool to size, so the first is None (the router then picks its own budget). Unset limits
+        default as in TGI: max_total = tokens of the warmup batch, max_input = max_total - 1.
+        """
+        warmup_tokens = batch.total_tokens
+        self.generate_token(batch)
+        if max_total_tokens is None:
+            max_total_tokens = warmup_tokens
+        if max_input_tokens is None:
+            max_input_tokens = max_total_tokens - 1
+        return None, max_input_tokens, max_total_tokens
+
+    def health(self) -> None:
+        """A real (tiny) tensor op on the model's device; raises if the device is unusable."""
+        probe = torch.ones((2, 2), dtype=self.dtype, device=self.device)
+        if not bool(torch.isfinite(probe @ probe).all()):
+            raise RuntimeError(f"health probe on {self.device} returned non-finite values")
+
+    def decode_token(
+        self, all_ids: list[int], prefix_offset: int, read_offset: int, skip_special_tokens: bool = False
+    ) -> tuple[str, int, int]:
+        """Incremental detokenisation: the text the newest token(s) add, and the new offsets.
+
+        Decodes ids[prefix:read] and ids[prefix:]; the difference is the new text. A trailing U+FFFD means
+        a multi-byte character is still split across tokens: emit nothing and keep the offsets so the
+        next token completes it.
+        """
+        prefix_text = self.tokenizer.decode(
+            all_ids[prefix_offset:read_offset], skip_special_tokens=skip_special_tokens
+        )
+        new_text = self.tokenizer.decode(all_ids[prefix_offset:], skip_special_tokens=skip_special_tokens)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            return new_text[len(prefix_text) :], read_offset, len(all_ids)
+        return "", prefix_offset, read_offset
