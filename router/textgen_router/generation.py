@@ -1,0 +1,170 @@
+"""Generation helpers shared by every generating route (native and OpenAI-compatible).
+
+- `generate(state, inputs, parameters)` -> `Generation`: one finished sequence (permit, validation, queue).
+- `generate_best_of(state, inputs, parameters, best_of)` -> (winner, others).
+- `stream(state, inputs, parameters)` -> async iterator of (ValidRequest, StreamEvent); closing it tells the
+  inference side that the client went away.
+- `Timings`, `record_success`, `timing_headers`: TGI's request metrics and x-* headers.
+
+Like TGI, a concurrency permit is taken (without waiting) *before* validation and held until the request
+ends; best_of takes one permit per sequence. These helpers do not count `tgi_request_count`: each route
+does, once per handler it passes through (TGI's chat routes therefore count twice).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from textgen_router import metrics
+from textgen_router.schemas import GenerateParameters
+from textgen_router.state import RouterState
+from textgen_router.types import (
+    EndEvent,
+    GeneratedText,
+    IncompleteGenerationError,
+    PrefillEvent,
+    StreamEvent,
+    Token,
+    ValidationError,
+    ValidRequest,
+)
+
+tracer = trace.get_tracer("textgen_router")
+
+
+@dataclass
+class Generation:
+    """A finished sequence: its request, tokens and the queue/batch timestamps (time.monotonic())."""
+
+    request: ValidRequest
+    generated_text: GeneratedText
+    queued: float
+    start: float
+    prefill: list[Token] = field(default_factory=list)
+    tokens: list[Token] = field(default_factory=list)
+    top_tokens: list[list[Token]] = field(default_factory=list)
+
+    @property
+    def mean_logprob(self) -> float:
+        return sum(t.logprob for t in self.tokens) / len(self.tokens) if self.tokens else float("-inf")
+
+
+async def validate(
+    state: RouterState, inputs: str, parameters: GenerateParameters, add_special_tokens: bool = True
+) -> ValidRequest:
+    """Validator.validate in a `validate` span, counting failures as tgi_request_failure{err="validation"}."""
+    with tracer.start_as_current_span("validate"):
+        try:
+            return await state.validator.validate(inputs, parameters, add_special_tokens)
+        except ValidationError:
+            metrics.REQUEST_FAILURE.labels("validation").inc()
+            raise
+
+
+async def stream(
+    state: RouterState, inputs: str, parameters: GenerateParameters, add_special_tokens: bool = True
+) -> AsyncIterator[tuple[ValidRequest, StreamEvent]]:
+    """Take a permit, validate, enqueue; yield each event of the request until its EndEvent.
+
+    Raises InferError subclasses (OverloadedError, ValidationError, GenerationError, ...) from the
+    iteration; if the inference side stops without an EndEvent, raises IncompleteGenerationError.
+    """
+    ended = False
+    with state.infer.acquire_permit():
+        request = await validate(state, inputs, parameters, add_special_tokens)
+        # Read the inference stream to its own end: closing it early means "the client went away".
+        async with aclosing(state.infer.generate_stream(request)) as events:
+            async for event in events:
+                ended = ended or isinstance(event, EndEvent)
+                yield request, event
+    if not ended:
+        metrics.REQUEST_FAILURE.labels("incomplete").inc()
+        raise IncompleteGenerationError()
+
+
+async def generate(
+    state: RouterState, inputs: str, parameters: GenerateParameters, add_special_tokens: bool = True
+) -> Generation:
+    """Run one request to its end and collect its tokens."""
+    prefill: list[Token] = []
+    tokens: list[Token] = []
+    top_tokens: list[list[Token]] = []
+    end: EndEvent | None = None
+    async with aclosing(stream(state, inputs, parameters, add_special_tokens)) as events:
+        async for request, event in events:
+            if isinstance(event, PrefillEvent):
+                prefill = event.tokens
+                continue
+            tokens.append(event.token)
+            top_tokens.append(event.top_tokens)
+            if isinstance(event, EndEvent):
+                end = event
+    assert end is not None  # stream() raises IncompleteGenerationError when no EndEvent came
+    return Generation(request, end.generated_text, end.queued, end.start, prefill, tokens, top_tokens)
+
+
+async def generate_best_of(
+    state: RouterState, inputs: str, parameters: GenerateParameters, best_of: int
+) -> tuple[Generation, list[Generation]]:
+    """`best_of` sequences at once; the winner has the highest mean token logprob, the rest follow in order."""
+    runs = await asyncio.gather(
+        *(generate(state, inputs, parameters) for _ in range(best_of)), return_exceptions=True
+    )
+    for run in runs:
+        if isinstance(run, BaseException):
+            raise run
+    finished: list[Generation] = list(runs)  # type: ignore[arg-type]
+    best = max(range(len(finished)), key=lambda i: finished[i].mean_logprob)
+    return finished[best], [g for i, g in enumerate(finished) if i != best]
+
+
+@dataclass
+class Timings:
+    """TGI's per-request durations in seconds: validation = queued - start_time, queue = batch start - queued."""
+
+    total: float
+    validation: float
+    queue: float
+    inference: float
+    per_token: float
+
+    @classmethod
+    def measure(cls, start_time: float, queued: float, start: float, generated_tokens: int) -> Timings:
+        now = time.monotonic()
+        inference = now - start
+        return cls(now - start_time, queued - start_time, start - queued, inference, inference / max(generated_tokens, 1))
+
+
+def record_success(timings: Timings, generated_tokens: int) -> None:
+    """The metrics TGI records when a generation succeeds."""
+    metrics.REQUEST_SUCCESS.inc()
+    metrics.REQUEST_DURATION.observe(timings.total)
+    metrics.REQUEST_VALIDATION_DURATION.observe(timings.validation)
+    metrics.REQUEST_QUEUE_DURATION.observe(timings.queue)
+    metrics.REQUEST_INFERENCE_DURATION.observe(timings.inference)
+    metrics.REQUEST_MEAN_TIME_PER_TOKEN_DURATION.observe(timings.per_token)
+    metrics.REQUEST_GENERATED_TOKENS.observe(generated_tokens)
+
+
+def timing_headers(
+    state: RouterState, timings: Timings, compute_characters: int, prompt_tokens: int, generated_tokens: int
+) -> dict[str, str]:
+    """The x-* headers of a non-streaming generation (times in whole milliseconds, x-compute-time in s)."""
+    ms = lambda seconds: str(int(seconds * 1000))  # noqa: E731
+    return {
+        "x-compute-type": state.compute_type,
+        "x-compute-time": repr(timings.total),
+        "x-compute-characters": str(compute_characters),
+        "x-total-time": ms(timings.total),
+        "x-validation-time": ms(timings.validation),
+        "x-queue-time": ms(timings.queue),
+        "x-inference-time": ms(timings.inference),
+        "x-time-per-token": ms(timings.per_token),
+        "x-prompt-tokens": str(prompt_tokens),
+        "x-generated-tokens": str(generated_tokens),
+    }

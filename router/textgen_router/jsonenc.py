@@ -1,0 +1,93 @@
+"""Compact JSON bytes written the way TGI's Rust router (serde_json) writes them.
+
+Clients compare our bodies and SSE events byte for byte with TGI's, so this encoder reproduces serde_json:
+no spaces, UTF-8 (no \\u escapes for non-ASCII), and floats printed from their f32 value with the
+shortest round-trip digits in ryu's layout (0.000012, 1.2e-7, 3.0). NaN / infinity become null, as
+serde_json does for non-finite floats (the first prefill token's logprob is NaN).
+Dict insertion order is the field order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any
+
+_F32 = struct.Struct("<f")
+
+
+def _to_f32(value: float) -> float:
+    return _F32.unpack(_F32.pack(value))[0]
+
+
+def _shortest_f32_digits(value: float) -> tuple[str, int]:
+    """The shortest decimal digits d1d2..dn and exponent e with value == 0.d1..dn x 10^e as an f32."""
+    target = _to_f32(value)
+    for precision in range(1, 10):
+        text = f"{abs(target):.{precision - 1}e}"
+        if _to_f32(float(text)) == abs(target):
+            break
+    mantissa, exponent = text.split("e")
+    digits = mantissa.replace(".", "").rstrip("0") or "0"
+    return digits, int(exponent) + 1
+
+
+def format_f32(value: float) -> str:
+    """A float as serde_json prints an f32 (ryu's layout)."""
+    if not math.isfinite(value):
+        return "null"
+    sign = "-" if math.copysign(1.0, value) < 0 else ""
+    if value == 0:
+        return f"{sign}0.0"
+    digits, kk = _shortest_f32_digits(value)
+    length = len(digits)
+    if length <= kk <= 13:
+        return f"{sign}{digits}{'0' * (kk - length)}.0"
+    if 0 < kk <= 13:
+        return f"{sign}{digits[:kk]}.{digits[kk:]}"
+    if -6 < kk <= 0:
+        return f"{sign}0.{'0' * -kk}{digits}"
+    exponent = kk - 1
+    if length == 1:
+        return f"{sign}{digits}e{exponent}"
+    return f"{sign}{digits[0]}.{digits[1:]}e{exponent}"
+
+
+def _encode(value: Any, out: list[str]) -> None:
+    if isinstance(value, str):
+        out.append(json.dumps(value, ensure_ascii=False))
+    elif value is None:
+        out.append("null")
+    elif value is True:
+        out.append("true")
+    elif value is False:
+        out.append("false")
+    elif isinstance(value, int):
+        out.append(str(value))
+    elif isinstance(value, float):
+        out.append(format_f32(value))
+    elif isinstance(value, dict):
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            if i:
+                out.append(",")
+            out.append(json.dumps(key, ensure_ascii=False))
+            out.append(":")
+            _encode(item, out)
+        out.append("}")
+    elif isinstance(value, (list, tuple)):
+        out.append("[")
+        for i, item in enumerate(value):
+            if i:
+                out.append(",")
+            _encode(item, out)
+        out.append("]")
+    else:
+        raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+def dumps(value: Any) -> bytes:
+    """`value` (dicts, lists, str, int, float, bool, None) as serde_json-compatible UTF-8 bytes."""
+    out: list[str] = []
+    _encode(value, out)
+    return "".join(out).encode()

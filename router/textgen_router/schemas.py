@@ -1,0 +1,150 @@
+"""HTTP request and response bodies of TGI's native routes (/generate, /generate_stream, /, /tokenize, /info).
+
+Request models are strict, like TGI's serde structs: `"max_new_tokens": "5"` or `1.5` is a type error (422),
+unknown fields are ignored, numbers must fit TGI's unsigned types. Response models document the OpenAPI
+spec only; response bodies are written as ordered dicts by `responses.py` in TGI's field order.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+U32 = 2**32 - 1
+U64 = 2**64 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class GrammarParameters(_Strict):
+    """A grammar constraint. Our shards have no constrained decoding, so any grammar is rejected (422)."""
+
+    type: Literal["json", "json_object", "regex", "json_schema"]
+    value: Any
+
+
+class GenerateParameters(_Strict):
+    """Generation parameters; each missing field takes its own default (do_sample: false)."""
+
+    adapter_id: str | None = None
+    best_of: int | None = Field(default=None, ge=0, le=U64)
+    temperature: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    top_p: float | None = None
+    typical_p: float | None = None
+    do_sample: bool = False
+    max_new_tokens: int | None = Field(default=None, ge=0, le=U32)
+    return_full_text: bool | None = None
+    stop: list[str] = Field(default_factory=list)
+    truncate: int | None = Field(default=None, ge=0, le=U64)
+    watermark: bool = False
+    details: bool = False
+    decoder_input_details: bool = False
+    seed: int | None = Field(default=None, ge=0, le=U64)
+    top_n_tokens: int | None = Field(default=None, ge=0, le=U32)
+    grammar: GrammarParameters | None = None
+
+
+def default_parameters() -> GenerateParameters:
+    """The parameters used when a request has no `parameters` object at all: TGI then samples."""
+    return GenerateParameters(do_sample=True)
+
+
+class GenerateRequest(_Strict):
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=default_parameters)
+
+
+class CompatGenerateRequest(GenerateRequest):
+    """Body of POST / and /invocations: a GenerateRequest that may ask for a stream."""
+
+    stream: bool = False
+
+
+class PrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class BestOfSequence(BaseModel):
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class Details(BaseModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    best_of_sequences: list[BestOfSequence] | None = None
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class StreamResponse(BaseModel):
+    index: int
+    token: Token
+    top_tokens: list[Token] = Field(default_factory=list)
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    error_type: str
+
+
+class SimpleToken(BaseModel):
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class Info(BaseModel):
+    model_id: str
+    model_sha: str | None
+    model_pipeline_tag: str | None
+    max_concurrent_requests: int
+    max_best_of: int
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_total_tokens: int
+    validation_workers: int
+    max_client_batch_size: int
+    router: str
+    version: str
+    sha: str | None
+    docker_label: str | None
