@@ -1,0 +1,128 @@
+"""Chat template discovery and rendering, with transformers' own machinery (`apply_chat_template`).
+
+Where the template comes from follows TGI: `chat_template.json` > the `--tokenizer-config-path` file or the
+model's tokenizer config (`tokenizer_config.json`, or `chat_template.jinja` beside it) > `processor_config.json`;
+when a config holds a list of named templates, the one named `default` is used.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+from textgen_router.types import InferError
+
+logger = logging.getLogger(__name__)
+
+
+class TemplateError(InferError):
+    status_code = 422
+    error_type = "template_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"Template error: {message}")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _pick(template: Any) -> str | None:
+    """A config's `chat_template`: a string, or a list of {name, template} where `default` wins."""
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        for entry in template:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                return entry.get("template")
+    return None
+
+
+def _fetch(model_id: str, filename: str, revision: str | None) -> Path | None:
+    """A file of the model: from its local directory, else from the hub cache / hub (None when absent)."""
+    local = Path(model_id)
+    if local.is_dir():
+        path = local / filename
+        return path if path.is_file() else None
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(model_id, filename, revision=revision))
+    except Exception:  # noqa: BLE001 - any hub failure means "this optional file is not there"
+        return None
+
+
+def find_chat_template(
+    model_id: str, tokenizer_config_path: str | None = None, revision: str | None = None
+) -> str | None:
+    """The chat template to use for `model_id`, or None when it has none."""
+    chat_json = _fetch(model_id, "chat_template.json", revision)
+    if chat_json is not None:
+        template = _pick((_read_json(chat_json) or {}).get("chat_template"))
+        if template:
+            return template
+    if tokenizer_config_path:
+        config_path: Path | None = Path(tokenizer_config_path)
+    else:
+        config_path = _fetch(model_id, "tokenizer_config.json", revision)
+    template = _pick((_read_json(config_path) or {}).get("chat_template")) if config_path else None
+    if template:
+        return template
+    # transformers >= 4.43 saves the template as its own file next to the tokenizer config.
+    jinja_file = _fetch(model_id, "chat_template.jinja", revision)
+    if jinja_file is not None:
+        return jinja_file.read_text()
+    processor = _fetch(model_id, "processor_config.json", revision)
+    return _pick((_read_json(processor) or {}).get("chat_template")) if processor else None
+
+
+class ChatTemplate:
+    """Renders OpenAI-style messages to the prompt text the model was trained on."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+
+    @classmethod
+    def load(
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        model_id: str,
+        tokenizer_config_path: str | None = None,
+        revision: str | None = None,
+    ) -> ChatTemplate:
+        """The template of `model_id` (see the module docstring), rendered with the router's tokenizer."""
+        template = find_chat_template(model_id, tokenizer_config_path, revision)
+        if template is None:
+            logger.warning("No chat template found for %s: /v1/chat/completions will answer 422", model_id)
+        return cls(tokenizer, template)
+
+    def apply(self, messages: list[dict[str, str]]) -> str:
+        """Prompt text for `messages` ({role, content} with flat string content).
+
+        A trailing assistant message is continued rather than closed (TGI's continue-final-message).
+        Raises `TemplateError` when there is no template or rendering fails (e.g. `raise_exception`).
+        """
+        if self.template is None:
+            raise TemplateError("template not found")
+        continue_final = bool(messages) and messages[-1]["role"] == "assistant"
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=not continue_final,
+                continue_final_message=continue_final,
+            )
+        except (jinja2.TemplateError, ValueError) as err:
+            raise TemplateError(str(err)) from err
+        assert isinstance(text, str)
+        return text

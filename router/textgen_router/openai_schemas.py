@@ -1,0 +1,199 @@
+"""Request bodies of the OpenAI-compatible routes (`/v1/chat/completions`, `/v1/completions`, `/chat_tokenize`).
+
+Shapes follow TGI's `ChatRequest` / `CompletionRequest`: unknown fields are ignored, but fields TGI accepts
+and textgen does not implement (tools, response_format, ...) are kept here so the handlers can reject them
+with a 422 instead of ignoring them silently.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from textgen_router.schemas import GenerateParameters
+from textgen_router.types import InferError, ValidationError
+
+ROLES = ("system", "user", "assistant")
+
+
+class OpenAIError(InferError):
+    """422 errors of /v1/completions whose message and error_type TGI sets directly (no prefix)."""
+
+    status_code = 422
+
+    def __init__(self, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class TextChunk(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(BaseModel):
+    url: str
+
+
+class ImageChunk(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class Message(BaseModel):
+    role: str
+    content: str | list[TextChunk | ImageChunk] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    model: str | None = None
+    messages: list[Message]
+    frequency_penalty: float | None = None
+    logit_bias: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    n: int | None = None
+    presence_penalty: float | None = None
+    # TGI accepts an array only; a bare string is a deserialization error there too.
+    stop: list[str] | None = None
+    stream: bool = False
+    seed: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream_options: StreamOptions | None = None
+    tools: Any = None
+    tool_prompt: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    def check_supported(self) -> None:
+        """Reject what textgen does not implement rather than ignore it (422 `validation`)."""
+        for name in ("tools", "tool_choice", "tool_prompt", "response_format"):
+            if getattr(self, name) is not None:
+                raise ValidationError(f"`{name}` is not supported")
+        if self.n is not None and self.n != 1:
+            raise ValidationError("`n` must be 1: one choice per request is supported")
+        if self.logit_bias:
+            raise ValidationError("`logit_bias` is not supported")
+        if not self.messages:
+            raise ValidationError("`messages` cannot be empty")
+        for i, message in enumerate(self.messages):
+            if message.role not in ROLES:
+                raise ValidationError(
+                    f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {message.role}"
+                )
+            if message.tool_calls is not None or message.tool_call_id is not None:
+                raise ValidationError("tool calls in messages are not supported")
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template sees them: text parts concatenated into one string."""
+        out: list[dict[str, str]] = []
+        for message in self.messages:
+            content = message.content
+            if isinstance(content, list):
+                if any(isinstance(chunk, ImageChunk) for chunk in content):
+                    raise ValidationError("image inputs are not supported by this model")
+                content = "".join(chunk.text for chunk in content if isinstance(chunk, TextChunk))
+            out.append({"role": message.role, "content": content or ""})
+        return out
+
+    def parameters(self) -> GenerateParameters:
+        """TGI's mapping of a chat request onto generate parameters."""
+        do_sample, temperature = _sampling(self.temperature)
+        return GenerateParameters(
+            temperature=temperature,
+            # OpenAI's presence penalty has no direct equivalent: TGI shifts it into a repetition penalty.
+            repetition_penalty=None if self.presence_penalty is None else self.presence_penalty + 2.0,
+            frequency_penalty=self.frequency_penalty,
+            top_p=self.top_p,
+            do_sample=do_sample,
+            max_new_tokens=self.max_tokens if self.max_tokens is not None else self.max_completion_tokens,
+            stop=self.stop or [],
+            details=True,
+            seed=self.seed,
+            top_n_tokens=self.top_logprobs,
+        )
+
+
+def _sampling(temperature: float | None) -> tuple[bool, float | None]:
+    """OpenAI semantics: temperature 0 means greedy; anything else (even unset) samples."""
+    if temperature == 0.0:
+        return False, None
+    return True, temperature
+
+
+class CompletionRequest(BaseModel):
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    seed: int | None = Field(default=None, ge=0)
+    suffix: Any = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: list[str] | None = None
+    # OpenAI fields TGI does not implement: rejected when set to anything but their no-op value.
+    n: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: float | None = None
+
+    def check_supported(self, max_client_batch_size: int) -> None:
+        if self.suffix is not None:
+            raise OpenAIError(
+                "Suffix is not supported and can be achieved by preprocessing the prompt.", "suffix not supported"
+            )
+        if isinstance(self.prompt, list) and len(self.prompt) > max_client_batch_size:
+            raise OpenAIError(
+                f"Number of prompts exceeds the maximum allowed batch size of {max_client_batch_size}",
+                "batch size exceeded",
+            )
+        if self.n is not None and self.n != 1:
+            raise ValidationError("`n` must be 1: one choice per prompt is supported")
+        if self.best_of is not None and self.best_of != 1:
+            raise ValidationError("`best_of` is not supported on /v1/completions")
+        if self.echo:
+            raise ValidationError("`echo` is not supported")
+        if self.logprobs is not None:
+            raise ValidationError("`logprobs` is not supported on /v1/completions")
+        if self.logit_bias:
+            raise ValidationError("`logit_bias` is not supported")
+        if self.presence_penalty is not None:
+            raise ValidationError("`presence_penalty` is not supported on /v1/completions")
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def parameters(self) -> GenerateParameters:
+        do_sample, temperature = _sampling(self.temperature)
+        return GenerateParameters(
+            temperature=temperature,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            top_p=self.top_p,
+            do_sample=do_sample,
+            max_new_tokens=self.max_tokens,
+            stop=self.stop or [],
+            details=True,
+            seed=self.seed,
+        )
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty_array(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("Empty array detected. Do not use an empty array for the prompt.")
+        return v
