@@ -30,9 +30,14 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1), ("grpc.max_send_
 class ShardError(Exception):
     """A shard call failed; `message` is the gRPC status details (what TGI shows after `Server error: `)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.code = code
+
+
+def _shard_error(err: grpc.aio.AioRpcError) -> ShardError:
+    return ShardError(err.details() or str(err.code()), err.code())
 
 
 @dataclass
@@ -81,7 +86,7 @@ class ShardedClient:
                 answer = await stub.ServiceDiscovery(generate_pb2.ServiceDiscoveryRequest(), metadata=_metadata())
         except grpc.aio.AioRpcError as err:
             await master.close()
-            raise ShardError(err.details() or str(err.code())) from None
+            raise _shard_error(err) from None
         urls = [_url(u) for u in answer.urls] or [master_url]
         channels = [master if u == master_url else grpc.aio.insecure_channel(u, options=GRPC_OPTIONS) for u in urls]
         if master not in channels:
@@ -103,7 +108,7 @@ class ShardedClient:
         except grpc.aio.AioRpcError as err:
             for call in calls:
                 call.cancel()
-            raise ShardError(err.details() or str(err.code())) from None
+            raise _shard_error(err) from None
 
     async def info(self) -> generate_pb2.InfoResponse:
         with tracer.start_as_current_span("info"):

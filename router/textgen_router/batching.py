@@ -1,0 +1,244 @@
+"""The continuous-batching loop: decides *when* queued requests run, and routes results to their streams.
+
+TGI's non-chunking loop: wait for a request; prefill the largest batch the queue yields; then decode the
+running batch step by step. Before each step, waiting requests may join: the queue must yield at least
+`waiting_served_ratio` x the running batch size (backpressure), or anything that fits once
+`max_waiting_tokens` steps passed without onboarding. The joiners are prefilled alone (the running batch pauses
+one step) and then decoded together with it (a Decode with two batches, concatenated by the shards).
+After every Prefill/Decode the generations go to their entries' streams, and finished or dropped requests are
+filtered out of the shard batch in the same step (FilterBatch, or ClearCache when none is left).
+A failing Prefill fails only its new requests; a failing Decode fails the whole running batch; either way the
+shard caches of the failed batches are cleared.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+from opentelemetry import trace
+from textgen_pb import generate_pb2
+
+from . import metrics
+from .client import ShardedClient, ShardError, StepResult
+from .queue import Entry, Queue
+from .types import EndEvent, GeneratedText, GenerationError, IntermediateEvent, PrefillEvent, Token
+
+logger = logging.getLogger("textgen_router.batching")
+tracer = trace.get_tracer("textgen_router")
+
+FINISH_REASONS = {
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_EOS_TOKEN: "eos_token",
+    generate_pb2.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
+}
+PREFILL, DECODE = "prefill", "decode"
+
+
+def _tokens(t: generate_pb2.Tokens) -> list[Token]:
+    return [Token(i, text, lp, sp) for i, text, lp, sp in zip(t.ids, t.texts, t.logprobs, t.is_special)]
+
+
+class Batcher:
+    """Owns the running batch; `run()` is the loop task, `notify()` wakes it after an append."""
+
+    def __init__(
+        self,
+        client: ShardedClient,
+        queue: Queue,
+        max_batch_prefill_tokens: int,
+        max_batch_total_tokens: int,
+        max_batch_size: int | None,
+        waiting_served_ratio: float,
+        max_waiting_tokens: int,
+    ) -> None:
+        self.client = client
+        self.queue = queue
+        self.max_batch_prefill_tokens = max_batch_prefill_tokens
+        self.max_batch_total_tokens = max_batch_total_tokens
+        self.max_batch_size = max_batch_size
+        self.waiting_served_ratio = waiting_served_ratio
+        self.max_waiting_tokens = max_waiting_tokens
+        self.running: dict[int, Entry] = {}  # every entry of the running (shard-cached) batch
+        self._joined = False  # whether the last step onboarded waiting requests
+        self._wakeup = asyncio.Event()
+
+    def notify(self) -> None:
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        """Loop forever: wait for requests, then prefill/decode until nothing is left running."""
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            try:
+                await self._serve_queue()
+            except Exception as err:  # a bug, not a shard error: fail what runs, keep serving the rest
+                logger.exception("Batching loop error")
+                self.fail_all(f"Server error: {err!r}", queued=False)
+                try:
+                    await self.client.clear_cache(None)
+                except ShardError:
+                    logger.exception("Unable to clear the Python model shards cache")
+                self.notify()
+            finally:
+                metrics.BATCH_CURRENT_SIZE.set(0)
+                metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
+
+    async def _serve_queue(self) -> None:
+        while (nxt := self.queue.next_batch(
+            None, self.max_batch_size, self.max_batch_prefill_tokens, self.max_batch_total_tokens
+        )) is not None:
+            entries, batch = nxt
+            self.running = entries
+            cached = await self._prefill(batch, entries)
+            waiting_tokens = 1
+            while cached is not None:
+                cached = await self._step(cached, waiting_tokens >= self.max_waiting_tokens)
+                waiting_tokens = 1 if self._joined else waiting_tokens + 1
+            self.running = {}
+            metrics.BATCH_CURRENT_SIZE.set(0)
+            metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
+
+    async def _step(self, cached: generate_pb2.CachedBatch, wait_exceeded: bool) -> generate_pb2.CachedBatch | None:
+        """Maybe onboard waiting requests, then one Decode of everything running."""
+        batches = [cached]
+        metrics.BATCH_CURRENT_SIZE.set(cached.size)
+        metrics.BATCH_CURRENT_MAX_TOKENS.set(cached.max_tokens)
+        min_size = None if wait_exceeded else math.floor(cached.size * self.waiting_served_ratio)
+        max_size = None if self.max_batch_size is None else max(0, self.max_batch_size - cached.size)
+        token_budget = max(0, self.max_batch_total_tokens - cached.max_tokens)
+        self._joined = False
+        nxt = self.queue.next_batch(min_size, max_size, self.max_batch_prefill_tokens, token_budget)
+        if nxt is not None:
+            new_entries, new_batch = nxt
+            metrics.BATCH_CONCAT.labels("backpressure" if min_size is not None else "wait_exceeded").inc()
+            new_cached = await self._prefill(new_batch, new_entries)
+            self.running.update(new_entries)
+            self._joined = True
+            if new_cached is not None:
+                batches.append(new_cached)
+        return await self._decode(batches, self.running)
+
+    async def _prefill(self, batch: generate_pb2.Batch, entries: dict[int, Entry]) -> generate_pb2.CachedBatch | None:
+        start = time.monotonic()
+        metrics.BATCH_INFERENCE_COUNT.labels(PREFILL).inc()
+        links = [trace.Link(e.span.get_span_context()) for e in entries.values() if e.span is not None]
+        with tracer.start_as_current_span("batch", links=links, attributes={"batch_size": len(entries)}):
+            try:
+                result = await self.client.prefill(batch)
+            except ShardError as err:
+                await self._fail([batch.id], entries, err)
+                metrics.BATCH_INFERENCE_FAILURE.labels(PREFILL).inc()
+                return None
+            return await self._after(PREFILL, result, entries, [batch.id], start)
+
+    async def _decode(self, batches: Sequence[generate_pb2.CachedBatch],
+                      entries: dict[int, Entry]) -> generate_pb2.CachedBatch | None:
+        start = time.monotonic()
+        metrics.BATCH_INFERENCE_COUNT.labels(DECODE).inc()
+        with tracer.start_as_current_span("batch", attributes={"batch_size": len(entries)}):
+            try:
+                result = await self.client.decode(batches)
+            except ShardError as err:
+                await self._fail([b.id for b in batches], entries, err)
+                metrics.BATCH_INFERENCE_FAILURE.labels(DECODE).inc()
+                return None
+            return await self._after(DECODE, result, entries, [b.id for b in batches], start)
+
+    async def _after(self, method: str, result: StepResult, entries: dict[int, Entry],
+                     batch_ids: list[int], start: float) -> generate_pb2.CachedBatch | None:
+        """Route the generations, filter the next batch, record the step's metrics."""
+        filter_start = time.monotonic()
+        self._send(result.generations, entries)
+        try:
+            next_batch = await self._filter(result.batch, entries)
+        except ShardError as err:
+            # TGI panics here; failing just this batch keeps the router serving.
+            await self._fail(batch_ids + ([result.batch.id] if result.batch else []), entries, err)
+            metrics.BATCH_INFERENCE_FAILURE.labels(method).inc()
+            return None
+        if result.concat_ns is not None:
+            metrics.BATCH_CONCAT_DURATION.labels(DECODE).observe(result.concat_ns / 1e9)
+        metrics.BATCH_FORWARD_DURATION.labels(method).observe(result.forward_ns / 1e9)
+        metrics.BATCH_DECODE_DURATION.labels(method).observe(result.decode_ns / 1e9)
+        end = time.monotonic()
+        metrics.BATCH_FILTER_DURATION.labels(method).observe(end - filter_start)
+        metrics.BATCH_INFERENCE_DURATION.labels(method).observe(end - start)
+        metrics.BATCH_INFERENCE_SUCCESS.labels(method).inc()
+        return next_batch
+
+    def _send(self, generations: Sequence[generate_pb2.Generation], entries: dict[int, Entry]) -> None:
+        """Put each generation's events on its entry's stream; forget entries that ended or were dropped."""
+        for g in generations:
+            rid = g.request_id
+            entry = entries[rid]
+            if entry.dropped:
+                metrics.REQUEST_FAILURE.labels("dropped").inc()
+                entry.finish_span()
+                del entries[rid]
+                continue
+            put = entry.events.put_nowait
+            if g.HasField("prefill_tokens"):
+                put(PrefillEvent(_tokens(g.prefill_tokens)))
+            toks = g.tokens
+            n = len(toks.ids)
+            top_tokens = g.top_tokens
+            done = g.HasField("generated_text")
+            for i in range(n):
+                token = Token(toks.ids[i], toks.texts[i], toks.logprobs[i], toks.is_special[i])
+                top = _tokens(top_tokens[i]) if i < len(top_tokens) else []
+                if done and i == n - 1:
+                    gt = g.generated_text
+                    put(EndEvent(
+                        token, top,
+                        GeneratedText(gt.text, gt.generated_tokens, FINISH_REASONS[gt.finish_reason],
+                                      gt.seed if gt.HasField("seed") else None),
+                        entry.queue_time, entry.batch_time or entry.queue_time,
+                    ))
+                else:
+                    put(IntermediateEvent(token, top))
+            if done:
+                entry.finish_span()
+                del entries[rid]
+
+    async def _filter(self, batch: generate_pb2.CachedBatch | None,
+                      entries: dict[int, Entry]) -> generate_pb2.CachedBatch | None:
+        if batch is None:
+            return None
+        if batch.size == len(entries):
+            return batch
+        if not entries:
+            await self.client.clear_cache(batch.id)
+            return None
+        return await self.client.filter_batch(batch.id, list(entries))
+
+    async def _fail(self, batch_ids: list[int], entries: dict[int, Entry], err: ShardError) -> None:
+        """Fail every entry of the failed batch(es) and drop their shard caches."""
+        for batch_id in batch_ids:
+            try:
+                await self.client.clear_cache(batch_id)
+            except ShardError:
+                logger.exception("Unable to clear the cache of failed batch %d", batch_id)
+        error = GenerationError(f"Server error: {err.message}")
+        for entry in entries.values():
+            metrics.REQUEST_FAILURE.labels("generation").inc()
+            logger.error("%s", error)
+            entry.events.put_nowait(error)
+            entry.finish_span()
+        entries.clear()
+
+    def fail_all(self, message: str, queued: bool = True) -> None:
+        """End every running request (and every queued one if `queued`) with GenerationError(message)."""
+        error = GenerationError(message)
+        pending = list(self.running.values())
+        self.running = {}
+        if queued:
+            pending.extend(self.queue.entries)
+            self.queue.entries.clear()
+            metrics.QUEUE_SIZE.set(0)
+        for entry in pending:
+            entry.events.put_nowait(error)
+            entry.finish_span()
