@@ -1,0 +1,289 @@
+"""Next-token choice for a whole batch, and the top-n tokens reported beside each choice.
+
+Contract with the batch (models/causal_lm.py):
+
+- `HeterogeneousNextTokenChooser.from_pb(params, prompt_ids, vocab_size, device)`: one row per request, each
+  with its own NextTokenChooserParameters. `prompt_ids` seed the penalty history; `vocab_size` must be the
+  last dimension of the logits the chooser will see. Invalid values (and any grammar) raise ValueError
+  naming the field; the servicer turns that into INVALID_ARGUMENT.
+- `chooser(last_ids [B] long, scores [B, V] logits of the last position) -> (next_ids [B] long,
+  logprobs [B, V] float32)`. logprobs are log_softmax of the *processed* scores (after penalties and
+  warpers), which is what TGI reports. The chosen ids are recorded in the chooser's own history, so the
+  caller never passes the history back. The caller's `scores` tensor is not modified.
+- `.filter(indices)` keeps the given rows in that order; `concatenate(choosers)` stacks them.
+- `.do_sample[i]` is True when row i samples (its do_sample, or any warper set: TGI's rule); `.seeds[i]` is
+  the row's seed, reported in GeneratedText only for sampling rows.
+
+Processing order (TGI's): watermark -> repetition penalty -> frequency penalty -> temperature -> top-k ->
+top-p -> typical-p -> choice. A processor exists only if some row needs it and sees only those rows.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from textgen_pb import generate_pb2
+from textgen_server.utils.logits_process import (
+    FrequencyPenalty,
+    RepetitionPenalty,
+    Temperature,
+    TopK,
+    TopP,
+    TypicalP,
+)
+from textgen_server.utils.watermark import Watermark
+
+# Columns of the per-row parameter table; filter and concatenate then move every parameter in one op.
+TEMPERATURE, TOP_K, TOP_P, TYPICAL_P, REPETITION, FREQUENCY, WATERMARK = range(7)
+
+
+def validate_parameters(p: generate_pb2.NextTokenChooserParameters) -> None:
+    """Raise ValueError naming the first invalid field (NaN fails every check)."""
+    if not p.temperature > 0:
+        raise ValueError(f"`temperature` must be strictly positive, got {p.temperature}")
+    if p.top_k < 0:
+        raise ValueError(f"`top_k` must be >= 0 (0 disables it), got {p.top_k}")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"`top_p` must be > 0.0 and <= 1.0, got {p.top_p}")
+    if not 0 < p.typical_p <= 1:
+        raise ValueError(f"`typical_p` must be > 0.0 and <= 1.0, got {p.typical_p}")
+    if not p.repetition_penalty > 0:
+        raise ValueError(f"`repetition_penalty` must be strictly positive, got {p.repetition_penalty}")
+    if not -2 <= p.frequency_penalty <= 2:
+        raise ValueError(f"`frequency_penalty` must be >= -2.0 and <= 2.0, got {p.frequency_penalty}")
+    if p.grammar:
+        raise ValueError("`grammar` is not supported by this shard")
+
+
+def _samples(p: generate_pb2.NextTokenChooserParameters) -> bool:
+    """TGI's rule: a row samples if asked to or if any warper would change its distribution."""
+    warped = p.temperature != 1.0 or p.top_k != 0 or p.top_p < 1.0 or p.typical_p < 1.0
+    return p.do_sample or warped
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class _Stage(NamedTuple):
+    """A processor and the rows it applies to (None: every row, which spares an index_select)."""
+
+    rows: Tensor | None
+    process: Callable[..., Tensor]
+
+
+def _rows_where(mask: Tensor) -> Tensor | None:
+    return None if bool(mask.all()) else mask.nonzero().flatten()
+
+
+def _take(tensor: Tensor, rows: Tensor | None) -> Tensor:
+    return tensor if rows is None else tensor.index_select(0, rows)
+
+
+def _put(scores: Tensor, rows: Tensor | None, processed: Tensor) -> Tensor:
+    return processed if rows is None else scores.index_copy(0, rows, processed)
+
+
+class HeterogeneousNextTokenChooser:
+    """Token choice for every row of a batch, each row with its own sampling parameters."""
+
+    def __init__(
+        self,
+        table: Tensor,
+        do_sample: list[bool],
+        seeds: list[int],
+        generators: list[torch.Generator | None],
+        history: Tensor | None,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.table = table  # [B, 7] float32, columns named above
+        self.do_sample = do_sample
+        self.seeds = seeds
+        self.generators = generators  # one per sampling row, None for greedy rows
+        self.history = history  # [B, V] token counts of prompt + generated, only if a row has a penalty
+        self.vocab_size = vocab_size
+        self.device = device
+        self._build()
+
+    @classmethod
+    def from_pb(
+        cls,
+        params: list[generate_pb2.NextTokenChooserParameters],
+        prompt_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> HeterogeneousNextTokenChooser:
+        """Build the chooser for a new batch; raises ValueError on an invalid parameter."""
+        if len(params) != len(prompt_ids):
+            raise ValueError(f"{len(params)} parameter sets for {len(prompt_ids)} prompts")
+        for p in params:
+            validate_parameters(p)
+        table = torch.tensor(
+            [
+                [p.temperature, min(p.top_k, vocab_size), p.top_p, p.typical_p, p.repetition_penalty,
+                 p.frequency_penalty, float(p.watermark)]
+                for p in params
+            ],
+            dtype=torch.float32,
+            device=device,
+        ).reshape(len(params), 7)
+        do_sample = [_samples(p) for p in params]
+        seeds = [p.seed for p in params]
+        generators = [_generator(s, device) if d else None for s, d in zip(seeds, do_sample)]
+        history = None
+        if _needs_history(table):
+            history = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+            flat = [row * vocab_size + token for row, ids in enumerate(prompt_ids) for token in ids]
+            flat_index = torch.tensor(flat, dtype=torch.long, device=device)
+            history.view(-1).index_add_(0, flat_index, torch.ones(len(flat), device=device))
+        return cls(table, do_sample, seeds, generators, history, vocab_size, device)
+
+    def _build(self) -> None:
+        """Create each processor only if some row needs it, restricted to those rows."""
+        t = self.table
+        self._watermark: _Stage | None = None
+        self._penalties: list[_Stage] = []
+        self._warpers: list[_Stage] = []
+        self._sampling_rows = [i for i, sample in enumerate(self.do_sample) if sample]
+        if len(self) == 0:
+            return
+        if bool(t[:, WATERMARK].any()):
+            rows = _rows_where(t[:, WATERMARK] > 0)
+            self._watermark = _Stage(rows, Watermark(self.device))
+        for column, mask, make in (
+            (REPETITION, t[:, REPETITION] != 1.0, RepetitionPenalty),
+            (FREQUENCY, t[:, FREQUENCY] != 0.0, FrequencyPenalty),
+        ):
+            if bool(mask.any()):
+                rows = _rows_where(mask)
+                self._penalties.append(_Stage(rows, make(_take(t[:, column], rows))))
+        for column, mask, make in (
+            (TEMPERATURE, t[:, TEMPERATURE] != 1.0, Temperature),
+            (TOP_K, t[:, TOP_K] != 0, lambda k: TopK(k, self.vocab_size)),
+            (TOP_P, t[:, TOP_P] < 1.0, TopP),
+            (TYPICAL_P, t[:, TYPICAL_P] < 1.0, TypicalP),
+        ):
+            if bool(mask.any()):
+                rows = _rows_where(mask)
+                self._warpers.append(_Stage(rows, make(_take(t[:, column], rows))))
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def __call__(self, last_ids: Tensor, scores: Tensor) -> tuple[Tensor, Tensor]:
+        """Choose one token per row; see the module docstring for the contract."""
+        # float32 for the softmax/cumsum math and the reported logprobs; a no-op for fp32 logits.
+        scores = scores.float()
+        if scores.shape[-1] != self.vocab_size:
+            raise ValueError(f"logits have {scores.shape[-1]} columns, chooser expects {self.vocab_size}")
+        if self._watermark is not None:
+            rows, watermark = self._watermark
+            scores = _put(scores, rows, watermark(_take(scores, rows), _take(last_ids, rows)))
+        for rows, penalty in self._penalties:
+            assert self.history is not None  # created whenever a penalty exists
+            scores = _put(scores, rows, penalty(_take(scores, rows), _take(self.history, rows)))
+        for rows, warper in self._warpers:
+            scores = _put(scores, rows, warper(_take(scores, rows)))
+        logprobs = torch.log_softmax(scores, dim=-1)
+        next_ids = scores.argmax(dim=-1)
+        if self._sampling_rows:
+            next_ids[self._sampling_rows] = self._sample(logprobs)
+        if self.history is not None:
+            self.history[torch.arange(len(self), device=self.device), next_ids] += 1
+        return next_ids, logprobs
+
+    def _sample(self, logprobs: Tensor) -> Tensor:
+        """Draw for the sampling rows: argmax(p / Exp(1) noise), which is a draw from p.
+
+        Each row's noise comes from its own generator and nothing else, so a seed yields the same tokens
+        whether the request runs alone or in any batch.
+        """
+        probs = logprobs[self._sampling_rows].exp()
+        noise = torch.stack(
+            [torch.empty_like(probs[0]).exponential_(generator=self.generators[row]) for row in self._sampling_rows]
+        )
+        return (probs / noise).argmax(dim=-1)
+
+    def filter(self, indices: list[int]) -> HeterogeneousNextTokenChooser:
+        """A chooser for the rows `indices` (in that order), sharing their generators and history."""
+        if indices == list(range(len(self))):
+            return self
+        index = torch.tensor(indices, dtype=torch.long, device=self.device)
+        table = self.table.index_select(0, index)
+        history = None
+        if self.history is not None and _needs_history(table):
+            history = self.history.index_select(0, index)
+        return HeterogeneousNextTokenChooser(
+            table,
+            [self.do_sample[i] for i in indices],
+            [self.seeds[i] for i in indices],
+            [self.generators[i] for i in indices],
+            history,
+            self.vocab_size,
+            self.device,
+        )
+
+    @classmethod
+    def concatenate(cls, choosers: list[HeterogeneousNextTokenChooser]) -> HeterogeneousNextTokenChooser:
+        """One chooser for the rows of every chooser, in order; all must share vocab size and device."""
+        first = choosers[0]
+        if any(c.vocab_size != first.vocab_size for c in choosers):
+            raise ValueError("cannot concatenate choosers with different vocabulary sizes")
+        table = torch.cat([c.table for c in choosers])
+        history = None
+        if _needs_history(table):
+            # Rows from a chooser without history have no penalty, so zero counts leave them unchanged.
+            history = torch.cat(
+                [
+                    c.history if c.history is not None
+                    else torch.zeros(len(c), first.vocab_size, device=first.device)
+                    for c in choosers
+                ]
+            )
+        return cls(
+            table,
+            [d for c in choosers for d in c.do_sample],
+            [s for c in choosers for s in c.seeds],
+            [g for c in choosers for g in c.generators],
+            history,
+            first.vocab_size,
+            first.device,
+        )
+
+
+def _needs_history(table: Tensor) -> bool:
+    return bool(((table[:, REPETITION] != 1.0) | (table[:, FREQUENCY] != 0.0)).any())
+
+
+def batch_top_tokens(top_n_tokens: list[int], logprobs: Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    """The best tokens of each row: (ids, logprobs), best first.
+
+    Row i gets every token whose logprob is >= its n-th best, n = min(top_n_tokens[i], V), so ties at the
+    n-th place can return more than n; masked (-inf) tokens are never returned. Rows asking for 0 get [].
+    """
+    vocab_size = logprobs.shape[-1]
+    wanted = [min(n, vocab_size) for n in top_n_tokens]
+    max_n = max(wanted, default=0)
+    if max_n == 0:
+        return [[] for _ in wanted], [[] for _ in wanted]
+    top = torch.topk(logprobs, max_n, dim=-1)
+    nth_index = torch.tensor([max(n, 1) - 1 for n in wanted], device=logprobs.device).unsqueeze(1)
+    nth = top.values.gather(-1, nth_index)
+    # -inf is lifted to the most negative float so that masked tokens never count as ties.
+    nth = nth.clamp(min=torch.finfo(logprobs.dtype).min)
+    wants_none = torch.tensor([n == 0 for n in wanted], device=logprobs.device).unsqueeze(1)
+    nth = nth.masked_fill(wants_none, math.inf)
+    counts = (logprobs >= nth).sum(dim=-1)
+    widest = int(counts.max())
+    if widest > max_n:  # a tie reaches past the largest n: widen the one topk to include it
+        top = torch.topk(logprobs, widest, dim=-1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    kept = counts.tolist()
+    return [row[:k] for row, k in zip(ids, kept)], [row[:k] for row, k in zip(values, kept)]
