@@ -1,0 +1,133 @@
+"""Pure launcher logic: shard count table, automatic prefill budget, attention resolution, child env."""
+from __future__ import annotations
+
+import pytest
+
+from textgen_launcher.args import parse_args
+from textgen_launcher.attention import resolve_attention
+from textgen_launcher.config import parse_config
+from textgen_launcher.devices import DEVICE_ENV_VARS, NoDeviceFound, find_num_shards
+from textgen_launcher.environment import rope_env, shard_env
+from textgen_launcher.errors import ArgumentValidation, NotEnoughCUDADevices
+from textgen_launcher.limits import compute_optimal, default_max_batch_prefill_tokens, vram_cap
+from textgen_launcher.router import router_command
+from textgen_launcher.shards import shard_command
+from textgen_launcher.validate import Settings
+
+LLAMA_7B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "num_hidden_layers": 32, "intermediate_size": 11008, "vocab_size": 32000,
+            "max_position_embeddings": 4096}
+
+
+@pytest.fixture(autouse=True)
+def no_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in DEVICE_ENV_VARS + ("ATTENTION", "PREFIX_CACHING"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("textgen_launcher.devices.has_gpu_driver", lambda: False)
+
+
+@pytest.mark.parametrize(("env", "sharded", "num_shard", "expected"), [
+    ({}, None, None, 1),
+    ({}, None, 3, 3),
+    ({}, False, None, 1),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, False, None, 1),
+    ({}, False, 2, 2),
+    ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, None, None, 3),
+    ({"CUDA_VISIBLE_DEVICES": "0,1", "NVIDIA_VISIBLE_DEVICES": "0"}, True, None, 2),
+    ({"NVIDIA_VISIBLE_DEVICES": "2,3"}, None, None, 2),
+    ({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, True, None, 4),
+    ({"ZE_AFFINITY_MASK": "0,1"}, None, None, 2),
+    ({"CUDA_VISIBLE_DEVICES": ""}, None, None, 1),
+])
+def test_shard_count_table(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], sharded: bool | None,
+                           num_shard: int | None, expected: int) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert find_num_shards(sharded, num_shard) == expected
+
+
+def test_shard_count_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(NoDeviceFound):
+        find_num_shards(True, None)
+    with pytest.raises(ArgumentValidation, match="`sharded` is true but `num_shard` <= 1"):
+        find_num_shards(True, 1)
+    with pytest.raises(ArgumentValidation, match="`num_shard` cannot be < 1"):
+        find_num_shards(None, 0)
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "1")
+    with pytest.raises(NotEnoughCUDADevices, match="only found 1 CUDA devices"):
+        find_num_shards(True, None)
+
+
+def test_prefill_default_on_cpu_is_4096_clamped_to_context() -> None:
+    assert default_max_batch_prefill_tokens(None, 1, 1.0) == 4096
+    small = parse_config({**LLAMA_7B, "max_position_embeddings": 512})
+    assert default_max_batch_prefill_tokens(small, 1, 1.0) == 512
+    gemma3 = parse_config({**LLAMA_7B, "model_type": "gemma3", "max_position_embeddings": 131072})
+    assert default_max_batch_prefill_tokens(gemma3, 1, 1.0) == 8000
+
+
+def test_prefill_from_card_flops_and_vram() -> None:
+    config = parse_config(LLAMA_7B)
+    assert config is not None and config.head_dim == 128
+    # 900 TFLOPS over ~13 GFLOPs per token of a 7B llama.
+    optimal = compute_optimal(config, ["NVIDIA H100 80GB HBM3"], 1)
+    assert optimal is not None and 60_000 < optimal < 75_000
+    assert compute_optimal(config, ["Some Unknown Card"], 1) is None
+    # 16 GiB holds the ~13.5 GB of f16 weights and little else; 80 GiB holds far more.
+    assert vram_cap(config, ["16384 MiB"], 1, 1.0) < vram_cap(config, ["81559 MiB"], 1, 1.0)
+    assert vram_cap(config, ["81559 MiB"], 1, 1.0) > 100_000
+
+
+def test_unknown_quant_method_means_no_config() -> None:
+    assert parse_config({**LLAMA_7B, "quantization_config": {"quant_method": "mystery"}}) is None
+    assert parse_config({**LLAMA_7B, "quantization_config": {"quant_method": "gptq"}}).quantize == "gptq"
+
+
+def test_attention_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_attention(None, None) == ("flashinfer", "true")
+    assert resolve_attention(parse_config(LLAMA_7B), None) == ("flashinfer", "true")
+    assert resolve_attention(parse_config(LLAMA_7B), "org/adapter") == ("flashinfer", "0")
+    odd_head = parse_config({**LLAMA_7B, "head_dim": 80})
+    assert resolve_attention(odd_head, None) == ("paged", "0")
+    falcon = parse_config({**LLAMA_7B, "model_type": "falcon"})
+    assert resolve_attention(falcon, None) == ("paged", "0")
+    assert resolve_attention(parse_config({**LLAMA_7B, "vision_config": {}}), None) == ("flashinfer", "0")
+    monkeypatch.setenv("ATTENTION", "flashdecoding")
+    monkeypatch.setenv("PREFIX_CACHING", "1")
+    assert resolve_attention(odd_head, None) == ("flashdecoding", "1")
+
+
+def test_rope_env_implies_the_missing_half() -> None:
+    assert rope_env(None, None) == {}
+    assert rope_env("dynamic", None) == {"ROPE_SCALING": "dynamic", "ROPE_FACTOR": "1.0"}
+    assert rope_env(None, 2.0) == {"ROPE_SCALING": "linear", "ROPE_FACTOR": "2.0"}
+
+
+def test_shard_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOG_LEVEL", "debug")
+    monkeypatch.setenv("HF_API_TOKEN", "hf_x")
+    args = parse_args(["--model-id", "m", "--dtype", "bfloat16", "--shard-uds-path", "/tmp/s", "--max-input-tokens",
+                       "7", "--watermark-gamma", "0.5", "--enable-prefill-logprobs", "--cuda-graphs", "0"])
+    settings = Settings(num_shard=2, max_input_tokens=7, max_batch_prefill_tokens=64, quantize=None, cuda_graphs=[])
+    assert shard_command(args, settings, "DEBUG") == [
+        "textgen-server", "serve", "m", "--uds-path", "/tmp/s", "--logger-level", "DEBUG", "--json-output",
+        "--sharded", "--dtype", "bfloat16", "--otlp-service-name", "text-generation-inference.router",
+        "--max-input-tokens", "7"]
+    env = shard_env(args, settings, 1)
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("1", "2", "localhost", "29500")
+    assert env["HF_TOKEN"] == "hf_x" and env["WATERMARK_GAMMA"] == "0.5" and env["REQUEST_LOGPROBS"] == "1"
+    assert "LOG_LEVEL" not in env and "CUDA_GRAPHS" not in env and "WATERMARK_DELTA" not in env
+
+
+def test_router_command_passes_limits_and_repeated_origins() -> None:
+    args = parse_args(["--model-id", "/models/m", "--shard-uds-path", "/tmp/s", "--port", "8080",
+                       "--cors-allow-origin", "a", "--cors-allow-origin", "b", "--json-output"])
+    settings = Settings(num_shard=1, max_input_tokens=None, max_batch_prefill_tokens=512, quantize=None,
+                        cuda_graphs=[1])
+    cmd = router_command(args, settings)
+    pairs = dict(zip(cmd[1::2], cmd[2::2]))
+    assert pairs["--master-shard-uds-path"] == "/tmp/s-0"
+    assert pairs["--tokenizer-name"] == "/models/m"
+    assert pairs["--max-batch-prefill-tokens"] == "512" and pairs["--port"] == "8080"
+    assert "--max-input-tokens" not in cmd and "--json-output" in cmd
+    assert cmd.count("--cors-allow-origin") == 2
