@@ -31,13 +31,14 @@ def _failure_reason(forwarder: LineForwarder, child: Child, returncode: int) -> 
     return forwarder.last_error or (lines[-1] if lines else f"exit code {returncode}")
 
 
-def run_download(args: argparse.Namespace, model_id: str, revision: str | None, merge_lora: bool,
+def run_download(args: argparse.Namespace, model_id: str, revision: str | None,
                  running: Callable[[], bool]) -> bool:
-    """Runs one download; False if a stop signal arrived meanwhile. Raises DownloadError on failure."""
+    """Runs one download; False if a stop signal arrived meanwhile. Raises DownloadError on failure.
+
+    Unlike TGI, no `--merge-lora` for the main model: textgen's download-weights does not merge PEFT adapters.
+    """
     cmd = [SERVER_BIN, "download-weights", model_id, "--extension", ".safetensors", "--logger-level", "INFO",
            "--json-output"]
-    if merge_lora:
-        cmd.append("--merge-lora")
     if revision:
         cmd += ["--revision", revision]
     if args.trust_remote_code:
@@ -65,10 +66,10 @@ def run_download(args: argparse.Namespace, model_id: str, revision: str | None, 
 
 
 def download_all(args: argparse.Namespace, running: Callable[[], bool]) -> bool:
-    """The model (merging a PEFT adapter into it if there is one), then each LoRA adapter (TGI step 14)."""
+    """The model, then each LoRA adapter (TGI step 14)."""
     if has_local_weights(args.model_id):
         logger.info("Weights of %s are already on the host: skipping the download step", args.model_id)
-    elif not run_download(args, args.model_id, args.revision, True, running):
+    elif not run_download(args, args.model_id, args.revision, running):
         return False
     for adapter in (args.lora_adapters or "").split(","):
         adapter = adapter.strip()
@@ -77,7 +78,7 @@ def download_all(args: argparse.Namespace, running: Callable[[], bool]) -> bool:
         if adapter.count("@") > 1:
             raise ArgumentValidation(f"Invalid LoRA adapter format: {adapter}")
         adapter_id, _, revision = adapter.partition("@")
-        if not run_download(args, adapter_id, revision or None, False, running):
+        if not run_download(args, adapter_id, revision or None, running):
             return False
     return True
 

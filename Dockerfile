@@ -1,0 +1,43 @@
+# textgen: CPU image by default (python:3.11-slim + the torch CPU wheel).
+# CUDA variant: --build-arg BASE=nvidia/cuda:12.4.1-runtime-ubuntu24.04 \
+#               --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1
+
+# make runs the proto generation; a CUDA base image brings no Python, the slim one does.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends make \
+    && if ! command -v python3 >/dev/null; then \
+         apt-get install -y --no-install-recommends python3 python3-venv; fi \
+    && rm -rf /var/lib/apt/lists/*
+
+# A venv (as TGI's image) so that distro-managed Pythons accept pip installs.
+RUN python3 -m venv /usr/src/.venv
+ENV PATH=/usr/src/.venv/bin:$PATH
+
+# torch first and from its own index: the PyPI wheel would pull several GB of CUDA libraries.
+RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
+
+WORKDIR /usr/src/textgen
+COPY pyproject.toml README.md Makefile ./
+COPY proto proto
+COPY server server
+COPY router router
+COPY launcher launcher
+COPY benchmark benchmark
+COPY clients clients
+RUN pip install -e . && make proto PYTHON=python3
+
+# Like TGI's image: the server listens on 80 inside the container, the hub cache is the /data volume.
+ENV HF_HOME=/data \
+    HUGGINGFACE_HUB_CACHE=/data \
+    PORT=80
+VOLUME /data
+EXPOSE 80
+
+ENTRYPOINT ["textgen-launcher"]
