@@ -53,7 +53,10 @@ async def read_bytes(request: Request) -> bytes:
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    # Starlette's own cache, so a second reader of this request (the /invocations dispatch) sees it too.
+    request._body = body
+    return body
 
 
 def _describe(err: PydanticValidationError) -> str:

@@ -1,0 +1,85 @@
+"""`textgen-router` arguments: TGI's router flags, each also read from its UPPER_SNAKE_CASE env var.
+
+A flag given on the command line wins over the env var, which wins over the default. Boolean flags take
+no value; through env, `false/f/no/n/off/0` mean false and anything else true (clap's rules).
+Subcommand `print-schema` prints the OpenAPI JSON and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+FALSE_WORDS = {"false", "f", "no", "n", "off", "0"}
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name)
+    return value is not None and value.strip().lower() not in FALSE_WORDS
+
+
+class _Parser:
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def value(self, flag: str, type: type, default: object = None, short: str | None = None, **kw: object) -> None:
+        env = flag.lstrip("-").replace("-", "_").upper()
+        # A string default is converted by argparse like a CLI value, so a bad env value fails the same way.
+        env_value = os.environ.get(env)
+        names = [short, flag] if short else [flag]
+        self.parser.add_argument(
+            *names, type=type, default=env_value if env_value is not None else default,
+            help=f"(env: {env}, default: {default})", **kw,  # type: ignore[arg-type]
+        )
+
+    def flag(self, flag: str) -> None:
+        env = flag.lstrip("-").replace("-", "_").upper()
+        self.parser.add_argument(flag, action="store_true", default=_env_flag(env), help=f"(env: {env})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="textgen-router", description="textgen router (TGI-compatible HTTP API)")
+    p = _Parser(parser)
+    p.value("--max-concurrent-requests", int, 128)
+    p.value("--max-best-of", int, 2)
+    p.value("--max-stop-sequences", int, 4)
+    p.value("--max-top-n-tokens", int, 5)
+    p.value("--max-input-tokens", int)
+    p.value("--max-total-tokens", int)
+    p.value("--waiting-served-ratio", float, 1.2)
+    p.value("--max-batch-prefill-tokens", int, 4096)
+    p.value("--max-batch-total-tokens", int)
+    p.value("--max-waiting-tokens", int, 20)
+    p.value("--max-batch-size", int)
+    p.value("--hostname", str, "0.0.0.0")
+    p.value("--port", int, 3000, short="-p")
+    p.value("--prometheus-port", int, 9000)
+    p.value("--master-shard-uds-path", str, "/tmp/textgen-server-0")
+    p.value("--tokenizer-name", str, "bigscience/bloom")
+    p.value("--tokenizer-config-path", str)
+    p.value("--revision", str)
+    p.flag("--trust-remote-code")
+    p.value("--validation-workers", int, 2)
+    p.value("--api-key", str)
+    p.flag("--json-output")
+    p.value("--otlp-endpoint", str)
+    p.value("--otlp-service-name", str, "text-generation-inference.router")
+    parser.add_argument("--cors-allow-origin", action="append", help="repeatable (env: CORS_ALLOW_ORIGIN)")
+    p.flag("--disable-grammar-support")
+    p.value("--max-client-batch-size", int, 4)
+    # Accepted for drop-in compatibility with TGI's launcher; textgen sends no usage statistics.
+    p.value("--usage-stats", str, "on", choices=["on", "off", "no-stack"])
+    p.value("--payload-limit", int, 2_000_000)
+    # Accepted for compatibility; textgen serves text models only, so no image is ever fetched.
+    p.value("--max-image-fetch-size", int, 1_073_741_824)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("print-schema", help="print the OpenAPI schema (JSON) and exit")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    # An appended list cannot take an env default through argparse; TGI takes the env value as one origin.
+    if args.cors_allow_origin is None and os.environ.get("CORS_ALLOW_ORIGIN"):
+        args.cors_allow_origin = [os.environ["CORS_ALLOW_ORIGIN"]]
+    return args

@@ -1,0 +1,184 @@
+"""`textgen-router`: connect to the shards, load the tokenizer, serve TGI's HTTP API with uvicorn.
+
+Start-up, as TGI's router: argument checks, then `connect_backend` (service discovery, clear cache,
+info, warmup; settles max_input_tokens / max_total_tokens when not given), then the tokenizer, then the
+HTTP listener on hostname:port (a non-IP hostname binds 0.0.0.0 with a warning) plus the Prometheus
+listener on --prometheus-port; logs `Connected`. SIGTERM / SIGINT: stop accepting, let in-flight
+requests (streams included) finish, then stop the batching loop. Failures exit 1 with `Error: <msg>`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from argparse import Namespace
+from collections.abc import Iterator, Sequence
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from textgen_launcher.logs import setup_logging
+from textgen_router import metrics
+from textgen_router.args import parse_args
+from textgen_router.backend import StartupError, connect_backend
+from textgen_router.chat_template import ChatTemplate
+from textgen_router.server import create_app
+from textgen_router.state import RouterState
+from textgen_router.tracing import setup_tracing
+from textgen_router.validation import Limits, Validator, load_tokenizer
+
+logger = logging.getLogger("textgen_router")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: main() stops every listener on one signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def listen_host(hostname: str) -> str:
+    """TGI binds only IP literals; anything else (Docker sets HOSTNAME to the container name) is 0.0.0.0."""
+    try:
+        ipaddress.ip_address(hostname)
+        return hostname
+    except ValueError:
+        logger.warning("Invalid hostname, defaulting to 0.0.0.0")
+        return "0.0.0.0"
+
+
+def _metrics_app() -> Starlette:
+    async def scrape(request: Request) -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return Starlette(routes=[Route("/metrics", scrape), Route("/", scrape)])
+
+
+def _bind(host: str, port: int) -> socket.socket | None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        # The extra metrics listener is optional (/metrics is also on the main port): several routers
+        # on one machine would otherwise fight over TGI's fixed default 9000.
+        logger.warning("Prometheus listener on %s:%d unavailable: %s", host, port, err)
+        return None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_config(app: object, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,  # type: ignore[arg-type]
+                          timeout_keep_alive=5)
+
+
+async def serve(args: Namespace) -> int:
+    """Connect, warm up, serve until a signal; returns the exit code."""
+    try:
+        backend = await connect_backend(
+            args.master_shard_uds_path, args.max_input_tokens, args.max_total_tokens,
+            args.max_batch_prefill_tokens, args.max_batch_total_tokens, args.max_batch_size,
+            args.waiting_served_ratio, args.max_waiting_tokens, args.max_concurrent_requests,
+        )
+    except StartupError as err:
+        logger.error("%s", err)
+        print(f"Error: {err}", file=sys.stderr)
+        return 1
+    validator: Validator | None = None
+    try:
+        if args.max_input_tokens is None:
+            logger.info("Maximum input tokens defaulted to %d", backend.max_input_tokens)
+        if args.max_total_tokens is None:
+            logger.info("Maximum total tokens defaulted to %d", backend.max_total_tokens)
+        metrics.configure_length_buckets(backend.max_input_tokens, backend.max_total_tokens)
+        try:
+            tokenizer = await asyncio.to_thread(
+                load_tokenizer, args.tokenizer_name, args.revision, args.trust_remote_code
+            )
+        except (OSError, ValueError) as err:
+            logger.error("Unable to load the tokenizer of %s: %s", args.tokenizer_name, err)
+            print(f"Error: unable to load the tokenizer of {args.tokenizer_name}: {err}", file=sys.stderr)
+            return 1
+        limits = Limits(args.max_best_of, args.max_stop_sequences, args.max_top_n_tokens,
+                        backend.max_input_tokens, backend.max_total_tokens)
+        validator = Validator(tokenizer, limits, args.validation_workers)
+        state = RouterState(
+            infer=backend.infer, validator=validator, model_id=args.tokenizer_name,
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_client_batch_size=args.max_client_batch_size, validation_workers=args.validation_workers,
+        )
+        app = create_app(state, api_key=args.api_key, cors_allow_origin=args.cors_allow_origin,
+                         payload_limit=args.payload_limit)
+        app.state.chat_template = await asyncio.to_thread(
+            ChatTemplate.load, tokenizer, args.tokenizer_name, args.tokenizer_config_path, args.revision
+        )
+        host = listen_host(args.hostname)
+        servers = [_Server(_uvicorn_config(app, host, args.port))]
+        listeners = [servers[0].serve()]
+        prometheus_socket = _bind(host, args.prometheus_port)
+        if prometheus_socket is not None:
+            servers.append(_Server(_uvicorn_config(_metrics_app(), host, args.prometheus_port)))
+            listeners.append(servers[1].serve(sockets=[prometheus_socket]))
+
+        def on_signal() -> None:
+            logger.info("signal received, starting graceful shutdown")
+            for server in servers:
+                server.should_exit = True
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        logger.info("Connected")
+        await asyncio.gather(*listeners)
+        return 0
+    finally:
+        await backend.close()
+        if validator is not None:
+            validator.close()
+
+
+def log_level(directive: str) -> str:
+    """The level in a LOG_LEVEL value; TGI also takes filter directives (`info,textgen_router=debug`)."""
+    for part in directive.split(","):
+        if "=" not in part and part.strip().upper() in ("TRACE", "DEBUG", "INFO", "WARN", "WARNING", "ERROR"):
+            level = part.strip().upper()
+            return {"TRACE": "DEBUG", "WARN": "WARNING"}.get(level, level)
+    return "INFO"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.command == "print-schema":
+        print(json.dumps(create_app(None).openapi(), indent=2))
+        sys.exit(0)
+    setup_logging(log_level(os.environ.get("LOG_LEVEL", "info")), args.json_output)
+    if args.validation_workers == 0:
+        message = "Argument validation error: `validation_workers` must be > 0"
+        logger.error(message)
+        print(f"Error: {message}", file=sys.stderr)
+        sys.exit(1)
+    provider = setup_tracing(args.otlp_endpoint, args.otlp_service_name)
+    try:
+        code = asyncio.run(serve(args))
+    finally:
+        if provider is not None:
+            provider.shutdown()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
