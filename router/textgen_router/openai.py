@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from textgen_router import generation, jsonenc, metrics, openai_responses as bodies
-from textgen_router.body import BodyError, read_json
+from textgen_router.body import read_json
 from textgen_router.chat_template import ChatTemplate
 from textgen_router.generation import Generation, Timings
 from textgen_router.openai_schemas import ChatRequest, CompletionRequest
@@ -81,12 +81,10 @@ async def chat_completions(request: Request) -> Response:
     # TGI counts chat requests twice: once here and once in the generate path it delegates to.
     metrics.REQUEST_COUNT.inc(2)
     state = _state(request)
+    body = await read_json(request, ChatRequest)
     try:
-        body = await read_json(request, ChatRequest)
         body.check_supported()
         prompt = _chat_template(request).apply(body.template_messages())
-    except BodyError as err:
-        return err.response()
     except InferError as err:
         return _error(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
@@ -141,11 +139,9 @@ async def completions(request: Request) -> Response:
     start_time = time.monotonic()
     metrics.REQUEST_COUNT.inc(2)
     state = _state(request)
+    body = await read_json(request, CompletionRequest)
     try:
-        body = await read_json(request, CompletionRequest)
         body.check_supported(state.max_client_batch_size)
-    except BodyError as err:
-        return err.response()
     except InferError as err:
         return _error(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
@@ -231,13 +227,11 @@ async def chat_tokenize(request: Request) -> Response:
     """The templated prompt and its tokens: `{"tokenize_response": [{id,text,start,stop}], "templated_text"}`."""
     metrics.REQUEST_COUNT.inc()
     state = _state(request)
+    body = await read_json(request, ChatRequest)
     try:
-        body = await read_json(request, ChatRequest)
         body.check_supported()
         prompt = _chat_template(request).apply(body.template_messages())
         encoding = await state.validator.tokenize(prompt, add_special_tokens=False)
-    except BodyError as err:
-        return err.response()
     except InferError as err:
         return _error(err)
     tokens = [

@@ -1,0 +1,145 @@
+"""textgen_client against a real server (tiny llama behind textgen-launcher), plus its error mapping."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pydantic
+import pytest
+from textgen_client import AsyncClient, Client
+from textgen_client.errors import (
+    BadRequestError,
+    GenerationError,
+    IncompleteGenerationError,
+    NotFoundError,
+    OverloadedError,
+    RateLimitExceededError,
+    ShardNotReadyError,
+    ShardTimeoutError,
+    UnknownError,
+    ValidationError,
+    parse_error,
+)
+from textgen_client.types import ChatComplete, ChatCompletionChunk, Completion, FinishReason, StreamResponse
+
+PROMPT = "def main():"
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> Client:
+    return Client(server.base_url, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def async_client(server: Any) -> AsyncClient:
+    return AsyncClient(server.base_url, timeout=60)
+
+
+def test_generate(client: Client) -> None:
+    response = client.generate(PROMPT, max_new_tokens=6, decoder_input_details=True)
+    assert response.details is not None
+    assert response.details.generated_tokens == len(response.details.tokens) <= 6
+    assert response.details.finish_reason in (FinishReason.Length, FinishReason.EndOfSequenceToken)
+    assert response.details.prefill[0].logprob is None
+    assert response.details.seed is None  # greedy
+
+
+def test_generate_stream_matches_generate(client: Client) -> None:
+    full = client.generate(PROMPT, max_new_tokens=6)
+    events = list(client.generate_stream(PROMPT, max_new_tokens=6))
+    assert all(isinstance(e, StreamResponse) for e in events)
+    assert [e.token.id for e in events] == [t.id for t in full.details.tokens]  # type: ignore[union-attr]
+    assert events[-1].generated_text == full.generated_text
+    assert events[-1].details is not None
+
+
+def test_async_client_matches_sync(client: Client, async_client: AsyncClient) -> None:
+    async def run() -> tuple[Any, list[StreamResponse]]:
+        response = await async_client.generate(PROMPT, max_new_tokens=6)
+        events = [e async for e in async_client.generate_stream(PROMPT, max_new_tokens=6)]
+        return response, events
+
+    response, events = asyncio.run(run())
+    assert response == client.generate(PROMPT, max_new_tokens=6)
+    assert events[-1].generated_text == response.generated_text
+
+
+def test_chat_and_completion(client: Client, async_client: AsyncClient) -> None:
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = client.chat(messages, temperature=0, max_tokens=5)
+    assert isinstance(chat, ChatComplete)
+    chunks = list(client.chat(messages, stream=True, temperature=0, max_tokens=5))  # type: ignore[arg-type]
+    assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+
+    completion = client.completion(PROMPT, temperature=0, max_tokens=5)
+    assert isinstance(completion, Completion)
+    streamed = list(client.completion_stream(PROMPT, temperature=0, max_tokens=5))
+    assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+
+    async def run() -> tuple[Any, Any]:
+        return await async_client.chat(messages, temperature=0, max_tokens=5), [
+            c async for c in async_client.completion_stream(PROMPT, temperature=0, max_tokens=5)
+        ]
+
+    async_chat, async_chunks = asyncio.run(run())
+    assert async_chat.choices[0].message.content == chat.choices[0].message.content
+    assert "".join(c.choices[0].text for c in async_chunks) == completion.choices[0].text
+
+
+def test_server_validation_error(client: Client) -> None:
+    with pytest.raises(ValidationError, match="must be <="):
+        client.generate(PROMPT, max_new_tokens=10**6)
+
+
+def test_stream_error_event_raises(client: Client) -> None:
+    """Streams report errors in-band on a 200; the client raises them."""
+    with pytest.raises(ValidationError, match="must be <="):
+        list(client.generate_stream(PROMPT, max_new_tokens=10**6))
+
+
+def test_unsupported_chat_field_is_a_validation_error(client: Client) -> None:
+    with pytest.raises(ValidationError, match="`n` must be 1"):
+        client.chat([{"role": "user", "content": "hi"}], n=2)
+
+
+def test_not_found(server: Any) -> None:
+    with pytest.raises(NotFoundError):
+        Client(server.base_url + "/no-such-route").generate(PROMPT)
+
+
+def test_client_side_validation() -> None:
+    """Bad parameters never leave the client (TGI's client rules, e.g. top_p=1.0, best_of with a seed)."""
+    local = Client("http://127.0.0.1:9")
+    with pytest.raises(pydantic.ValidationError, match="top_p"):
+        local.generate(PROMPT, top_p=1.0)
+    with pytest.raises(pydantic.ValidationError, match="seed"):
+        local.generate(PROMPT, best_of=2, do_sample=True, seed=1)
+    with pytest.raises(pydantic.ValidationError, match="best_of"):
+        list(local.generate_stream(PROMPT, best_of=2, do_sample=True))
+    with pytest.raises(pydantic.ValidationError, match="inputs"):
+        local.generate("")
+
+
+@pytest.mark.parametrize(
+    ("status", "payload", "expected"),
+    [
+        (424, {"error": "x", "error_type": "generation"}, GenerationError),
+        (500, {"error": "x", "error_type": "incomplete_generation"}, IncompleteGenerationError),
+        (429, {"error": "x", "error_type": "overloaded"}, OverloadedError),
+        (422, {"error": "x", "error_type": "validation"}, ValidationError),
+        (400, {"error": "x"}, BadRequestError),
+        (403, {"error": "x"}, ShardNotReadyError),
+        (424, {"error": "x"}, ShardNotReadyError),
+        (504, {"error": "x"}, ShardTimeoutError),
+        (404, {"error": "x"}, NotFoundError),
+        (429, {"error": "x"}, RateLimitExceededError),
+        (422, {"error": "x", "error_type": "template_error"}, UnknownError),
+        (500, "plain text body", UnknownError),
+        (200, {"error": {"message": "x", "http_status_code": 429}}, RateLimitExceededError),
+    ],
+)
+def test_parse_error(status: int, payload: Any, expected: type) -> None:
+    """error_type decides first, then the HTTP status (TGI's client mapping)."""
+    err = parse_error(status, payload)
+    assert type(err) is expected
