@@ -1,21 +1,39 @@
-"""get_model: from a model id and the serve options to a loaded `Model` (one shard of it when sharded)."""
+"""get_model: from a model id and the serve options to a loaded `Model` (one shard of it when sharded).
+
+torch and transformers are imported inside the functions that need them: `textgen-server serve` checks its
+options with `check_options` first, so a configuration it cannot honour fails in a second, not after the
+~10 s those imports take.
+"""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
-from textgen_server.models.causal_lm import CausalLM
-from textgen_server.models.model import Model
-from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
+    from textgen_server.models.model import Model
+    from textgen_server.utils.dist import DistInfo
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 class UnsupportedConfigError(ValueError):
     """The shard cannot serve the model as asked; the CLI reports it as one clear line and exits."""
+
+
+def check_options(quantize: str | None, speculate: int | None, dtype: str | None) -> None:
+    """Reject serve options this shard cannot honour, before any model is loaded."""
+    if quantize:
+        raise UnsupportedConfigError(
+            f"--quantize {quantize} is not supported: this shard runs transformers models unquantized"
+        )
+    if speculate:
+        raise UnsupportedConfigError(f"--speculate {speculate} is not supported: the padded CausalLM never speculates")
+    if dtype is not None and dtype not in DTYPES:
+        raise UnsupportedConfigError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
 
 
 def resolve_model_dir(model_id: str, revision: str | None) -> Path:
@@ -33,6 +51,8 @@ def load_module(
 ) -> torch.nn.Module:
     """The network: a forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
     returning .logits and .past_key_values (a DynamicCache), like a transformers causal LM."""
+    from transformers import AutoModelForCausalLM
+
     # ---- Tensor-parallel dispatch point (models/tp_llama.py plugs in here) ----
     if dist.world_size > 1:
         raise UnsupportedConfigError(
@@ -55,19 +75,17 @@ def get_model(
     max_input_tokens: int | None = None,
 ) -> Model:
     """Load `model_id` for this shard; options it cannot honour raise UnsupportedConfigError."""
-    if quantize:
-        raise UnsupportedConfigError(
-            f"--quantize {quantize} is not supported: this shard runs transformers models unquantized"
-        )
-    if speculate:
-        raise UnsupportedConfigError(f"--speculate {speculate} is not supported: the padded CausalLM never speculates")
-    if dtype is not None and dtype not in DTYPES:
-        raise UnsupportedConfigError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+    check_options(quantize, speculate, dtype)
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from textgen_server.models.causal_lm import CausalLM
+    from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 
     dist = initialize_torch_distributed() if sharded else DistInfo(0, 1, None)
     device = torch.device(f"cuda:{dist.rank}") if torch.cuda.is_available() else torch.device("cpu")
     # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
-    torch_dtype = DTYPES[dtype] if dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    torch_dtype = getattr(torch, dtype) if dtype else (torch.float16 if device.type == "cuda" else torch.float32)
 
     model_dir = resolve_model_dir(model_id, revision)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -108,6 +126,8 @@ def get_model(
 def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int | None) -> set[int]:
     """Every id that ends a sequence: generation_config's eos list (chat models have several), the
     config's and the tokenizer's."""
+    from transformers import GenerationConfig
+
     ids: set[int] = set()
     candidates: list[object] = [config.eos_token_id, tokenizer_eos]
     try:

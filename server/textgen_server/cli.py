@@ -1,0 +1,122 @@
+"""`textgen-server`: serve a model shard, download weights, or build a local test model.
+
+serve's contract with the launcher: listens on unix://{--uds-path}-{RANK}; with --sharded, RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT must be in the environment. Readiness = Health answers on that socket. A
+configuration it cannot honour exits non-zero after one clear log line; SIGTERM/SIGINT exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from textgen_launcher.logs import setup_logging
+
+logger = logging.getLogger("textgen_server.cli")
+
+SHARDED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def add_logging_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--logger-level", default="INFO")
+    parser.add_argument("--json-output", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="textgen-server", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve one model shard over gRPC on a unix socket")
+    serve.add_argument("model_id")
+    serve.add_argument("--revision")
+    serve.add_argument("--sharded", action="store_true")
+    serve.add_argument("--quantize")
+    serve.add_argument("--speculate", type=int)
+    serve.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    serve.add_argument("--kv-cache-dtype")
+    serve.add_argument("--trust-remote-code", action="store_true")
+    serve.add_argument("--uds-path", default="/tmp/textgen-server")
+    add_logging_options(serve)
+    serve.add_argument("--otlp-endpoint")
+    serve.add_argument("--otlp-service-name", default="text-generation-inference.server")
+    serve.add_argument("--max-input-tokens", type=int)
+
+    download = commands.add_parser("download-weights", help="fetch a model's weights into the local cache")
+    download.add_argument("model_id")
+    download.add_argument("--revision")
+    download.add_argument("--extension", default=".safetensors")
+    download.add_argument("--auto-convert", action=argparse.BooleanOptionalAction, default=True)
+    add_logging_options(download)
+
+    build = commands.add_parser("build-test-model", help="build a small random model with a local tokenizer")
+    build.add_argument("out_dir")
+    # Choices are checked by the builder (importing it here would cost every subcommand its torch import).
+    build.add_argument("--arch", default="llama", help="llama | gpt2 | mistral | qwen2")
+    build.add_argument("--size", default="tiny", help="tiny | small | 1b")
+    build.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from textgen_server.models import UnsupportedConfigError, check_options
+
+    if args.sharded:
+        missing = [name for name in SHARDED_ENV if name not in os.environ]
+        if missing:
+            logger.error("--sharded requires the environment variables %s", ", ".join(missing))
+            return 1
+    if args.kv_cache_dtype:
+        logger.error("--kv-cache-dtype %s is not supported: the KV cache uses the model dtype", args.kv_cache_dtype)
+        return 1
+    try:
+        check_options(args.quantize, args.speculate, args.dtype)
+    except UnsupportedConfigError as error:
+        logger.error("%s", error)
+        return 1
+
+    from textgen_server.interceptor import setup_tracing
+    from textgen_server.models import get_model
+    from textgen_server.server import serve
+
+    if args.otlp_endpoint:
+        setup_tracing(args.otlp_endpoint, args.otlp_service_name)
+    try:
+        model = get_model(
+            args.model_id, args.revision, args.sharded, args.quantize, args.speculate, args.dtype,
+            args.trust_remote_code, args.max_input_tokens,
+        )
+    except UnsupportedConfigError as error:
+        logger.error("%s", error)
+        return 1
+    except Exception:
+        logger.exception("Error when initializing model")
+        return 1
+    fatal = asyncio.run(serve(model, args.uds_path, args.sharded, tracing=bool(args.otlp_endpoint)))
+    return 1 if fatal else 0
+
+
+def run_download(args: argparse.Namespace) -> int:
+    from textgen_server.hub import download_weights
+
+    download_weights(args.model_id, revision=args.revision, extension=args.extension, auto_convert=args.auto_convert)
+    return 0
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from textgen_server.builder import build_test_model
+
+    print(build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(getattr(args, "logger_level", "INFO"), getattr(args, "json_output", False))
+    runners = {"serve": run_serve, "download-weights": run_download, "build-test-model": run_build}
+    sys.exit(runners[args.command](args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The generate.v3 servicer (thin glue over Cache and Model) and the shard's grpc.aio server lifecycle."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+
+from textgen_pb import generate_pb2, generate_pb2_grpc
+from textgen_server.cache import BatchNotFoundError, Cache
+from textgen_server.interceptor import ExceptionInterceptor, TracingInterceptor
+from textgen_server.models.model import InvalidRequestError, Model
+
+logger = logging.getLogger("textgen_server.server")
+
+MAX_MESSAGE_LENGTH = 2**31 - 1
+
+
+class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
+    """Every RPC of generate.v3. Errors are raised, and mapped to gRPC codes by ExceptionInterceptor."""
+
+    def __init__(self, model: Model, cache: Cache, server_urls: list[str]) -> None:
+        self.model = model
+        self.cache = cache
+        self.server_urls = server_urls
+
+    async def Info(self, request: generate_pb2.InfoRequest, context: object) -> generate_pb2.InfoResponse:
+        return self.model.info
+
+    async def Health(self, request: generate_pb2.HealthRequest, context: object) -> generate_pb2.HealthResponse:
+        self.model.health()
+        return generate_pb2.HealthResponse()
+
+    async def ServiceDiscovery(
+        self, request: generate_pb2.ServiceDiscoveryRequest, context: object
+    ) -> generate_pb2.ServiceDiscoveryResponse:
+        return generate_pb2.ServiceDiscoveryResponse(urls=self.server_urls)
+
+    async def ClearCache(
+        self, request: generate_pb2.ClearCacheRequest, context: object
+    ) -> generate_pb2.ClearCacheResponse:
+        if request.HasField("id"):
+            self.cache.delete(request.id)
+        else:
+            self.cache.clear()
+        return generate_pb2.ClearCacheResponse()
+
+    async def FilterBatch(
+        self, request: generate_pb2.FilterBatchRequest, context: object
+    ) -> generate_pb2.FilterBatchResponse:
+        batch = self.cache.pop(request.batch_id)
+        try:
+            filtered = batch.filter(list(request.request_ids))
+        except ValueError:
+            self.cache.set(batch)  # a bad id list leaves the cached batch as it was
+            raise
+        self.cache.set(filtered)
+        return generate_pb2.FilterBatchResponse(batch=filtered.to_pb())
+
+    async def Warmup(self, request: generate_pb2.WarmupRequest, context: object) -> generate_pb2.WarmupResponse:
+        self.model.set_max_prefill_tokens(request.max_prefill_tokens)
+        batch = self.model.batch_type.from_pb(request.batch, self.model)
+        max_supported, max_input, max_total = self.model.warmup(
+            batch,
+            request.max_input_tokens if request.HasField("max_input_tokens") else None,
+            request.max_total_tokens if request.HasField("max_total_tokens") else None,
+        )
+        del batch  # the warmup batch is never cached: its KV cache is freed here
+        response = generate_pb2.WarmupResponse(max_input_tokens=max_input, max_total_tokens=max_total)
+        if max_supported is not None:
+            response.max_supported_total_tokens = max_supported
+        return response
+
+    async def Prefill(self, request: generate_pb2.PrefillRequest, context: object) -> generate_pb2.PrefillResponse:
+        start = time.perf_counter_ns()
+        if request.HasField("cached_batch"):
+            raise InvalidRequestError("this shard does not support prefill chunking (`cached_batch` must be unset)")
+        batch = self.model.batch_type.from_pb(request.batch, self.model)
+        generations, next_batch, (forward_ns, decode_ns) = self.model.generate_token(batch)
+        self.cache.set(next_batch)
+        return generate_pb2.PrefillResponse(
+            generations=generations,
+            batch=next_batch.to_pb() if next_batch is not None else None,
+            forward_ns=forward_ns,
+            decode_ns=decode_ns,
+            total_ns=time.perf_counter_ns() - start,
+        )
+
+    async def Decode(self, request: generate_pb2.DecodeRequest, context: object) -> generate_pb2.DecodeResponse:
+        start = time.perf_counter_ns()
+        if not request.batches:
+            raise InvalidRequestError("Must provide at least one batch")
+        missing = [b.id for b in request.batches if b.id not in self.cache]
+        if missing:
+            # Checked before popping anything so that the other batches stay cached and usable.
+            raise BatchNotFoundError(missing[0])
+        batches = [self.cache.pop(b.id) for b in request.batches]
+        concat_ns = None
+        if len(batches) > 1:
+            concat_start = time.perf_counter_ns()
+            batch = self.model.batch_type.concatenate(batches)
+            concat_ns = time.perf_counter_ns() - concat_start
+        else:
+            batch = batches[0]
+        generations, next_batch, (forward_ns, decode_ns) = self.model.generate_token(batch)
+        self.cache.set(next_batch)
+        return generate_pb2.DecodeResponse(
+            generations=generations,
+            batch=next_batch.to_pb() if next_batch is not None else None,
+            forward_ns=forward_ns,
+            decode_ns=decode_ns,
+            total_ns=time.perf_counter_ns() - start,
+            concat_ns=concat_ns,
+        )
+
+
+def shard_urls(uds_path: str, sharded: bool) -> tuple[str, list[str]]:
+    """(this shard's url, every shard's url): `unix://{uds_path}-{rank}`, rank 0 only when unsharded."""
+    rank, world_size = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if sharded else (0, 1)
+    urls = [f"unix://{uds_path}-{r}" for r in range(world_size)]
+    return urls[rank], urls
+
+
+async def serve(model: Model, uds_path: str, sharded: bool, tracing: bool) -> bool:
+    """Serve until SIGTERM/SIGINT or a fatal RuntimeError in an RPC, then remove the socket file.
+
+    Returns True when the shard stopped because of a fatal error (the CLI then exits non-zero)."""
+    local_url, urls = shard_urls(uds_path, sharded)
+    socket_path = Path(local_url[len("unix://") :])
+    socket_path.unlink(missing_ok=True)  # a stale socket from a crashed run would make the bind fail
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    fatal = False
+
+    def shutdown_after_fatal_error() -> None:
+        nonlocal fatal
+        fatal = True
+        stop.set()
+
+    interceptors: list[grpc.aio.ServerInterceptor] = [ExceptionInterceptor(shutdown_after_fatal_error)]
+    if tracing:
+        interceptors.append(TracingInterceptor())
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_LENGTH),
+            ("grpc.max_send_message_length", MAX_MESSAGE_LENGTH),
+        ],
+    )
+    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(model, Cache(), urls), server)
+    server.add_insecure_port(local_url)
+    await server.start()
+    logger.info("Server started at %s", local_url)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("Shutting down" if fatal else "Signal received. Shutting down")
+        # A short grace lets the RPC that triggered a fatal shutdown deliver its error first.
+        await server.stop(grace=1.0)
+        socket_path.unlink(missing_ok=True)
+    return fatal
