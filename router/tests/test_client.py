@@ -1,0 +1,157 @@
+"""ShardedClient and connect_backend against a real shard process on a real unix socket."""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from textgen_pb import generate_pb2
+
+from textgen_router import metrics
+from textgen_router.backend import StartupError, connect_backend, warmup_batch
+from textgen_router.client import ShardedClient, ShardError, _metadata
+
+T = TypeVar("T")
+pytestmark = pytest.mark.timeout(120)
+
+
+def root_conftest(config: pytest.Config) -> Any:
+    # Every conftest.py is module "conftest"; fetch the repo root's by its registration path.
+    return config.pluginmanager.get_plugin(str(Path(config.rootpath) / "conftest.py"))
+
+
+@pytest.fixture(scope="module")
+def shard(request: pytest.FixtureRequest, tiny_llama: Path) -> Iterator[Any]:
+    with root_conftest(request.config).ShardProcess(tiny_llama) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def run() -> Iterator[Any]:
+    loop = asyncio.new_event_loop()
+
+    def run(coro: Coroutine[Any, Any, T]) -> T:
+        return loop.run_until_complete(asyncio.wait_for(coro, 60))
+
+    yield run
+    loop.close()
+
+
+def connect(shard: Any, **overrides: Any) -> Coroutine[Any, Any, Any]:
+    args: dict[str, Any] = dict(
+        max_input_tokens=64, max_total_tokens=128, max_batch_prefill_tokens=256,
+        max_batch_total_tokens=None, max_batch_size=None, waiting_served_ratio=0.3, max_waiting_tokens=20,
+    )
+    args.update(overrides)
+    return connect_backend(shard.socket, **args)
+
+
+def test_unreachable_socket(run: Any) -> None:
+    path = f"/tmp/tg-missing-{os.getpid()}-0"
+    with pytest.raises(StartupError) as err:
+        run(connect_backend(path, 64, 128, 256, None, None, 0.3, 20))
+    assert str(err.value).startswith(
+        "Unable to connect to the Python model shards: Could not connect to Text Generation server: "
+    )
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(max_input_tokens=128, max_total_tokens=128), "`max_input_tokens` must be < `max_total_tokens`"),
+    (dict(max_batch_size=0), "`max_batch_size` must be > 0"),
+])
+def test_argument_checks_before_connecting(run: Any, overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(StartupError, match=f"^Argument validation error: {message}$"):
+        run(connect_backend("/tmp/never-reached-0", **{
+            **dict(max_input_tokens=64, max_total_tokens=128, max_batch_prefill_tokens=256,
+                   max_batch_total_tokens=None, max_batch_size=None, waiting_served_ratio=0.3,
+                   max_waiting_tokens=20),
+            **overrides,
+        }))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(max_batch_prefill_tokens=32),
+     "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 32 and 64"),
+    (dict(max_batch_total_tokens=200),
+     "`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: 256 and 200"),
+    (dict(max_batch_prefill_tokens=64, max_batch_total_tokens=100),
+     "`max_total_tokens` must be <= `max_batch_total_tokens`. Given: 128 and 100"),
+])
+def test_contradictory_limits_after_warmup(run: Any, shard: Any, overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(StartupError) as err:
+        run(connect(shard, **overrides))
+    assert str(err.value) == f"Argument validation error: {message}"
+
+
+def test_connect_backend_settles_limits(run: Any, shard: Any) -> None:
+    metrics.reset()
+    backend = run(connect(shard))
+    try:
+        assert backend.info.requires_padding and backend.info.device_type == "cpu"
+        assert (backend.max_input_tokens, backend.max_total_tokens) == (64, 128)
+        # A padded shard reports no supported total: TGI falls back to max(16000, total, prefill).
+        assert backend.max_batch_total_tokens == 16000
+        assert metrics.BATCH_MAX_TOTAL_TOKENS.value() == 16000
+        assert metrics.REQUEST_INPUT_LENGTH.buckets[0] == 0.64 and metrics.REQUEST_GENERATED_TOKENS.buckets[-1] == 128
+    finally:
+        run(backend.close())
+
+
+def test_warmup_batch_fills_prefill_budget() -> None:
+    batch = warmup_batch(max_input_tokens=30, max_prefill_tokens=70, max_total_tokens=40, max_batch_size=None)
+    assert [r.truncate for r in batch.requests] == [30, 30, 10]
+    first = batch.requests[0]
+    assert [c.WhichOneof("chunk") for c in first.input_chunks.chunks] == ["text", "image"]
+    assert first.input_chunks.chunks[0].text == "_test " * 30 and first.stopping_parameters.max_new_tokens == 10
+    assert first.prefill_logprobs and first.top_n_tokens == 20 and first.parameters.watermark
+    assert len(batch.requests[1].input_chunks.chunks) == 1
+    assert warmup_batch(30, 70, None, 2).size == 2
+    assert warmup_batch(None, 70, None, None).requests[0].stopping_parameters.max_new_tokens == 1
+
+
+def test_client_calls(run: Any, shard: Any) -> None:
+    async def scenario() -> None:
+        client = await ShardedClient.connect(shard.url)
+        try:
+            assert client.num_shards == 1
+            assert (await client.info()).dtype == "torch.float32"
+            await client.health()
+            await client.clear_cache(None)
+            request = generate_pb2.Request(
+                id=5, inputs="Hello", input_chunks=generate_pb2.Input(chunks=[generate_pb2.InputChunk(text="Hello")]),
+                truncate=64, parameters=generate_pb2.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0,
+                                                                              repetition_penalty=1.0),
+                stopping_parameters=generate_pb2.StoppingCriteriaParameters(max_new_tokens=4),
+            )
+            other = generate_pb2.Request()
+            other.CopyFrom(request)
+            other.id = 6
+            result = await client.prefill(generate_pb2.Batch(id=3, requests=[request, other], size=2, max_tokens=20))
+            assert sorted(g.request_id for g in result.generations) == [5, 6]
+            assert result.batch is not None and result.batch.id == 3 and result.total_ns > 0
+            kept = await client.filter_batch(3, [6])
+            assert list(kept.request_ids) == [6]
+            step = await client.decode([kept])
+            assert [g.request_id for g in step.generations] == [6]
+            await client.clear_cache(3)
+            with pytest.raises(ShardError) as err:
+                await client.decode([kept])  # the batch is gone: the shard's error comes back as ShardError
+            assert err.value.message
+        finally:
+            await client.close()
+
+    run(scenario())
+
+
+def test_trace_context_is_injected() -> None:
+    tracer = TracerProvider().get_tracer("test")
+    assert _metadata() is None  # no active span: nothing to propagate
+    with trace.use_span(tracer.start_span("request"), end_on_exit=True) as span:
+        metadata = dict(_metadata() or ())
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    assert metadata["traceparent"].split("-")[1] == trace_id
