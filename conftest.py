@@ -19,6 +19,10 @@ Real shard processes:
   (a sync `TextGenerationServiceStub`, channel closed by `.stop()`), `.stop()`.
 - `shard_stub(socket_path)`: a sync stub on any socket path, as a context manager closing its channel.
 - `unique_uds_path()`: a short unique socket prefix under /tmp (AF_UNIX paths must stay < 100 chars).
+
+Test modules cannot `import conftest` reliably (every test directory has its own conftest.py), so the
+classes and helpers are also fixtures: `shard_process` (the ShardProcess class, session-scoped so module-
+and session-scoped fixtures can use it) and `shard_stub_factory` (the shard_stub function).
 """
 from __future__ import annotations
 
@@ -238,3 +242,15 @@ def start_shard() -> Iterator[Callable[..., ShardHandle]]:
     yield start
     for handle in handles:
         handle.stop()
+
+
+@pytest.fixture(scope="session")
+def shard_process() -> type[ShardProcess]:
+    """The ShardProcess class: `with shard_process(model_dir, extra_args=[...]) as handle:`."""
+    return ShardProcess
+
+
+@pytest.fixture(scope="session")
+def shard_stub_factory() -> Callable[[str], contextlib.AbstractContextManager]:
+    """The shard_stub function: `with shard_stub_factory(handle.socket) as stub:`."""
+    return shard_stub
