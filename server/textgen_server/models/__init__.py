@@ -54,11 +54,16 @@ def load_module(
     from transformers import AutoModelForCausalLM
 
     # ---- Tensor-parallel dispatch point (models/tp_llama.py plugs in here) ----
-    if dist.world_size > 1:
-        raise UnsupportedConfigError(
-            f"--sharded over {dist.world_size} shards: no tensor-parallel implementation for model type "
-            f"{config.model_type!r}"
-        )
+    from textgen_server.models.tp_llama import TP_MODEL_TYPES, check_shardable, load_tp_model
+
+    # Llama-family models take the TP path on one shard too (fused projections, no HF per-call overhead).
+    if config.model_type in TP_MODEL_TYPES or dist.world_size > 1:
+        try:
+            # The same check on every rank, before any collective: all ranks stop with the same clear line.
+            check_shardable(config, dist.world_size)
+        except ValueError as error:
+            raise UnsupportedConfigError(f"--sharded over {dist.world_size} shards: {error}") from error
+        return load_tp_model(model_dir, config, dtype, device, dist)
     # ---- end of the dispatch point ----
     module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     return module.to(device).eval()

@@ -203,8 +203,4 @@ def load_tp_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype,
     check_shardable(config, dist.world_size)
     aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
     weights = Weights.from_dir(Path(model_dir), device, dtype, dist.rank, dist.world_size, aliases)
-    # Ranks read their blocks at their own pace; meet before and after so no peer starts collectives early.
-    dist.barrier()
-    model = TPCausalLM(config, weights, dist, device).eval()
-    dist.barrier()
-    return model
+    return TPCausalLM(config, weights, dist, device).eval()
