@@ -1,0 +1,98 @@
+"""The real launcher end to end with the tiny model: start, serve, stop on SIGTERM with a request in
+flight, die when a shard dies, refuse a taken port, fail clearly on a missing model."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import run_launcher
+from launched import Launched, free_port
+
+LaunchFactory = Callable[..., Launched]
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[LaunchFactory]:
+    started: list[Launched] = []
+
+    def start(model: Path, *extra: str, env: dict[str, str] | None = None) -> Launched:
+        launched = Launched(model, extra, tmp_path / f"launcher-{len(started)}.log", env)
+        started.append(launched)
+        return launched
+
+    yield start
+    for launched in started:
+        launched.kill()
+
+
+def test_sigterm_lets_the_request_in_flight_finish(launch: LaunchFactory, tiny_llama: Path) -> None:
+    launched = launch(tiny_llama, "--graceful-termination-timeout", "30")
+    print(f"launch to healthy: {launched.wait_healthy():.1f}s")
+    log = launched.log()
+    assert "Shard 0 ready in" in log and "Starting Webserver" in log
+    body = {"inputs": "Hello world", "parameters": {"max_new_tokens": 40, "details": True}}
+    events = []
+    with httpx.stream("POST", f"{launched.url}/generate_stream", json=body, timeout=60.0) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            events.append(json.loads(line[len("data:"):]))
+            if len(events) == 1:  # the request is now in flight: stop the launcher under it
+                launched.process.send_signal(signal.SIGTERM)
+    final = events[-1]
+    assert final["details"]["finish_reason"] == "length"
+    assert final["details"]["generated_tokens"] == 40 == len(events)
+    assert launched.wait_exit(60) == 0
+    assert launched.survivors() == []
+    assert launched.sockets_left() == []
+    log = launched.log()
+    assert log.index("Terminating webserver") < log.index("Terminating shard 0")
+
+
+def test_a_dead_shard_stops_everything(launch: LaunchFactory, tiny_llama: Path) -> None:
+    launched = launch(tiny_llama, "--num-shard", "2", "--json-output")
+    launched.wait_healthy()
+    shards = launched.shard_pids()
+    assert len(shards) == 2
+    os.kill(shards[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert launched.wait_exit(30) == 1
+    assert time.monotonic() - killed_at < 15
+    assert launched.survivors() == []
+    assert launched.sockets_left() == []
+    records = [json.loads(line) for line in launched.log().splitlines() if line.startswith("{")]
+    assert any(r["message"] == "Shard 1 crashed" and r["level"] == "ERROR" for r in records)
+    # Shard lines come back with the shard's rank.
+    assert {r["fields"]["rank"] for r in records if "rank" in r.get("fields", {})} == {0, 1}
+    assert "Error: ShardFailed" in launched.log()
+
+
+def test_port_in_use_stops_before_anything_starts(tiny_llama: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_launcher(["--model-id", str(tiny_llama), "--hostname", "127.0.0.1", "--port", str(port)])
+    assert result.returncode == 1
+    assert f'Error: PortInUse("Port 127.0.0.1:{port} is not available: Address already in use")' in result.stderr
+    assert "Starting" not in result.stdout
+
+
+@pytest.mark.parametrize("model_id", ["/tmp/no-such-model-dir", "no-such-org/no-such-model"])
+def test_missing_model_is_one_clear_line(model_id: str) -> None:
+    result = run_launcher(["--model-id", model_id, "--port", str(free_port())])
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    errors = [line for line in output.splitlines() if "Download encountered an error" in line]
+    assert len(errors) == 1 and model_id in errors[0], output
+    assert "Traceback" not in output
+    assert "Error: DownloadError" in result.stderr
