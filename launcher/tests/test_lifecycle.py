@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from helpers import run_launcher
@@ -74,6 +75,27 @@ def test_a_dead_shard_stops_everything(launch: LaunchFactory, tiny_llama: Path) 
     # Shard lines come back with the shard's rank.
     assert {r["fields"]["rank"] for r in records if "rank" in r.get("fields", {})} == {0, 1}
     assert "Error: ShardFailed" in launched.log()
+
+
+def test_a_router_that_fails_stops_the_shards(launch: LaunchFactory, tiny_llama: Path) -> None:
+    # The launcher does not check this pair (TGI 3 moved the check into the router, after warmup).
+    launched = launch(tiny_llama, "--max-input-tokens", "100", "--max-total-tokens", "200",
+                      "--max-batch-prefill-tokens", "50")
+    assert launched.wait_exit(240) == 1
+    log = launched.log()
+    assert "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 50 and 100" in log
+    assert "Webserver Crashed" in log and "Error: WebserverFailed" in log
+    assert log.index("Webserver Crashed") < log.index("Terminating shard 0")
+    assert launched.sockets_left() == []
+    assert not any("serve" in " ".join(p.cmdline()) and launched.uds in " ".join(p.cmdline())
+                   for p in psutil.process_iter() if p.pid != os.getpid() and _alive(p))
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_port_in_use_stops_before_anything_starts(tiny_llama: Path) -> None:
