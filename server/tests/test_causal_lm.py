@@ -1,0 +1,136 @@
+"""CausalLM and CausalLMBatch in process: the batch state through prefill, filter and concatenate."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shard_helpers import HFOracle, make_batch, make_request
+from textgen_pb import generate_pb2 as pb
+from textgen_server.models import get_model
+from textgen_server.models.causal_lm import CausalLM, CausalLMBatch
+
+PROMPTS = ["def foo(x):", "class", "for i in range(10):\n    print(i)", "x = 1"]
+
+
+@pytest.fixture(scope="module")
+def gpt2(tiny_gpt2: Path) -> CausalLM:
+    model = get_model(str(tiny_gpt2))
+    assert isinstance(model, CausalLM)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt2_oracle(tiny_gpt2: Path) -> HFOracle:
+    return HFOracle(tiny_gpt2)
+
+
+def generate_all(model: CausalLM, batch: CausalLMBatch | None) -> dict[int, list[int]]:
+    """Run to the end, filtering finished requests out as the router would."""
+    tokens: dict[int, list[int]] = {}
+    while batch is not None:
+        generations, batch, _ = model.generate_token(batch)
+        for g in generations:
+            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+        done = {g.request_id for g in generations if g.HasField("generated_text")}
+        if batch is not None and done:
+            live = [r.id for r in batch.requests if r.id not in done]
+            batch = batch.filter(live) if live else None
+    return tokens
+
+
+def test_from_pb_pads_left_and_reserves_right(gpt2: CausalLM) -> None:
+    batch = CausalLMBatch.from_pb(make_batch(1, [make_request(0, PROMPTS[0], 3), make_request(1, "class", 7)]), gpt2)
+    long, short = batch.input_lengths
+    assert batch.max_input_length == long > short
+    assert batch.padding_right_offset == 7
+    assert batch.attention_mask.shape == (2, long + 7)
+    assert batch.attention_mask[1, : long - short].sum() == 0 and batch.attention_mask[1, long - short : long].all()
+    assert batch.attention_mask[:, long:].sum() == 0
+    assert batch.max_tokens == 2 * long + 3 + 7
+    cached = batch.to_pb()
+    assert (cached.id, list(cached.request_ids), cached.size, cached.current_tokens) == (1, [0, 1], 2, 2)
+
+
+def test_gpt2_greedy_through_filter_and_concatenate_matches_transformers(gpt2: CausalLM, gpt2_oracle: HFOracle) -> None:
+    first = CausalLMBatch.from_pb(make_batch(1, [make_request(i, PROMPTS[i], 5 + i) for i in range(3)]), gpt2)
+    tokens: dict[int, list[int]] = {}
+    batch: CausalLMBatch | None = first
+    for _ in range(2):
+        generations, batch, _ = gpt2.generate_token(batch)  # type: ignore[arg-type]
+        for g in generations:
+            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+    assert batch is not None
+    batch = batch.filter([0, 2])
+    kv = batch.past_key_values.layers[0].keys  # type: ignore[union-attr]
+    assert kv.shape[0] == 2 and kv.shape[2] == batch.max_input_length - 1
+    assert batch.attention_mask.shape[1] == batch.max_input_length + batch.padding_right_offset
+
+    late = CausalLMBatch.from_pb(make_batch(2, [make_request(3, PROMPTS[3], 6)]), gpt2)
+    generations, late_next, _ = gpt2.generate_token(late)
+    tokens[3] = [g.tokens.ids[0] for g in generations]
+    merged = CausalLMBatch.concatenate([batch, late_next])  # type: ignore[list-item]
+    assert merged.batch_id == 1 and [r.id for r in merged.requests] == [0, 2, 3]
+    for request_id, ids in generate_all(gpt2, merged).items():
+        tokens[request_id].extend(ids)
+
+    for i, n in ((0, 5), (2, 7), (3, 6)):
+        assert tokens[i] == gpt2_oracle.greedy(PROMPTS[i], n), f"request {i}"
+    assert len(tokens[1]) == 2
+
+
+def test_eos_token_finishes_with_eos_reason(gpt2: CausalLM, gpt2_oracle: HFOracle) -> None:
+    expected = gpt2_oracle.greedy(PROMPTS[1], 6)
+    eos = expected[2]
+    saved = gpt2.eos_token_ids
+    gpt2.eos_token_ids = {eos}  # the random model never picks the real EOS: pretend its 3rd token is one
+    try:
+        batch = CausalLMBatch.from_pb(make_batch(1, [make_request(0, PROMPTS[1], 6, ignore_eos=False),
+                                                     make_request(1, PROMPTS[1], 6, ignore_eos=True)]), gpt2)
+        finished: dict[int, pb.GeneratedText] = {}
+        current: CausalLMBatch | None = batch
+        while current is not None:
+            generations, current, _ = gpt2.generate_token(current)
+            finished.update({g.request_id: g.generated_text for g in generations if g.HasField("generated_text")})
+            if current is not None and finished:
+                live = [r.id for r in current.requests if r.id not in finished]
+                current = current.filter(live) if live else None
+    finally:
+        gpt2.eos_token_ids = saved
+    assert finished[0].finish_reason == pb.FINISH_REASON_EOS_TOKEN and finished[0].generated_tokens == 3
+    assert finished[1].finish_reason == pb.FINISH_REASON_LENGTH and finished[1].generated_tokens == 6
+
+
+def test_decode_token_holds_back_a_character_split_across_tokens(gpt2: CausalLM) -> None:
+    text = "naïve 世界 ok"
+    ids = gpt2.tokenizer(text)["input_ids"]
+    pieces = [gpt2.tokenizer.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces), "the byte-level tokenizer must split a character here"
+    prefix, read, out = 0, 0, ""
+    emitted = []
+    for n in range(1, len(ids) + 1):
+        piece, prefix, read = gpt2.decode_token(ids[:n], prefix, read)
+        emitted.append(piece)
+        out += piece
+    assert out == text
+    assert "" in emitted and not any("\ufffd" in p for p in emitted)
+
+
+def test_concatenate_keeps_each_rows_kv_right_aligned(gpt2: CausalLM) -> None:
+    a = CausalLMBatch.from_pb(make_batch(1, [make_request(0, PROMPTS[2], 4)]), gpt2)
+    b = CausalLMBatch.from_pb(make_batch(2, [make_request(1, "x", 4)]), gpt2)
+    _, a, _ = gpt2.generate_token(a)
+    _, b, _ = gpt2.generate_token(b)
+    assert a is not None and b is not None
+    a_keys = a.past_key_values.layers[0].keys.clone()  # type: ignore[union-attr]
+    b_keys = b.past_key_values.layers[0].keys.clone()  # type: ignore[union-attr]
+    merged = CausalLMBatch.concatenate([a, b])
+    keys = merged.past_key_values.layers[0].keys  # type: ignore[union-attr]
+    width = merged.max_input_length - 1
+    assert keys.shape[2] == width
+    assert torch.equal(keys[0], a_keys[0])
+    assert torch.equal(keys[1, :, width - b_keys.shape[2] :], b_keys[0])
+    assert keys[1, :, : width - b_keys.shape[2]].abs().sum() == 0
+    live = merged.attention_mask[:, : merged.max_input_length]
+    assert live.sum(1).tolist() == merged.input_lengths
