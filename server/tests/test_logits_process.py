@@ -84,6 +84,33 @@ def test_typical_p_ignores_already_masked_tokens() -> None:
     assert 2 not in kept(out)[0] and len(kept(out)[0]) >= 1
 
 
+def reference_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Straight from the definition: sort ascending, drop the tail whose cumulative mass <= 1 - top_p."""
+    ascending, order = scores.double().sort(dim=-1)
+    remove = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+    remove[:, -1] = False
+    return scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+def reference_typical_p(scores: torch.Tensor, mass: float) -> torch.Tensor:
+    logp = scores.double().log_softmax(-1)
+    distance = (-logp - -(logp.exp() * logp).nansum(-1, keepdim=True)).abs()
+    ordered, order = distance.sort(dim=-1)
+    cumulative = logp.exp().gather(-1, order).cumsum(-1)
+    last = (cumulative < mass).sum(-1, keepdim=True).clamp(max=scores.shape[-1] - 1)
+    remove = ordered > ordered.gather(-1, last)
+    return scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 8.0])  # flat (sets wider than the first look) to peaked
+def test_top_p_and_typical_p_match_the_full_sort_definition(scale: float) -> None:
+    scores = torch.randn(6, 2000, generator=torch.Generator().manual_seed(1)) * scale
+    for p in (0.3, 0.9):
+        column = torch.full((6,), p)
+        assert kept(TopP(column)(scores)) == kept(reference_top_p(scores, p))
+        assert kept(TypicalP(column)(scores)) == kept(reference_typical_p(scores, p))
+
+
 def test_repetition_penalty_lowers_seen_tokens_either_sign() -> None:
     scores = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
     counts = torch.tensor([[1.0, 3.0, 0.0, 0.0]])
