@@ -76,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("%s", error)
         return 1
 
+    from textgen_server.hub import ModelNotFoundError
     from textgen_server.interceptor import setup_tracing
     from textgen_server.models import get_model
     from textgen_server.server import serve
@@ -87,7 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
             args.model_id, args.revision, args.sharded, args.quantize, args.speculate, args.dtype,
             args.trust_remote_code, args.max_input_tokens,
         )
-    except UnsupportedConfigError as error:
+    except (UnsupportedConfigError, ModelNotFoundError) as error:
         logger.error("%s", error)
         return 1
     except Exception:
@@ -98,9 +99,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_download(args: argparse.Namespace) -> int:
-    from textgen_server.hub import download_weights
+    from textgen_server.hub import ModelNotFoundError, download_weights
 
-    download_weights(args.model_id, revision=args.revision, extension=args.extension, auto_convert=args.auto_convert)
+    try:
+        download_weights(args.model_id, args.revision, args.extension, args.auto_convert)
+    except ModelNotFoundError as error:
+        logger.error("%s", error)
+        return 1
     return 0
 
 

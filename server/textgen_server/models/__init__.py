@@ -6,9 +6,10 @@ options with `check_options` first, so a configuration it cannot honour fails in
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from textgen_server.hub import resolve_model_dir
 
 if TYPE_CHECKING:
     import torch
@@ -34,15 +35,6 @@ def check_options(quantize: str | None, speculate: int | None, dtype: str | None
         raise UnsupportedConfigError(f"--speculate {speculate} is not supported: the padded CausalLM never speculates")
     if dtype is not None and dtype not in DTYPES:
         raise UnsupportedConfigError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
-
-
-def resolve_model_dir(model_id: str, revision: str | None) -> Path:
-    """A local directory as is; otherwise the hub snapshot that download-weights already fetched."""
-    if os.path.isdir(model_id):
-        return Path(model_id)
-    from textgen_server.hub import resolve_model_dir as hub_resolve
-
-    return hub_resolve(model_id, revision)
 
 
 def load_module(
@@ -92,7 +84,7 @@ def get_model(
     # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
     torch_dtype = getattr(torch, dtype) if dtype else (torch.float16 if device.type == "cuda" else torch.float32)
 
-    model_dir = resolve_model_dir(model_id, revision)
+    model_dir = resolve_model_dir(model_id, revision)  # a local dir, or the snapshot download-weights fetched
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(
         model_dir, trust_remote_code=trust_remote_code, padding_side="left", truncation_side="left"
