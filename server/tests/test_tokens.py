@@ -211,6 +211,11 @@ def test_default_proto_zero_temperature_is_rejected() -> None:
         chooser([generate_pb2.NextTokenChooserParameters()])
 
 
+def test_prompt_ids_outside_the_vocabulary_are_rejected_when_a_penalty_needs_them() -> None:
+    with pytest.raises(ValueError, match="prompt token ids"):
+        chooser([params(repetition_penalty=1.2)], [[1, V]])
+
+
 def test_logits_of_another_width_are_rejected() -> None:
     with pytest.raises(ValueError, match="columns"):
         chooser([params()])(last(1), torch.zeros(1, V + 1))

@@ -140,6 +140,8 @@ class HeterogeneousNextTokenChooser:
         generators = [_generator(s, device) if d else None for s, d in zip(seeds, do_sample)]
         history = None
         if _needs_history(table):
+            if any(not 0 <= token < vocab_size for ids in prompt_ids for token in ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
             history = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
             flat = [row * vocab_size + token for row, ids in enumerate(prompt_ids) for token in ids]
             flat_index = torch.tensor(flat, dtype=torch.long, device=device)
