@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +69,8 @@ class Launcher:
         self.log_path.unlink(missing_ok=True)
 
 
-def start_launcher(model_dir: Path) -> Launcher:
+def start_launcher(model_dir: Path, extra_args: Sequence[str] = ()) -> Launcher:
+    """Start a launcher of its own (not shared) with `extra_args` appended, and wait until it is healthy."""
     port = free_port()
     cmd = [
         "textgen-launcher",
@@ -79,6 +80,7 @@ def start_launcher(model_dir: Path) -> Launcher:
         "--prometheus-port", str(free_port()),
         "--master-port", str(free_port()),
         "--shard-uds-path", f"/tmp/tg-it-{uuid.uuid4().hex[:8]}-server",
+        *extra_args,
     ]  # fmt: skip
     env = dict(os.environ, LOG_LEVEL="info", USAGE_STATS="off")
     fd, log_name = tempfile.mkstemp(prefix="tg-it-launcher-", suffix=".log")

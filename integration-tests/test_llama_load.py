@@ -8,7 +8,7 @@ from textgen_client.types import Response
 
 WORDS = ["import", "def", "class", "return", "while", "lambda", "yield", "assert"]
 # Distinct prompts of different lengths and budgets, so requests join and leave the batch at different steps.
-REQUESTS = [(" ".join(WORDS[: 1 + i % 8]) + f" x{i}", 4 + i % 9) for i in range(32)]
+REQUESTS = [(" ".join(WORDS[: 1 + i % 8]) + f" x{i}", 3 + i % 6) for i in range(32)]
 
 
 async def _run_all(client: AsyncClient, concurrent: bool) -> list[Response]:

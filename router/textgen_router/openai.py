@@ -35,13 +35,8 @@ def _state(request: Request) -> RouterState:
 
 
 def _chat_template(request: Request) -> ChatTemplate:
-    """The app's ChatTemplate (main.py sets it from --tokenizer-config-path); else the model's own, once."""
-    template = getattr(request.app.state, "chat_template", None)
-    if template is None:
-        state = _state(request)
-        template = ChatTemplate.load(state.validator.tokenizer, state.model_id)
-        request.app.state.chat_template = template
-    return template
+    """Loaded by main.py at start-up (model config or --tokenizer-config-path)."""
+    return request.app.state.chat_template
 
 
 def _model_name(state: RouterState, requested: str | None) -> str:
