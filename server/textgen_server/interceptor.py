@@ -7,6 +7,7 @@ does): after answering, the shard shuts itself down so the launcher notices and 
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,12 +22,25 @@ logger = logging.getLogger("textgen_server.interceptor")
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-def _wrap_unary(handler: grpc.RpcMethodHandler, behaviour: Handler) -> grpc.RpcMethodHandler:
-    return grpc.unary_unary_rpc_method_handler(
-        behaviour,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+class UnaryInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps the behaviour of every unary-unary RPC (all of generate.v3's) with `wrap`."""
+
+    @abstractmethod
+    def wrap(self, inner: Handler, details: grpc.HandlerCallDetails) -> Handler:
+        """The behaviour to run instead of `inner` for the RPC `details.method`."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self.wrap(handler.unary_unary, details),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
 
 def status_for(error: Exception) -> grpc.StatusCode:
@@ -37,20 +51,13 @@ def status_for(error: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-class ExceptionInterceptor(grpc.aio.ServerInterceptor):
+class ExceptionInterceptor(UnaryInterceptor):
     """Logs each failed RPC once and answers it with the mapped status; RuntimeError stops the shard."""
 
     def __init__(self, shutdown: Callable[[], None]) -> None:
         self.shutdown = shutdown
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
+    def wrap(self, inner: Handler, details: grpc.HandlerCallDetails) -> Handler:
         method = details.method.rsplit("/", 1)[-1]
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -68,24 +75,17 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                     self.shutdown()
                 await context.abort(code, str(error))
 
-        return _wrap_unary(handler, guarded)
+        return guarded
 
 
-class TracingInterceptor(grpc.aio.ServerInterceptor):
+class TracingInterceptor(UnaryInterceptor):
     """One SERVER span per RPC, child of the W3C `traceparent` the router sends as gRPC metadata."""
 
     def __init__(self) -> None:
         self.tracer = trace.get_tracer("textgen_server")
         self.propagator = TraceContextTextMapPropagator()
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
+    def wrap(self, inner: Handler, details: grpc.HandlerCallDetails) -> Handler:
         carrier = {key: value for key, value in (details.invocation_metadata or ()) if isinstance(value, str)}
         parent = self.propagator.extract(carrier)
         method = details.method
@@ -97,7 +97,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             ):
                 return await inner(request, context)
 
-        return _wrap_unary(handler, traced)
+        return traced
 
 
 def setup_tracing(otlp_endpoint: str, service_name: str) -> None:

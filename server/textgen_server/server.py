@@ -7,17 +7,20 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
 from textgen_pb import generate_pb2, generate_pb2_grpc
 from textgen_server.cache import BatchNotFoundError, Cache
 from textgen_server.interceptor import ExceptionInterceptor, TracingInterceptor
-from textgen_server.models.model import InvalidRequestError, Model
+from textgen_server.models.model import Batch, InvalidRequestError, Model
 
 logger = logging.getLogger("textgen_server.server")
 
 MAX_MESSAGE_LENGTH = 2**31 - 1
+
+R = TypeVar("R", generate_pb2.PrefillResponse, generate_pb2.DecodeResponse)
 
 
 class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
@@ -80,15 +83,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         if request.HasField("cached_batch"):
             raise InvalidRequestError("this shard does not support prefill chunking (`cached_batch` must be unset)")
         batch = self.model.batch_type.from_pb(request.batch, self.model)
-        generations, next_batch, (forward_ns, decode_ns) = self.model.generate_token(batch)
-        self.cache.set(next_batch)
-        return generate_pb2.PrefillResponse(
-            generations=generations,
-            batch=next_batch.to_pb() if next_batch is not None else None,
-            forward_ns=forward_ns,
-            decode_ns=decode_ns,
-            total_ns=time.perf_counter_ns() - start,
-        )
+        return self._step(generate_pb2.PrefillResponse, batch, start, concat_ns=None)
 
     async def Decode(self, request: generate_pb2.DecodeRequest, context: object) -> generate_pb2.DecodeResponse:
         start = time.perf_counter_ns()
@@ -106,9 +101,13 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             concat_ns = time.perf_counter_ns() - concat_start
         else:
             batch = batches[0]
+        return self._step(generate_pb2.DecodeResponse, batch, start, concat_ns)
+
+    def _step(self, response_type: type[R], batch: Batch, start: int, concat_ns: int | None) -> R:
+        """Run one step, cache the batch it leaves (if any request is left) and build the reply."""
         generations, next_batch, (forward_ns, decode_ns) = self.model.generate_token(batch)
         self.cache.set(next_batch)
-        return generate_pb2.DecodeResponse(
+        return response_type(
             generations=generations,
             batch=next_batch.to_pb() if next_batch is not None else None,
             forward_ns=forward_ns,
