@@ -6,6 +6,7 @@ padded CausalLM drives the model, equal `AutoModelForCausalLM.generate` on each 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig,
                           PreTrainedModel)
 
-from conftest import build_model, free_port
+from textgen_server.builder import build_test_model
 from textgen_server.layers.tensor_parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                                    VocabParallelEmbedding)
 from textgen_server.models.tp_llama import load_tp_model
@@ -108,10 +109,16 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The builder's tiny llama, mistral and qwen2 (trained tokenizer, random weights)."""
+    root = tmp_path_factory.mktemp("built")
+    return {arch: build_test_model(root / arch, arch=arch, size="tiny") for arch in ("llama", "mistral", "qwen2")}
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_one_shard_matches_transformers(arch: str) -> None:
-    model_dir = build_model(arch, "tiny")
-    check_against_reference(model_dir, ONE, reference(model_dir))
+def test_one_shard_matches_transformers(arch: str, built: dict[str, Path]) -> None:
+    check_against_reference(built[arch], ONE, reference(built[arch]))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -167,6 +174,12 @@ def _rank_main(rank: int, world_size: int, port: int, layer_dir: Path, refs: dic
         assert cache.layers[0].keys.shape[1] == config.num_key_value_heads // world_size
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_ranks(world_size: int, args: tuple, timeout: float) -> None:
     """Spawn `world_size` ranks of `_rank_main`; any rank's exception fails the test; bounded wait."""
     ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
@@ -183,7 +196,7 @@ def run_ranks(world_size: int, args: tuple, timeout: float) -> None:
                 proc.join(5)
 
 
-def test_two_ranks_match_unsharded_layers_and_transformers(tmp_path: Path) -> None:
+def test_two_ranks_match_unsharded_layers_and_transformers(tmp_path: Path, built: dict[str, Path]) -> None:
     g = torch.Generator().manual_seed(0)
     layer_dir = tmp_path / "layers"
     layer_dir.mkdir()
@@ -192,7 +205,7 @@ def test_two_ranks_match_unsharded_layers_and_transformers(tmp_path: Path) -> No
                "emb.weight": torch.randn(11, 6, generator=g), "head.weight": torch.randn(10, 6, generator=g)},
               str(layer_dir / "layers.safetensors"))
     refs = {}
-    for name, model_dir in (("qwen2", build_model("qwen2", "tiny")),
+    for name, model_dir in (("qwen2", built["qwen2"]),
                             ("tied", random_model_dir(tmp_path / "tied", VARIANTS["llama3-tied-bias"]))):
         refs[model_dir] = tmp_path / f"{name}.ref"
         torch.save(reference(model_dir), refs[model_dir])
