@@ -98,6 +98,21 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def test_a_killed_launcher_takes_its_shards_along(launch: LaunchFactory, tiny_llama: Path) -> None:
+    launched = launch(tiny_llama, "--num-shard", "2")
+    deadline = time.monotonic() + 60
+    while len(launched.shard_pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        launched.remember_children()
+    assert len(launched.shard_pids()) == 2, launched.log()
+    os.kill(launched.process.pid, signal.SIGKILL)  # no chance to clean up: the kernel must tell the children
+    launched.wait_exit(10)
+    deadline = time.monotonic() + 30
+    while launched.survivors() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert launched.survivors() == []
+
+
 def test_port_in_use_stops_before_anything_starts(tiny_llama: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

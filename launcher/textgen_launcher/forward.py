@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import IO, Any
+from typing import Any
 
 LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "SUCCESS": logging.INFO,
           "WARNING": logging.WARNING, "WARN": logging.WARNING, "ERROR": logging.ERROR,
@@ -52,7 +52,3 @@ class LineForwarder:
             message = f"[{self.label}] {message}"
         fields = {**(record.get("fields") or {}), **self.fields}
         logging.getLogger(str(record.get("target") or "textgen")).log(level, "%s", message, extra={"fields": fields})
-
-    def pump(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.emit(line.rstrip("\n"))
