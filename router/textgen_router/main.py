@@ -19,8 +19,10 @@ import socket
 import sys
 from argparse import Namespace
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -29,7 +31,7 @@ from starlette.routing import Route
 from textgen_launcher.logs import setup_logging
 from textgen_router import metrics
 from textgen_router.args import parse_args
-from textgen_router.backend import StartupError, connect_backend
+from textgen_router.backend import Backend, StartupError, connect_backend
 from textgen_router.chat_template import ChatTemplate
 from textgen_router.server import create_app
 from textgen_router.state import RouterState
@@ -81,13 +83,26 @@ def _bind(host: str, port: int) -> socket.socket | None:
     return sock
 
 
-def _uvicorn_config(app: object, host: str, port: int) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,  # type: ignore[arg-type]
-                          timeout_keep_alive=5)
+@dataclass
+class Router:
+    """A connected router: the app to serve and what must be closed after serving it."""
+
+    app: FastAPI
+    backend: Backend
+    validator: Validator
+
+    async def close(self) -> None:
+        """Stop the batching loop (failing what is pending), close the shard channels and the workers."""
+        await self.backend.close()
+        self.validator.close()
 
 
-async def serve(args: Namespace) -> int:
-    """Connect, warm up, serve until a signal; returns the exit code."""
+class StartFailed(Exception):
+    """Start-up failed with this message; `textgen-router` prints `Error: <message>` and exits 1."""
+
+
+async def start(args: Namespace) -> Router:
+    """Connect to the shards (warmup settles the token limits), load the tokenizer, build the app."""
     try:
         backend = await connect_backend(
             args.master_shard_uds_path, args.max_input_tokens, args.max_total_tokens,
@@ -95,10 +110,7 @@ async def serve(args: Namespace) -> int:
             args.waiting_served_ratio, args.max_waiting_tokens, args.max_concurrent_requests,
         )
     except StartupError as err:
-        logger.error("%s", err)
-        print(f"Error: {err}", file=sys.stderr)
-        return 1
-    validator: Validator | None = None
+        raise StartFailed(str(err)) from None
     try:
         if args.max_input_tokens is None:
             logger.info("Maximum input tokens defaulted to %d", backend.max_input_tokens)
@@ -110,9 +122,7 @@ async def serve(args: Namespace) -> int:
                 load_tokenizer, args.tokenizer_name, args.revision, args.trust_remote_code
             )
         except (OSError, ValueError) as err:
-            logger.error("Unable to load the tokenizer of %s: %s", args.tokenizer_name, err)
-            print(f"Error: unable to load the tokenizer of {args.tokenizer_name}: {err}", file=sys.stderr)
-            return 1
+            raise StartFailed(f"Unable to load the tokenizer of {args.tokenizer_name}: {err}") from None
         limits = Limits(args.max_best_of, args.max_stop_sequences, args.max_top_n_tokens,
                         backend.max_input_tokens, backend.max_total_tokens)
         validator = Validator(tokenizer, limits, args.validation_workers)
@@ -126,18 +136,40 @@ async def serve(args: Namespace) -> int:
         app.state.chat_template = await asyncio.to_thread(
             ChatTemplate.load, tokenizer, args.tokenizer_name, args.tokenizer_config_path, args.revision
         )
+    except BaseException:
+        await backend.close()
+        raise
+    return Router(app, backend, validator)
+
+
+def server(app: object, host: str, port: int) -> uvicorn.Server:
+    """A uvicorn server for `app` that leaves signal handling to its caller (set `should_exit` to stop)."""
+    config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None,  # type: ignore[arg-type]
+                            access_log=False, timeout_keep_alive=5)
+    return _Server(config)
+
+
+async def serve(args: Namespace) -> int:
+    """Start, serve until SIGINT/SIGTERM (in-flight requests finish), close; returns the exit code."""
+    try:
+        router = await start(args)
+    except StartFailed as err:
+        logger.error("%s", err)
+        print(f"Error: {err}", file=sys.stderr)
+        return 1
+    try:
         host = listen_host(args.hostname)
-        servers = [_Server(_uvicorn_config(app, host, args.port))]
+        servers = [server(router.app, host, args.port)]
         listeners = [servers[0].serve()]
         prometheus_socket = _bind(host, args.prometheus_port)
         if prometheus_socket is not None:
-            servers.append(_Server(_uvicorn_config(_metrics_app(), host, args.prometheus_port)))
+            servers.append(server(_metrics_app(), host, args.prometheus_port))
             listeners.append(servers[1].serve(sockets=[prometheus_socket]))
 
         def on_signal() -> None:
             logger.info("signal received, starting graceful shutdown")
-            for server in servers:
-                server.should_exit = True
+            for srv in servers:
+                srv.should_exit = True
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -146,9 +178,7 @@ async def serve(args: Namespace) -> int:
         await asyncio.gather(*listeners)
         return 0
     finally:
-        await backend.close()
-        if validator is not None:
-            validator.close()
+        await router.close()
 
 
 def log_level(directive: str) -> str:

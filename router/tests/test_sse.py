@@ -1,0 +1,154 @@
+"""/generate_stream over the shared real router: SSE bytes, errors as events, overload, client disconnects."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from router_fixtures import MAX_CONCURRENT_REQUESTS
+from textgen_router.sse import KEEP_ALIVE, event, with_keep_alive
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "Hello world, this is"
+NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
+
+
+def stream(client: httpx.Client, inputs: str = PROMPT, **parameters: object) -> httpx.Response:
+    return client.post("/generate_stream", json={"inputs": inputs, "parameters": parameters})
+
+
+def metric(client: httpx.Client, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", client.get("/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_stream_bytes(client: httpx.Client) -> None:
+    reference = client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "details": True}})
+    tokens = reference.json()["details"]["tokens"]
+    response = stream(client, max_new_tokens=3, details=True)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream"
+    assert response.headers["cache-control"] == "no-cache"
+    assert response.headers["x-accel-buffering"] == "no"
+    assert response.headers["x-compute-type"] == "gpu+optimized"
+    assert response.headers["x-compute-characters"] == str(len(PROMPT))
+    raw = response.content
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and len(events) == 4  # three events, each ended by a blank line, nothing after
+    # The logprob digits are the shortest that give back the f32 (serde_json/ryu), taken from /generate's body.
+    logprobs = re.findall(rf'"logprob":({NUMBER})', reference.text)
+    prompt_tokens = reference.headers["x-prompt-tokens"]
+    for i, (tok, logprob) in enumerate(zip(tokens, logprobs), start=1):
+        token = ('{"id":%d,"text":%s,"logprob":%s,"special":false}'
+                 % (tok["id"], json.dumps(tok["text"], ensure_ascii=False), logprob))
+        if i < 3:
+            expected = '{"index":%d,"token":%s,"generated_text":null,"details":null}' % (i, token)
+        else:
+            text = json.dumps(reference.json()["generated_text"], ensure_ascii=False)
+            expected = ('{"index":3,"token":%s,"generated_text":%s,"details":{"finish_reason":"length",'
+                        '"generated_tokens":3,"seed":null,"input_length":%s}}' % (token, text, prompt_tokens))
+        assert events[i - 1] == b"data:" + expected.encode()
+
+
+def test_stream_top_tokens_and_full_text(client: httpx.Client) -> None:
+    events = [json.loads(line[5:]) for line in stream(client, max_new_tokens=2, top_n_tokens=2,
+                                                      return_full_text=True).text.split("\n\n") if line]
+    assert [e["index"] for e in events] == [1, 2]
+    assert all(len(e["top_tokens"]) == 2 for e in events)
+    assert list(events[0]) == ["index", "token", "top_tokens", "generated_text", "details"]
+    assert events[-1]["generated_text"].startswith(PROMPT)
+    assert events[-1]["details"] is None  # details were not asked for
+
+
+@pytest.mark.parametrize(("parameters", "message"), [
+    ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not supported when streaming tokens"),
+    ({"best_of": 0}, "`best_of` != 1 is not supported when streaming tokens"),
+    ({"decoder_input_details": True}, "`decoder_input_details` == true is not supported when streaming tokens"),
+    ({"temperature": 0.0}, "`temperature` must be strictly positive"),
+])
+def test_errors_are_events_on_a_200_stream(client: httpx.Client, parameters: dict, message: str) -> None:
+    response = stream(client, **parameters)
+    assert response.status_code == 200
+    expected = {"error": f"Input validation error: {message}", "error_type": "validation"}
+    assert response.content == b"data:" + json.dumps(expected, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _open_streams(base_url: str, headers: dict[str, str], n: int) -> None:
+    """Hold `n` long streams open (first event read), check overload, then drop them mid-stream."""
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as client:
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 400}}
+        streams = []
+        for _ in range(n):
+            ctx = client.stream("POST", "/generate_stream", json=body)
+            response = await ctx.__aenter__()
+            lines = response.aiter_lines()
+            assert (await lines.__anext__()).startswith("data:{\"index\":1")
+            streams.append((ctx, lines))
+        # Every permit is taken: a new request is refused without being queued.
+        overloaded = await client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1}})
+        assert overloaded.status_code == 429
+        assert overloaded.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+        over_stream = await client.post("/generate_stream", json=body)
+        assert over_stream.content == b'data:{"error":"Model is overloaded","error_type":"overloaded"}\n\n'
+        for ctx, lines in streams:
+            await lines.aclose()
+            await ctx.__aexit__(None, None, None)
+
+
+def test_overload_and_disconnect_give_permits_back(client: httpx.Client, router: object) -> None:
+    dropped = metric(client, 'tgi_request_failure{err="dropped"}')
+    asyncio.run(asyncio.wait_for(
+        _open_streams(router.base_url, dict(client.headers), MAX_CONCURRENT_REQUESTS), 120))  # type: ignore[attr-defined]
+    # The dropped requests leave the batch at its next step; their permits come back.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (metric(client, 'tgi_request_failure{err="dropped"}') >= dropped + MAX_CONCURRENT_REQUESTS
+                and metric(client, "tgi_batch_current_size") == 0):
+            break
+        time.sleep(0.2)
+    assert metric(client, 'tgi_request_failure{err="dropped"}') == dropped + MAX_CONCURRENT_REQUESTS
+    assert metric(client, "tgi_batch_current_size") == 0
+    assert metric(client, 'tgi_request_failure{err="overloaded"}') >= 2
+    # All permits are free again.
+    for _ in range(MAX_CONCURRENT_REQUESTS + 1):
+        assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_keep_alive_comment_while_idle() -> None:
+    async def slow() -> AsyncIterator[bytes]:
+        yield event(b"1")
+        await asyncio.sleep(0.35)
+        yield event(b"2")
+
+    async def collect() -> list[bytes]:
+        return [chunk async for chunk in with_keep_alive(slow(), interval=0.1)]
+
+    chunks = asyncio.run(collect())
+    assert chunks[0] == b"data:1\n\n" and chunks[-1] == b"data:2\n\n"
+    assert KEEP_ALIVE == b":\n\n" and 2 <= chunks.count(KEEP_ALIVE) <= 4
+
+
+def test_keep_alive_close_closes_the_source() -> None:
+    closed = asyncio.Event()
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"x"
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()
+
+    async def main() -> None:
+        it = with_keep_alive(endless(), interval=1.0)
+        assert await it.__anext__() == b"x"
+        await it.aclose()
+        await asyncio.wait_for(closed.wait(), 5)
+
+    asyncio.run(main())
