@@ -42,10 +42,17 @@ def async_client(launcher: Launcher) -> AsyncClient:
     return AsyncClient(launcher.base_url, timeout=120)
 
 
+# Fields of OpenAI bodies that depend on the clock, the model's path on this machine or our version.
+UNSTABLE_OPENAI_FIELDS = {"created": 0, "model": "<model>", "system_fingerprint": "<fingerprint>"}
+
+
 def _plain(data: Any) -> Any:
-    """Pydantic models (and lists of them) as plain JSON values."""
+    """Pydantic models (and lists of them) as plain JSON values, with machine-dependent fields pinned."""
     if isinstance(data, BaseModel):
-        return data.model_dump(mode="json")
+        data = data.model_dump(mode="json")
+        if "system_fingerprint" in data:
+            data.update(UNSTABLE_OPENAI_FIELDS)
+        return data
     if isinstance(data, (list, tuple)):
         return [_plain(item) for item in data]
     return data

@@ -31,7 +31,6 @@ def test_chat(chat: ChatComplete, launcher: Any, response_snapshot: Any) -> None
     assert len(choice.logprobs.content) == chat.usage.completion_tokens
     assert all(len(lp.top_logprobs) == 2 for lp in choice.logprobs.content)
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
-    chat.created = 0  # a timestamp: not part of the snapshot
     assert chat == response_snapshot
 
 
@@ -62,8 +61,6 @@ def test_chat_stream(client: Client, chat: ChatComplete, response_snapshot: Any)
     assert token_chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
     assert "".join(c.choices[0].delta.content or "" for c in token_chunks) == chat.choices[0].message.content
     assert usage_chunk.choices == [] and usage_chunk.usage == chat.usage
-    for chunk in chunks:
-        chunk.created = 0
     assert chunks == response_snapshot
 
 
@@ -72,7 +69,6 @@ def test_completion(client: Client, response_snapshot: Any) -> None:
     assert isinstance(response, Completion)
     assert response.object == "text_completion"
     assert len(response.choices) == 1
-    response.created = 0
     assert response == response_snapshot
 
 
@@ -85,7 +81,6 @@ def test_completion_many_prompts(client: Client, response_snapshot: Any) -> None
         solo = client.completion(prompt, temperature=0, max_tokens=10)
         assert isinstance(solo, Completion)
         assert choice.text == solo.choices[0].text
-    response.created = 0
     assert response == response_snapshot
 
 

@@ -151,13 +151,22 @@ def test_models(http: httpx.Client, server: Launcher) -> None:
 # ---- chat: errors -----------------------------------------------------------------------------
 
 
+def failures(http: httpx.Client, err: str) -> float:
+    """The current value of tgi_request_failure{err=...} (0 before the first one)."""
+    prefix = f'tgi_request_failure{{err="{err}"}} '
+    lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)]
+    return float(lines[0][len(prefix):]) if lines else 0.0
+
+
 def test_template_error(http: httpx.Client) -> None:
     messages = [{"role": "system", "content": "x"}, *USER]
     expected = ("Template error: System role not supported", "template_error")
+    before = failures(http, "template")
     assert_error(chat(http, messages=messages), 422, *expected)
     # Template errors come before the stream starts: a plain 422 there too.
     assert_error(chat(http, messages=messages, stream=True), 422, *expected)
     assert_error(http.post("/chat_tokenize", json={"messages": messages}), 422, *expected)
+    assert failures(http, "template") == before + 3
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from textgen_router.generation import Generation, Timings
 from textgen_router.openai_schemas import ChatRequest, CompletionRequest
 from textgen_router.responses import error as error_body
 from textgen_router.schemas import GenerateParameters
-from textgen_router.sse import event, sse_response, with_keep_alive
+from textgen_router.sse import event as sse_event, sse_response, with_keep_alive
 from textgen_router.state import RouterState
 from textgen_router.types import EndEvent, InferError, PrefillEvent
 
@@ -53,11 +53,23 @@ def _error(err: InferError) -> Response:
     return _json(error_body(err), status_code=err.status_code)
 
 
+# tgi_request_failure labels of the errors raised here, before a request reaches generation.py.
+_FAILURE_LABELS = {"template_error": "template", "validation": "validation"}
+
+
+def _rejected(err: InferError) -> Response:
+    """A request refused before generation: counted as TGI counts it, answered as plain JSON."""
+    label = _FAILURE_LABELS.get(err.error_type)
+    if label is not None:
+        metrics.REQUEST_FAILURE.labels(label).inc()
+    return _error(err)
+
+
 def _sse(body: Any) -> bytes:
-    return event(jsonenc.dumps(body))
+    return sse_event(jsonenc.dumps(body))
 
 
-SSE_DONE = event(b"[DONE]")
+SSE_DONE = sse_event(b"[DONE]")
 
 
 def _stream_headers(state: RouterState, compute_characters: int) -> dict[str, str]:
@@ -81,7 +93,7 @@ async def chat_completions(request: Request) -> Response:
         body.check_supported()
         prompt = _chat_template(request).apply(body.template_messages())
     except InferError as err:
-        return _error(err)
+        return _rejected(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
     if body.stream:
         events = _chat_stream(state, env, body, prompt, start_time)
@@ -138,7 +150,7 @@ async def completions(request: Request) -> Response:
     try:
         body.check_supported(state.max_client_batch_size)
     except InferError as err:
-        return _error(err)
+        return _rejected(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
     prompts, parameters = body.prompts(), body.parameters()
     if body.stream:
@@ -156,8 +168,9 @@ async def completions(request: Request) -> Response:
     prompt_tokens = sum(g.request.input_length for g in gens)
     completion_tokens = sum(g.generated_text.generated_tokens for g in gens)
     # TGI sums each prompt's timing headers into one set.
-    total = [_record(g, start_time) for g in gens]
-    summed = Timings(*(sum(getattr(t, f) for t in total) for f in ("total", "validation", "queue", "inference", "per_token")))
+    each = [_record(g, start_time) for g in gens]
+    fields = ("total", "validation", "queue", "inference", "per_token")
+    summed = Timings(*(sum(getattr(t, name) for t in each) for name in fields))
     headers = generation.timing_headers(
         state, summed, sum(len(p) for p in prompts), prompt_tokens, completion_tokens
     )
@@ -228,7 +241,7 @@ async def chat_tokenize(request: Request) -> Response:
         prompt = _chat_template(request).apply(body.template_messages())
         encoding = await state.validator.tokenize(prompt, add_special_tokens=False)
     except InferError as err:
-        return _error(err)
+        return _rejected(err)
     tokens = [
         {"id": i, "text": prompt[start:stop], "start": start, "stop": stop}
         for i, (start, stop) in zip(encoding.ids, encoding.offsets)

@@ -119,6 +119,8 @@ def test_client_side_validation() -> None:
         list(local.generate_stream(PROMPT, best_of=2, do_sample=True))
     with pytest.raises(pydantic.ValidationError, match="inputs"):
         local.generate("")
+    with pytest.raises(pydantic.ValidationError, match="max_tokenz"):
+        local.chat([{"role": "user", "content": "hi"}], max_tokenz=3)
 
 
 @pytest.mark.parametrize(

@@ -256,6 +256,9 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ChatRequest(BaseModel):
+    # A misspelt keyword argument must fail here, not be dropped silently.
+    model_config = ConfigDict(extra="forbid")
+
     model: str = "tgi"
     messages: list[Message]
     frequency_penalty: float | None = None
@@ -263,6 +266,7 @@ class ChatRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     n: int | None = None
     presence_penalty: float | None = None
     stream: bool = False
@@ -294,6 +298,8 @@ class Completion(BaseModel):
 
 
 class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     model: str = "tgi"
     prompt: str | list[str]
     frequency_penalty: float | None = None
