@@ -1,0 +1,91 @@
+"""`textgen-router` arguments (flags, env vars, precedence) and start-up failures of the real binary."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from textgen_router.args import parse_args
+from textgen_router.main import listen_host, log_level
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_defaults_are_tgi_router_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HOSTNAME", "PORT", "MAX_BATCH_SIZE", "JSON_OUTPUT", "CORS_ALLOW_ORIGIN", "API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    args = parse_args([])
+    assert (args.max_concurrent_requests, args.max_best_of, args.max_stop_sequences, args.max_top_n_tokens) == (
+        128, 2, 4, 5)
+    assert (args.max_input_tokens, args.max_total_tokens, args.max_batch_total_tokens, args.max_batch_size) == (
+        None, None, None, None)
+    assert (args.waiting_served_ratio, args.max_batch_prefill_tokens, args.max_waiting_tokens) == (1.2, 4096, 20)
+    assert (args.hostname, args.port, args.prometheus_port) == ("0.0.0.0", 3000, 9000)
+    assert args.master_shard_uds_path == "/tmp/textgen-server-0"
+    assert (args.validation_workers, args.max_client_batch_size, args.payload_limit) == (2, 4, 2_000_000)
+    assert args.otlp_service_name == "text-generation-inference.router"
+    assert (args.json_output, args.disable_grammar_support, args.api_key, args.cors_allow_origin) == (
+        False, False, None, None)
+    assert args.command is None
+
+
+def test_env_vars_and_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_BATCH_SIZE", "8")
+    monkeypatch.setenv("PORT", "4000")
+    monkeypatch.setenv("WAITING_SERVED_RATIO", "0.3")
+    monkeypatch.setenv("CORS_ALLOW_ORIGIN", "http://a.example")
+    monkeypatch.setenv("API_KEY", "k")
+    args = parse_args(["-p", "5000"])
+    assert (args.max_batch_size, args.port, args.waiting_served_ratio, args.api_key) == (8, 5000, 0.3, "k")
+    assert args.cors_allow_origin == ["http://a.example"]
+    assert parse_args(["--cors-allow-origin", "x", "--cors-allow-origin", "y"]).cors_allow_origin == ["x", "y"]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("1", True), ("yes", True), ("false", False),
+                                                 ("off", False), ("0", False), ("n", False)])
+def test_boolean_env_values(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
+    monkeypatch.setenv("JSON_OUTPUT", value)
+    assert parse_args([]).json_output is expected
+
+
+def test_bad_values_are_usage_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MAX_BEST_OF", "two")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([])
+    assert exit_.value.code == 2
+    assert "invalid int value: 'two'" in capsys.readouterr().err
+
+
+def test_print_schema_is_a_subcommand() -> None:
+    assert parse_args(["print-schema"]).command == "print-schema"
+
+
+def test_hostname_and_log_level() -> None:
+    assert listen_host("127.0.0.1") == "127.0.0.1" and listen_host("::1") == "::1"
+    assert listen_host("my-container") == "0.0.0.0"  # Docker's HOSTNAME: TGI falls back to every interface
+    assert log_level("info,textgen_router=debug") == "INFO"
+    assert log_level("warn") == "WARNING" and log_level("textgen=debug") == "INFO"
+
+
+def test_startup_failures_exit_1_with_tgi_messages() -> None:
+    router = [sys.executable, "-m", "textgen_router.main"]
+    env = {k: v for k, v in os.environ.items() if k != "MAX_BATCH_SIZE"}
+    runs = {
+        "workers": subprocess.Popen([*router, "--validation-workers", "0"], stderr=subprocess.PIPE, env=env),
+        "batch": subprocess.Popen(router, stderr=subprocess.PIPE, env={**env, "MAX_BATCH_SIZE": "0"}),
+        "socket": subprocess.Popen([*router, "--master-shard-uds-path", f"/tmp/tg-missing-{os.getpid()}-0"],
+                                   stderr=subprocess.PIPE, env=env),
+    }
+    results = {}
+    for name, proc in runs.items():
+        try:
+            _, err = proc.communicate(timeout=100)
+        finally:
+            proc.kill()
+        results[name] = (proc.returncode, err.decode())
+    assert results["workers"] == (1, "Error: Argument validation error: `validation_workers` must be > 0\n")
+    assert results["batch"] == (1, "Error: Argument validation error: `max_batch_size` must be > 0\n")
+    code, err = results["socket"]
+    assert code == 1 and err.startswith("Error: Unable to connect to the Python model shards: ")
