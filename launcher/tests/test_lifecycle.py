@@ -14,8 +14,8 @@ import httpx
 import psutil
 import pytest
 
-from helpers import run_launcher
-from launched import Launched, free_port
+from launcher_invocation import run_launcher
+from launched_launcher import Launched, free_port
 
 LaunchFactory = Callable[..., Launched]
 

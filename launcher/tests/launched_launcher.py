@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from helpers import launcher_env, short_uds_prefix
+from launcher_invocation import launcher_env, short_uds_prefix
 
 
 def free_port() -> int:
