@@ -131,7 +131,8 @@ def download(model_id: str, endpoint: str, cache: Path, *extra: str, **env: str)
                           capture_output=True, text=True, timeout=120)
 
 
-def test_safetensors_download_then_offline(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path) -> None:
+def test_safetensors_download_then_offline(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     stand_in, endpoint, llama, _ = hub
     stand_in.requests.clear()
     done = download("acme/tiny-llama", endpoint, tmp_path)
@@ -153,12 +154,11 @@ def test_safetensors_download_then_offline(hub: tuple[StandInHub, str, Path, Pat
 
     from textgen_server import hub as hub_module
 
-    os.environ["HUGGINGFACE_HUB_CACHE"] = str(tmp_path)
-    try:
-        assert hub_module.resolve_model_dir("acme/tiny-llama") == snapshot
-        assert hub_module.resolve_model_dir("acme/tiny-llama", SHA) == snapshot
-    finally:
-        del os.environ["HUGGINGFACE_HUB_CACHE"]
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path))
+    assert hub_module.resolve_model_dir("acme/tiny-llama") == snapshot
+    assert hub_module.resolve_model_dir("acme/tiny-llama", SHA) == snapshot
+    with pytest.raises(hub_module.ModelNotFoundError, match="Please run `textgen-server download-weights"):
+        hub_module.resolve_model_dir("acme/other")
 
 
 def test_offline_cold_cache_fails_clearly(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path) -> None:
