@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import grpc
@@ -31,8 +33,11 @@ PARENT_SPAN_ID = "b7ad6b7169203331"
 @pytest.fixture(scope="module")
 def shard(tiny_llama: Path, otlp_collector, shard_process):  # type: ignore[no-untyped-def]
     _, port = otlp_collector
+    uds_path = f"/tmp/tg-srv-{uuid.uuid4().hex[:8]}"
+    Path(f"{uds_path}-0").write_text("stale")  # left by a crashed run: the shard must replace it
     with shard_process(
         tiny_llama,
+        uds_path=uds_path,
         extra_args=["--max-input-tokens", str(MAX_INPUT_TOKENS), "--otlp-endpoint", f"http://127.0.0.1:{port}"],
         env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # export spans within 0.1 s instead of 5 s
     ) as handle:
@@ -191,6 +196,10 @@ def test_info_health_and_service_discovery(stub, shard) -> None:
     assert list(stub.ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls) == [shard.url]
 
 
+def test_stale_socket_file_was_replaced(shard) -> None:
+    assert stat.S_ISSOCK(os.stat(shard.socket).st_mode)
+
+
 def test_warmup_defaults_and_given_limits(stub, llama_oracle) -> None:
     batch = make_batch(8, [make_request(i, PROMPTS[i], 4) for i in range(4)])
     derived = stub.Warmup(pb.WarmupRequest(batch=batch, max_prefill_tokens=4096))
@@ -274,6 +283,7 @@ def test_bad_batch_ids_and_filters(stub) -> None:
         (lambda: stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=999)])), grpc.StatusCode.NOT_FOUND),
         (lambda: stub.Decode(pb.DecodeRequest(batches=[cached, pb.CachedBatch(id=999)])), grpc.StatusCode.NOT_FOUND),
         (lambda: stub.Decode(pb.DecodeRequest(batches=[])), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: stub.Decode(pb.DecodeRequest(batches=[cached, cached])), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=999, request_ids=[1])), grpc.StatusCode.NOT_FOUND),
         (lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=30, request_ids=[])), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=30, request_ids=[1, 77])), grpc.StatusCode.INVALID_ARGUMENT),

@@ -89,11 +89,14 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         start = time.perf_counter_ns()
         if not request.batches:
             raise InvalidRequestError("Must provide at least one batch")
-        missing = [b.id for b in request.batches if b.id not in self.cache]
+        ids = [b.id for b in request.batches]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequestError(f"batch ids must be distinct, got {ids}")
+        missing = [i for i in ids if i not in self.cache]
         if missing:
             # Checked before popping anything so that the other batches stay cached and usable.
             raise BatchNotFoundError(missing[0])
-        batches = [self.cache.pop(b.id) for b in request.batches]
+        batches = [self.cache.pop(i) for i in ids]
         concat_ns = None
         if len(batches) > 1:
             concat_start = time.perf_counter_ns()
