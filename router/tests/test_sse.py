@@ -152,3 +152,14 @@ def test_keep_alive_close_closes_the_source() -> None:
         await asyncio.wait_for(closed.wait(), 5)
 
     asyncio.run(main())
+
+
+def test_non_streaming_client_that_leaves_stops_generating(client: httpx.Client) -> None:
+    dropped = metric(client, 'tgi_request_failure{err="dropped"}')
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 450}}, timeout=1.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and metric(client, 'tgi_request_failure{err="dropped"}') < dropped + 1:
+        time.sleep(0.2)
+    assert metric(client, 'tgi_request_failure{err="dropped"}') == dropped + 1
+    assert metric(client, "tgi_batch_current_size") == 0

@@ -9,9 +9,10 @@ TGI's do not count tgi_request_count (the route handlers do).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Any
 
@@ -150,6 +151,32 @@ def _state(request: Request) -> RouterState:
     return request.app.state.router
 
 
+async def until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`'s response, or a 499 after cancelling it if the client goes away first.
+
+    As in TGI (where axum drops the handler's future), a non-streaming request whose client left stops
+    generating: the cancelled stream takes the request out of its batch and gives the permit back.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        # The body was read already: the next ASGI message is the disconnect (or the end of the response).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if not watcher.done():
+            raise  # cancelled from outside (shutdown), not by the client leaving
+        logger.info("client disconnected, generation cancelled")
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
+
+
 routes = APIRouter()
 
 _GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -174,7 +201,7 @@ async def generate(request: Request) -> Response:
     req = await read_json(request, schemas.GenerateRequest)
     metrics.REQUEST_COUNT.inc()
     with request_span("generate", request.headers) as span:
-        return await generate_internal(_state(request), req, start_time, span)
+        return await until_disconnected(request, generate_internal(_state(request), req, start_time, span))
 
 
 @routes.post(
@@ -200,7 +227,7 @@ async def _compat(request: Request, req: schemas.CompatGenerateRequest) -> Respo
     if req.stream:
         return generate_stream_internal(state, req, start_time, start_request_span("generate_stream", request.headers))
     with request_span("compat_generate", request.headers) as span:
-        response = await generate_internal(state, req, start_time, span)
+        response = await until_disconnected(request, generate_internal(state, req, start_time, span))
     if response.status_code != 200:
         return response
     # POST / answers a list holding the one GenerateResponse.
