@@ -1,0 +1,51 @@
+"""jsonenc writes what TGI's serde_json writes: compact, UTF-8, f32 floats in ryu's shortest layout."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from textgen_router.jsonenc import dumps, format_f32
+
+
+def f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+# Expected strings are serde_json's output for these f32 values.
+@pytest.mark.parametrize(("value", "text"), [
+    (-0.5432, "-0.5432"),
+    (-10.57, "-10.57"),
+    (3.0, "3.0"),
+    (-0.0, "-0.0"),
+    (0.0, "0.0"),
+    (1.2e-5, "0.000012"),
+    (1e-6, "0.000001"),
+    (1.2e-7, "1.2e-7"),
+    (-2.3841858e-7, "-2.3841858e-7"),
+    (1e30, "1e30"),
+    (12345678.0, "12345678.0"),
+    (0.1, "0.1"),
+    (float("nan"), "null"),
+    (float("-inf"), "null"),
+])
+def test_f32_layout(value: float, text: str) -> None:
+    assert format_f32(f32(value)) == text
+
+
+def test_shortest_digits_round_trip_to_the_same_f32() -> None:
+    for bits in range(0x3A000000, 0x3F800000, 0x00123457):
+        value = struct.unpack("<f", struct.pack("<I", bits))[0]
+        assert f32(float(format_f32(value))) == value
+
+
+def test_compact_utf8_and_field_order() -> None:
+    body = {"b": [1, None, True, False], "a": "é\n\x01\"", "c": {"logprob": -0.25}}
+    assert dumps(body) == '{"b":[1,null,true,false],"a":"é\\n\\u0001\\"","c":{"logprob":-0.25}}'.encode()
+    assert json.loads(dumps(body)) == body
+
+
+def test_unknown_types_are_refused() -> None:
+    with pytest.raises(TypeError):
+        dumps({"x": object()})
