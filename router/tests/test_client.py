@@ -1,11 +1,9 @@
 """ShardedClient and connect_backend against a real shard process on a real unix socket."""
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Coroutine, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Coroutine
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -16,30 +14,8 @@ from textgen_router import metrics
 from textgen_router.backend import StartupError, connect_backend, warmup_batch
 from textgen_router.client import ShardedClient, ShardError, _metadata
 
-T = TypeVar("T")
+from inference_harness import run, shard  # noqa: F401  (fixtures)
 pytestmark = pytest.mark.timeout(120)
-
-
-def root_conftest(config: pytest.Config) -> Any:
-    # Every conftest.py is module "conftest"; fetch the repo root's by its registration path.
-    return config.pluginmanager.get_plugin(str(Path(config.rootpath) / "conftest.py"))
-
-
-@pytest.fixture(scope="module")
-def shard(request: pytest.FixtureRequest, tiny_llama: Path) -> Iterator[Any]:
-    with root_conftest(request.config).ShardProcess(tiny_llama) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def run() -> Iterator[Any]:
-    loop = asyncio.new_event_loop()
-
-    def run(coro: Coroutine[Any, Any, T]) -> T:
-        return loop.run_until_complete(asyncio.wait_for(coro, 60))
-
-    yield run
-    loop.close()
 
 
 def connect(shard: Any, **overrides: Any) -> Coroutine[Any, Any, Any]:
