@@ -1,12 +1,17 @@
-"""`textgen-router` arguments (flags, env vars, precedence) and start-up failures of the real binary."""
+"""`textgen-router` arguments (flags, env vars, precedence), start-up failures and graceful shutdown of the real binary."""
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import httpx
 import pytest
 
+from router_fixtures import RouterProcess, root_conftest
 from textgen_router.args import parse_args
 from textgen_router.main import listen_host, log_level
 
@@ -89,3 +94,18 @@ def test_startup_failures_exit_1_with_tgi_messages() -> None:
     assert results["batch"] == (1, "Error: Argument validation error: `max_batch_size` must be > 0\n")
     code, err = results["socket"]
     assert code == 1 and err.startswith("Error: Unable to connect to the Python model shards: ")
+
+
+def test_sigterm_lets_in_flight_streams_finish(request: pytest.FixtureRequest, tiny_llama: Path) -> None:
+    with root_conftest(request.config).ShardProcess(tiny_llama) as shard:
+        with RouterProcess(request.config, shard.socket, tiny_llama) as router:
+            body = {"inputs": "Hello", "parameters": {"max_new_tokens": 60}}
+            with httpx.stream("POST", router.base_url + "/generate_stream", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith('data:{"index":1,')
+                router.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+                events = [line for line in lines if line.startswith("data:")]
+            assert json.loads(events[-1][5:])["index"] == 60
+            assert json.loads(events[-1][5:])["generated_text"] is not None
+            assert router.process.wait(timeout=60) == 0  # type: ignore[union-attr]
+            assert "signal received, starting graceful shutdown" in router.log
