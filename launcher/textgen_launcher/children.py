@@ -24,9 +24,14 @@ PR_SET_PDEATHSIG = 1
 STDERR_TAIL_LINES = 400
 
 
+# Resolved before any fork: looking a symbol up inside a forked child of a threaded process can deadlock.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    # The signal fires when the forking *thread* ends: children are only ever spawned from the main thread.
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Child:
