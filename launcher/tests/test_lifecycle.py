@@ -98,6 +98,15 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def test_a_shard_that_cannot_start_is_reported(launch: LaunchFactory, tiny_llama: Path) -> None:
+    launched = launch(tiny_llama, "--quantize", "exl2")  # exllama kernels: CUDA only, refused by CPU shards
+    assert launched.wait_exit(120) == 1
+    log = launched.log()
+    assert "[shard 0] --quantize exl2 is not supported" in log
+    assert "Shard 0 failed to start" in log and "Error: ShardCannotStart" in log
+    assert "Starting Webserver" not in log and launched.sockets_left() == []
+
+
 def test_a_killed_launcher_takes_its_shards_along(launch: LaunchFactory, tiny_llama: Path) -> None:
     launched = launch(tiny_llama, "--num-shard", "2")
     deadline = time.monotonic() + 60

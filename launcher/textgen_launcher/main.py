@@ -20,7 +20,7 @@ from textgen_launcher.config import load_config
 from textgen_launcher.devices import NoDeviceFound
 from textgen_launcher.download import download_all
 from textgen_launcher.env_info import runtime_env
-from textgen_launcher.errors import LauncherError, ShardCannotStart, ShardFailed, WebserverFailed
+from textgen_launcher.errors import LauncherError, ShardFailed, WebserverFailed
 from textgen_launcher.logs import setup_logging
 from textgen_launcher.ports import check_port_free
 from textgen_launcher.router import spawn_router
@@ -100,12 +100,7 @@ def serve(args: argparse.Namespace, level: str, stop: StopFlag) -> int:
     failure: LauncherError | None = None
     try:
         shards = spawn_shards(args, settings, level)
-        try:
-            ready = wait_ready(shards, stop.running)
-        except ShardCannotStart as exc:
-            failure = exc
-            ready = False
-        if ready:
+        if wait_ready(shards, stop.running):  # raises ShardCannotStart if a shard dies first
             router = spawn_router(args, settings)
             failure = _monitor(shards, router, stop)
     finally:
