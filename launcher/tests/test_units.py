@@ -7,7 +7,7 @@ from textgen_launcher.args import parse_args
 from textgen_launcher.attention import resolve_attention
 from textgen_launcher.config import parse_config
 from textgen_launcher.devices import DEVICE_ENV_VARS, NoDeviceFound, find_num_shards
-from textgen_launcher.environment import rope_env, shard_env
+from textgen_launcher.environment import rope_env, router_env, shard_env
 from textgen_launcher.errors import ArgumentValidation, NotEnoughCUDADevices
 from textgen_launcher.limits import compute_optimal, default_max_batch_prefill_tokens, vram_cap
 from textgen_launcher.router import router_command
@@ -107,11 +107,12 @@ def test_shard_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOG_LEVEL", "debug")
     monkeypatch.setenv("HF_API_TOKEN", "hf_x")
     args = parse_args(["--model-id", "m", "--dtype", "bfloat16", "--shard-uds-path", "/tmp/s", "--max-input-tokens",
-                       "7", "--watermark-gamma", "0.5", "--enable-prefill-logprobs", "--cuda-graphs", "0"])
+                       "7", "--watermark-gamma", "0.5", "--enable-prefill-logprobs", "--cuda-graphs", "0",
+                       "--otlp-endpoint", "http://c:4317", "--otlp-service-name", "svc"])
     settings = Settings(num_shard=2, max_input_tokens=7, max_batch_prefill_tokens=64, quantize=None, cuda_graphs=[])
     assert shard_command(args, settings, "DEBUG") == [
         "textgen-server", "serve", "m", "--uds-path", "/tmp/s", "--logger-level", "DEBUG", "--json-output",
-        "--sharded", "--dtype", "bfloat16", "--otlp-service-name", "text-generation-inference.router",
+        "--sharded", "--dtype", "bfloat16", "--otlp-endpoint", "http://c:4317", "--otlp-service-name", "svc",
         "--max-input-tokens", "7"]
     env = shard_env(args, settings, 1)
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("1", "2", "localhost", "29500")
@@ -119,9 +120,11 @@ def test_shard_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "LOG_LEVEL" not in env and "CUDA_GRAPHS" not in env and "WATERMARK_DELTA" not in env
 
 
-def test_router_command_passes_limits_and_repeated_origins() -> None:
+def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COMPUTE_TYPE", raising=False)
     args = parse_args(["--model-id", "/models/m", "--shard-uds-path", "/tmp/s", "--port", "8080",
-                       "--cors-allow-origin", "a", "--cors-allow-origin", "b", "--json-output"])
+                       "--cors-allow-origin", "a", "--cors-allow-origin", "b", "--json-output",
+                       "--otlp-endpoint", "http://127.0.0.1:4317", "--api-key", "secret"])
     settings = Settings(num_shard=1, max_input_tokens=None, max_batch_prefill_tokens=512, quantize=None,
                         cuda_graphs=[1])
     cmd = router_command(args, settings)
@@ -131,3 +134,8 @@ def test_router_command_passes_limits_and_repeated_origins() -> None:
     assert pairs["--max-batch-prefill-tokens"] == "512" and pairs["--port"] == "8080"
     assert "--max-input-tokens" not in cmd and "--json-output" in cmd
     assert cmd.count("--cors-allow-origin") == 2
+    assert pairs["--otlp-endpoint"] == "http://127.0.0.1:4317"
+    assert pairs["--otlp-service-name"] == "text-generation-inference.router"
+    assert "secret" not in cmd  # the key travels in the router's environment
+    env = router_env(1, "NVIDIA A10G", args.api_key)
+    assert env["API_KEY"] == "secret" and env["COMPUTE_TYPE"] == "1-nvidia-a10g"

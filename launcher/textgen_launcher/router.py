@@ -17,7 +17,10 @@ ROUTER_BIN = "textgen-router"
 
 
 def router_command(args: argparse.Namespace, settings: Settings) -> list[str]:
-    """TGI's `spawn_webserver` arguments, same order; optional ones only when set."""
+    """TGI's `spawn_webserver` arguments, same order; optional ones only when set.
+
+    The API key goes through the router's environment (API_KEY) instead: a command line is public in `ps`.
+    """
     cmd = [ROUTER_BIN]
     for flag, value in (
         ("--max-client-batch-size", args.max_client_batch_size),
@@ -44,7 +47,6 @@ def router_command(args: argparse.Namespace, settings: Settings) -> list[str]:
         ("--revision", args.revision),
         ("--otlp-endpoint", args.otlp_endpoint),
         ("--otlp-service-name", args.otlp_service_name),
-        ("--api-key", args.api_key),
     ):
         if value is not None:
             cmd += [flag, str(value)]
@@ -68,7 +70,7 @@ def spawn_router(args: argparse.Namespace, settings: Settings) -> Child:
     logger.info("Starting Webserver")
     try:
         return Child("webserver", router_command(args, settings),
-                     router_env(settings.num_shard, cards[0] if cards else None), _echo, echo_stderr=True)
+                     router_env(settings.num_shard, cards[0] if cards else None, args.api_key), _echo, echo_stderr=True)
     except FileNotFoundError:
         logger.error("%s not found in PATH", ROUTER_BIN)
         logger.error("Please install it with `make install`")
