@@ -7,6 +7,7 @@ replicated tensors: norms, row-parallel biases).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -64,7 +65,7 @@ class Weights:
             return None
         raise ValueError(f"weight {name} does not exist")
 
-    def get_slice(self, name: str):  # -> safetensors PySafeSlice (no public type)
+    def get_slice(self, name: str) -> Any:  # safetensors' PySafeSlice has no importable type
         """The lazy slice of `name`: indexing it reads only the indexed part from disk."""
         real = self._resolve(name)
         return self._handles[self._routing[real]].get_slice(real)
