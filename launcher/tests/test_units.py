@@ -1,11 +1,14 @@
 """Pure launcher logic: shard count table, automatic prefill budget, attention resolution, child env."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from textgen_launcher.args import parse_args
 from textgen_launcher.attention import resolve_attention
-from textgen_launcher.config import parse_config
+from textgen_launcher.config import load_config, parse_config
 from textgen_launcher.devices import DEVICE_ENV_VARS, NoDeviceFound, find_num_shards
 from textgen_launcher.environment import rope_env, router_env, shard_env
 from textgen_launcher.errors import ArgumentValidation, NotEnoughCUDADevices
@@ -76,6 +79,20 @@ def test_prefill_from_card_flops_and_vram() -> None:
     # 16 GiB holds the ~13.5 GB of f16 weights and little else; 80 GiB holds far more.
     assert vram_cap(config, ["16384 MiB"], 1, 1.0) < vram_cap(config, ["81559 MiB"], 1, 1.0)
     assert vram_cap(config, ["81559 MiB"], 1, 1.0) > 100_000
+
+
+def test_hub_config_comes_from_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    snapshot = tmp_path / "models--org--model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({**LLAMA_7B, "max_position_embeddings": 1024}))
+    (tmp_path / "models--org--model" / "refs").mkdir()
+    (tmp_path / "models--org--model" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path))
+    config = load_config("org/model", None)
+    assert config is not None and config.max_position_embeddings == 1024
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert load_config("org/other-model", None) is None
+    assert load_config("/not/a/repo/id", None) is None
 
 
 def test_unknown_quant_method_means_no_config() -> None:

@@ -65,27 +65,44 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig | None:
     )
 
 
-def _config_path(model_id: str, revision: str | None) -> Path | None:
-    local = Path(model_id) / "config.json"
-    if Path(model_id).is_dir():
-        return local if local.is_file() else None
-    try:
-        from huggingface_hub import hf_hub_download
+CONFIG_FETCH_TIMEOUT_S = 10.0
 
-        token = os.environ.get("HF_TOKEN") or os.environ.get("HF_API_TOKEN")
-        return Path(hf_hub_download(model_id, "config.json", revision=revision, token=token))
-    except Exception as exc:  # noqa: BLE001 - any hub failure means "no config", as in TGI
+
+def _hub_config(model_id: str, revision: str | None) -> dict[str, Any] | None:
+    """From the hub cache, else one HTTP request (as TGI's launcher does): no retry loop, since a missing
+    config only means default limits, and the download step reports an unreachable hub properly."""
+    import httpx
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cache = os.environ.get("HUGGINGFACE_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        cached = try_to_load_from_cache(model_id, "config.json", cache_dir=cache, revision=revision)
+    except ValueError:  # not a valid repo id
+        return None
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text())
+    if constants.HF_HUB_OFFLINE:
+        return None
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HF_API_TOKEN")
+    url = f"{constants.ENDPOINT}/{model_id}/resolve/{revision or 'main'}/config.json"
+    try:
+        response = httpx.get(url, headers={"Authorization": f"Bearer {token}"} if token else None,
+                             follow_redirects=True, timeout=CONFIG_FETCH_TIMEOUT_S)
+    except httpx.HTTPError as exc:
         logger.debug("No config.json for %s: %s", model_id, exc)
         return None
+    return response.json() if response.status_code == 200 else None
 
 
 def load_config(model_id: str, revision: str | None) -> ModelConfig | None:
     """The model's config from a local directory or the hub (cache first); None when unavailable."""
-    path = _config_path(model_id, revision)
-    if path is None:
-        return None
+    local = Path(model_id)
     try:
-        return parse_config(json.loads(path.read_text()))
+        if local.is_dir():
+            raw = json.loads((local / "config.json").read_text()) if (local / "config.json").is_file() else None
+        else:
+            raw = _hub_config(model_id, revision)
+        return parse_config(raw) if isinstance(raw, dict) else None
     except (OSError, ValueError, TypeError, AttributeError) as exc:
-        logger.warning("Could not parse %s: %s", path, exc)
+        logger.warning("Could not read the config of %s: %s", model_id, exc)
         return None
