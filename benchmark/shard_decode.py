@@ -1,0 +1,181 @@
+"""Shard decode throughput against in-process transformers on the ~110M "small" Llama (`make bench`).
+
+One real `textgen-server serve` process (fp32, 2 threads) on a unix socket is driven over gRPC: Prefill, then
+Decode until done, at batch 1, 8 and 32. The shard is then stopped and the same model runs in this process
+(same threads, batch, prompt length and new tokens: a bare greedy loop over a DynamicCache, the fastest a
+transformers caller can go), so the ratio isolates what the serving path costs per decode step. Decode is
+memory-bound at small batch, so each row also shows the fraction of a bandwidth roofline: bytes read per step
+(weights except the embedding table, plus the batch's KV cache) over a measured copy bandwidth.
+
+Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--model-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+THREADS = 2
+PROMPT_LEN = 32
+NEW_TOKENS = 17  # 1 from Prefill + 16 Decode steps
+REPO = Path(__file__).resolve().parent.parent
+
+
+def small_model() -> Path:
+    """The cached "small" build under models/ (keyed by builder version so a stale build is never used)."""
+    from textgen_server.builder import BUILDER_VERSION, build_test_model
+
+    return build_test_model(REPO / "models" / f"small-llama-v{BUILDER_VERSION}", arch="llama", size="small")
+
+
+def start_shard(model_dir: Path, uds_path: str, timeout: float = 300.0) -> subprocess.Popen:
+    """A real shard process limited to THREADS cores; returns once Health answers (or raises)."""
+    import grpc
+    from textgen_pb import generate_pb2, generate_pb2_grpc
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
+    log = open(Path(tempfile.gettempdir()) / "textgen-bench-shard.log", "wb")  # noqa: SIM115 - child owns it
+    proc = subprocess.Popen([sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path",
+                             uds_path, "--dtype", "float32"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shard exited with {proc.returncode}; see {log.name}")
+        if os.path.exists(f"{uds_path}-0"):
+            with grpc.insecure_channel(f"unix://{uds_path}-0") as channel:
+                try:
+                    generate_pb2_grpc.TextGenerationServiceStub(channel).Health(generate_pb2.HealthRequest(),
+                                                                                timeout=5)
+                    return proc
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"shard not ready after {timeout}s; see {log.name}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def shard_step_seconds(socket: str, tokenizer_dir: Path, batches: list[int], runs: int) -> dict[int, float]:
+    """Median seconds per Decode call at each batch size, measured by textgen-benchmark's loop."""
+    from textgen_router.client import ShardedClient
+    from tokenizers import Tokenizer
+
+    from textgen_benchmark.generation import Sampling, run_benchmark
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    client = await ShardedClient.connect(socket)
+    try:
+        results = await run_benchmark(client, tokenizer, batches, PROMPT_LEN, NEW_TOKENS, runs, 1, Sampling(),
+                                      progress=lambda line: print(f"shard {line}", file=sys.stderr, flush=True))
+    finally:
+        await client.close()
+    return {r.batch_size: r.decode_token.p50 / 1000.0 for r in results}
+
+
+@torch.inference_mode()
+def inprocess_step_seconds(model_dir: Path, batches: list[int], runs: int) -> dict[int, float]:
+    """Median seconds per greedy decode step of transformers in this process, same prompt as the shard."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from tokenizers import Tokenizer
+
+    from textgen_benchmark.generation import prompt_of_length
+
+    torch.set_num_threads(THREADS)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text = prompt_of_length(Tokenizer.from_file(str(model_dir / "tokenizer.json")), PROMPT_LEN)
+    # The shard tokenizes with special tokens and keeps the last `truncate` ids: do exactly the same.
+    prompt = AutoTokenizer.from_pretrained(model_dir)(text).input_ids[-PROMPT_LEN:]
+    out: dict[int, float] = {}
+    for b in batches:
+        ids = torch.tensor([prompt] * b)
+        steps: list[float] = []
+        for run in range(runs + 1):  # the first run warms up
+            cache = DynamicCache()
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            next_ids = logits[:, -1].argmax(-1, keepdim=True)
+            start = time.perf_counter()
+            for _ in range(NEW_TOKENS - 1):
+                logits = model(input_ids=next_ids, past_key_values=cache, use_cache=True).logits
+                next_ids = logits[:, -1].argmax(-1, keepdim=True)
+            if run:
+                steps.append((time.perf_counter() - start) / (NEW_TOKENS - 1))
+            label = f"run {run}/{runs}" if run else "warmup"
+            print(f"in-process batch size {b}: {label}", file=sys.stderr, flush=True)
+        out[b] = statistics.median(steps)
+    return out
+
+
+def copy_bandwidth_gbs(mib: int = 512) -> float:
+    """Best of 5 large tensor copies (bytes read + written) with THREADS threads: an achievable-bandwidth proxy."""
+    torch.set_num_threads(THREADS)
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def bytes_per_step(model_dir: Path, batch: int) -> float:
+    """Weights read once per step (the embedding table is only gathered) + K and V of the whole batch."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "embed_tokens" not in k) * 4
+    head_dim = config.hidden_size // config.num_attention_heads
+    mean_context = PROMPT_LEN + NEW_TOKENS / 2
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_context * batch * 4
+    return weights + kv
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, action="append", help="batch sizes (default 1, 8, 32)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model-dir", type=Path, help="a built model (default: build/cached small Llama)")
+    args = parser.parse_args(argv)
+    batches = args.batch or [1, 8, 32]
+    model_dir = args.model_dir or small_model()
+    uds = f"/tmp/textgen-bench-{os.getpid()}"
+    print(f"model {model_dir}, fp32, {THREADS} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
+          f"runs {args.runs}", flush=True)
+    proc = start_shard(model_dir, uds)
+    try:
+        shard = asyncio.run(shard_step_seconds(f"{uds}-0", model_dir, batches, args.runs))
+    finally:
+        stop(proc)
+    local = inprocess_step_seconds(model_dir, batches, args.runs)
+    bandwidth = copy_bandwidth_gbs()
+    print(f"copy bandwidth ({THREADS} threads): {bandwidth:.1f} GB/s\n")
+    print("| batch | shard tok/s | in-process tok/s | ratio | shard GB/s | roofline fraction |")
+    print("|------:|------------:|-----------------:|------:|-----------:|------------------:|")
+    for b in batches:
+        gbs = bytes_per_step(model_dir, b) / shard[b] / 1e9
+        print(f"| {b} | {b / shard[b]:.1f} | {b / local[b]:.1f} | {local[b] / shard[b]:.2f} | {gbs:.1f} | "
+              f"{gbs / bandwidth:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
