@@ -14,18 +14,24 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from textgen_router import metrics
 from textgen_router.schemas import GenerateParameters
 from textgen_router.types import ChooserParameters, StoppingParameters, ValidationError, ValidRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(
     name: str | Path, revision: str | None = None, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase:
     """The model's tokenizer (fast when the model ships one), from a local directory or the hub cache."""
+    # Imported here: transformers (and torch under it) take seconds to import, which `print-schema` and
+    # argument errors need not pay.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(name), revision=revision, trust_remote_code=trust_remote_code)
 
 
