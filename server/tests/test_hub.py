@@ -127,8 +127,17 @@ def download(model_id: str, endpoint: str, cache: Path, *extra: str, **env: str)
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     child_env.update(HF_ENDPOINT=endpoint, HUGGINGFACE_HUB_CACHE=str(cache), HF_HUB_DISABLE_PROGRESS_BARS="1",
                      **env)
-    return subprocess.run([sys.executable, "-m", "textgen_server.hub", model_id, *extra], env=child_env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "textgen_server.cli", "download-weights", model_id, *extra],
+                          env=child_env, capture_output=True, text=True, timeout=120)
+
+
+def snapshot_of(cache: Path, model_id: str) -> Path:
+    return cache / f"models--{model_id.replace('/', '--')}" / "snapshots" / SHA
+
+
+def error_lines(done: subprocess.CompletedProcess) -> list[str]:
+    """The CLI's error log lines (its logs go to stdout; a traceback would land on stderr)."""
+    return [line for line in (done.stdout + done.stderr).splitlines() if "ERROR" in line or "Traceback" in line]
 
 
 def test_safetensors_download_then_offline(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path,
@@ -136,9 +145,8 @@ def test_safetensors_download_then_offline(hub: tuple[StandInHub, str, Path, Pat
     stand_in, endpoint, llama, _ = hub
     stand_in.requests.clear()
     done = download("acme/tiny-llama", endpoint, tmp_path)
-    assert done.returncode == 0, done.stderr
-    snapshot = Path(done.stdout.strip())
-    assert snapshot == tmp_path / "models--acme--tiny-llama" / "snapshots" / SHA
+    assert done.returncode == 0, done.stdout + done.stderr
+    snapshot = snapshot_of(tmp_path, "acme/tiny-llama")
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(model_files(llama))
     for name in model_files(llama):
         assert (snapshot / name).read_bytes() == (llama / name).read_bytes(), name
@@ -148,8 +156,8 @@ def test_safetensors_download_then_offline(hub: tuple[StandInHub, str, Path, Pat
     # Warm cache + HF_HUB_OFFLINE: same directory, and the hub is not asked anything.
     stand_in.requests.clear()
     offline = download("acme/tiny-llama", endpoint, tmp_path, HF_HUB_OFFLINE="1")
-    assert offline.returncode == 0, offline.stderr
-    assert Path(offline.stdout.strip()) == snapshot
+    assert offline.returncode == 0, offline.stdout + offline.stderr
+    assert "Files are already present on the host. Skipping download." in offline.stdout
     assert stand_in.requests == []
 
     from textgen_server import hub as hub_module
@@ -166,15 +174,16 @@ def test_offline_cold_cache_fails_clearly(hub: tuple[StandInHub, str, Path, Path
     stand_in.requests.clear()
     done = download("acme/tiny-llama", endpoint, tmp_path, HF_HUB_OFFLINE="true")
     assert done.returncode == 1
-    assert "is not in the hub cache" in done.stderr and "HF_HUB_OFFLINE" in done.stderr
+    [line] = error_lines(done)
+    assert "Model acme/tiny-llama is not in the hub cache" in line and "HF_HUB_OFFLINE is set" in line
     assert stand_in.requests == []
 
 
 def test_bin_is_converted_to_safetensors(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path) -> None:
     _, endpoint, _, gpt2 = hub
     done = download("acme/tiny-gpt2-bin", endpoint, tmp_path)
-    assert done.returncode == 0, done.stderr
-    snapshot = Path(done.stdout.strip())
+    assert done.returncode == 0, done.stdout + done.stderr
+    snapshot = snapshot_of(tmp_path, "acme/tiny-gpt2-bin")
     converted = load_file(str(snapshot / "model.safetensors"))
     original = load_file(str(gpt2 / "model.safetensors"))
     # The alias goes (the class re-ties lm_head from the embedding); every real tensor is kept bit-exact.
@@ -187,18 +196,24 @@ def test_bin_is_converted_to_safetensors(hub: tuple[StandInHub, str, Path, Path]
 
     no_convert = download("acme/tiny-gpt2-bin", endpoint, tmp_path / "other", "--no-auto-convert")
     assert no_convert.returncode == 1
-    assert "only .bin weights" in no_convert.stderr
+    [line] = error_lines(no_convert)
+    assert "Model acme/tiny-gpt2-bin has only .bin weights and --auto-convert is off" in line
 
 
 def test_missing_repo_and_revision(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path) -> None:
     _, endpoint, _, _ = hub
     missing = download("acme/nope", endpoint, tmp_path)
     assert missing.returncode == 1
-    lines = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
-    assert lines == [f"error: Model acme/nope is neither a local directory nor a model on the hub ({endpoint})"]
+    [line] = error_lines(missing)
+    assert line.endswith(f"Model acme/nope is neither a local directory nor a model on the hub ({endpoint})")
     bad_rev = download("acme/tiny-llama", endpoint, tmp_path, "--revision", "v9")
     assert bad_rev.returncode == 1
-    assert "Revision v9 of model acme/tiny-llama not found" in bad_rev.stderr
+    [line] = error_lines(bad_rev)
+    assert line.endswith("Revision v9 of model acme/tiny-llama not found on the hub")
+    not_an_id = download(str(tmp_path / "no-such-dir"), endpoint, tmp_path)
+    assert not_an_id.returncode == 1
+    [line] = error_lines(not_an_id)
+    assert "is neither a local directory nor a valid model id on the hub" in line
 
 
 def test_local_directory(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path) -> None:

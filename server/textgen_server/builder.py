@@ -14,7 +14,6 @@ Cache built models by ``BUILDER_VERSION``: it is bumped whenever the output chan
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -218,18 +217,3 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
 def _is_built(out: Path, stamp: dict[str, object]) -> bool:
     stamp_file = out / STAMP
     return stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m textgen_server.builder DIR --arch A --size S` until the textgen-server CLI wires it."""
-    parser = argparse.ArgumentParser(description="Build a random test model with a locally trained tokenizer")
-    parser.add_argument("out_dir")
-    parser.add_argument("--arch", default="llama", choices=ARCHS)
-    parser.add_argument("--size", default="tiny", choices=SIZES)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(build_test_model(args.out_dir, args.arch, args.size, args.seed))
-
-
-if __name__ == "__main__":
-    main()

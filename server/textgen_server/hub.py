@@ -75,6 +75,15 @@ def _check_complete(model_dir: Path, model_id: str, extension: str) -> Path:
 def _snapshot_dir(model_id: str, revision: str | None) -> Path | None:
     """The cached snapshot holding `model_id`'s config at `revision` (branch, tag or commit), if any."""
     from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        raise ModelNotFoundError(
+            f"Model {model_id} is neither a local directory nor a valid model id on the hub"
+        ) from None
 
     found = try_to_load_from_cache(model_id, CONFIG, cache_dir=cache_dir(), revision=revision)
     return Path(found).parent if isinstance(found, str) else None
@@ -191,27 +200,3 @@ def download_weights(model_id: str, revision: str | None = None, extension: str 
             f"Model {model_id} is not in the hub cache {cache_dir()} and HF_HUB_OFFLINE is set"
         )
     return _download_hub(model_id, revision, extension, auto_convert)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m textgen_server.hub MODEL_ID [...]`: download-weights until the textgen-server CLI wires it."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(description="Download (and convert) a model's weights")
-    parser.add_argument("model_id")
-    parser.add_argument("--revision")
-    parser.add_argument("--extension", default=".safetensors")
-    parser.add_argument("--auto-convert", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    try:
-        print(download_weights(args.model_id, args.revision, args.extension, args.auto_convert))
-    except ModelNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
