@@ -267,7 +267,8 @@ class CausalLM(Model[CausalLMBatch]):
         chosen_logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
         # One host sync per step for the chosen ids and their logprobs (float64 holds every id exactly).
         chosen = torch.stack([next_ids.double(), chosen_logprobs.double()]).tolist()
-        top_ids, top_logprobs = ([], [])
+        top_ids: list[list[int]] = []
+        top_logprobs: list[list[float]] = []
         if any(batch.top_n_tokens):
             # TGI's CausalLM reports top-n from the raw logits, not the processed scores.
             top_ids, top_logprobs = batch_top_tokens(batch.top_n_tokens, torch.log_softmax(last_logits.float(), -1))
