@@ -30,7 +30,14 @@ from textgen_router.generation import Timings
 from textgen_router.sse import event, sse_response, with_keep_alive
 from textgen_router.state import RouterState
 from textgen_router.tracing import request_span, start_request_span
-from textgen_router.types import EndEvent, InferError, PrefillEvent, ValidationError
+from textgen_router.types import (
+    EndEvent,
+    IncompleteGenerationError,
+    InferError,
+    PrefillEvent,
+    ValidationError,
+    ValidRequest,
+)
 
 logger = logging.getLogger("textgen_router")
 
@@ -110,41 +117,52 @@ async def _stream_events(
     p = req.parameters
     with trace.use_span(span, end_on_exit=True):
         try:
-            if (p.best_of if p.best_of is not None else 1) != 1:
-                metrics.REQUEST_FAILURE.labels("validation").inc()
-                raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
-            if p.decoder_input_details:
-                metrics.REQUEST_FAILURE.labels("validation").inc()
-                raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+            _check_streamable(p)
             index = 0
-            ended = False
             async with aclosing(generation.stream(state, req.inputs, p)) as events:
                 async for request, ev in events:
                     if isinstance(ev, PrefillEvent):
                         continue
                     index += 1
-                    if not isinstance(ev, EndEvent):
+                    if isinstance(ev, EndEvent):
+                        yield _final_event(req, request, ev, index, start_time, span)
+                    else:
                         yield event(jsonenc.dumps(responses.stream_response(index, ev.token, ev.top_tokens)))
-                        continue
-                    ended = True
-                    text = ev.generated_text
-                    timings = Timings.measure(start_time, ev.queued, ev.start, text.generated_tokens)
-                    generation.record_success(timings, text.generated_tokens)
-                    span.set_attributes(_span_fields(timings, text.seed))
-                    logger.info("Success", extra={"fields": {"output": text.text}})
-                    details = (
-                        responses.stream_details(text.finish_reason, text.generated_tokens, text.seed,
-                                                 request.input_length)
-                        if p.details else None
-                    )
-                    output = req.inputs + text.text if p.return_full_text else text.text
-                    yield event(jsonenc.dumps(responses.stream_response(index, ev.token, ev.top_tokens, output, details)))
-            if not ended:
-                metrics.REQUEST_FAILURE.labels("incomplete").inc()
-                raise IncompleteGenerationStreamError()
+        except IncompleteGenerationError:
+            # Already counted as err="incomplete"; a stream reports it under its own name.
+            yield _error_event(IncompleteGenerationStreamError())
         except InferError as err:
-            logger.error("%s", err)
-            yield event(jsonenc.dumps(responses.error(err)))
+            yield _error_event(err)
+
+
+def _check_streamable(p: schemas.GenerateParameters) -> None:
+    if (p.best_of if p.best_of is not None else 1) != 1:
+        metrics.REQUEST_FAILURE.labels("validation").inc()
+        raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
+    if p.decoder_input_details:
+        metrics.REQUEST_FAILURE.labels("validation").inc()
+        raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+
+
+def _final_event(
+    req: schemas.GenerateRequest, request: ValidRequest, end: EndEvent, index: int, start_time: float, span: Span
+) -> bytes:
+    """The last event: the whole text (with the prompt if return_full_text) and, if asked, the details."""
+    text = end.generated_text
+    timings = Timings.measure(start_time, end.queued, end.start, text.generated_tokens)
+    generation.record_success(timings, text.generated_tokens)
+    span.set_attributes(_span_fields(timings, text.seed))
+    logger.info("Success", extra={"fields": {"output": text.text}})
+    details = None
+    if req.parameters.details:
+        details = responses.stream_details(text.finish_reason, text.generated_tokens, text.seed, request.input_length)
+    output = req.inputs + text.text if req.parameters.return_full_text else text.text
+    return event(jsonenc.dumps(responses.stream_response(index, end.token, end.top_tokens, output, details)))
+
+
+def _error_event(err: InferError) -> bytes:
+    logger.error("%s", err)
+    return event(jsonenc.dumps(responses.error(err)))
 
 
 def _state(request: Request) -> RouterState:
