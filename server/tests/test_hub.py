@@ -216,12 +216,20 @@ def test_missing_repo_and_revision(hub: tuple[StandInHub, str, Path, Path], tmp_
     assert "is neither a local directory nor a valid model id on the hub" in line
 
 
-def test_local_directory(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path) -> None:
+def test_local_directory(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
     from textgen_server.hub import ModelNotFoundError, download_weights, resolve_model_dir
 
-    _, _, llama, _ = hub
+    stand_in, _, llama, _ = hub
     assert download_weights(str(llama)) == llama
     assert resolve_model_dir(str(llama)) == llama
+    # WEIGHTS_CACHE_OVERRIDE: a hub id is served from that directory, and the hub is never asked.
+    stand_in.requests.clear()
+    monkeypatch.setenv("WEIGHTS_CACHE_OVERRIDE", str(llama))
+    assert download_weights("acme/tiny-llama") == llama
+    assert resolve_model_dir("acme/anything") == llama
+    assert stand_in.requests == []
+    monkeypatch.delenv("WEIGHTS_CACHE_OVERRIDE")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelNotFoundError, match="has no .safetensors weights"):
         download_weights(str(tmp_path))
