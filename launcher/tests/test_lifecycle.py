@@ -72,6 +72,7 @@ def test_a_dead_shard_stops_everything(launch: LaunchFactory, tiny_llama: Path) 
     assert launched.sockets_left() == []
     records = [json.loads(line) for line in launched.log().splitlines() if line.startswith("{")]
     assert any(r["message"] == "Shard 1 crashed" and r["level"] == "ERROR" for r in records)
+    assert any(r["target"] == "textgen_launcher" and r["message"].startswith("Shard 1 ready in") for r in records)
     # Shard lines come back with the shard's rank.
     assert {r["fields"]["rank"] for r in records if "rank" in r.get("fields", {})} == {0, 1}
     assert "Error: ShardFailed" in launched.log()
