@@ -1,13 +1,19 @@
 """Response bodies of the native routes as ordered dicts, in TGI's field order (see schemas.py for types).
 
-Encode them with `jsonenc.dumps` so they are byte-identical to TGI's serde output.
+`json_response` encodes them with `jsonenc.dumps`, byte-identical to TGI's serde output.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from fastapi.responses import Response
+
+from textgen_router import jsonenc
 from textgen_router.generation import Generation
 from textgen_router.types import InferError, Token
+
+logger = logging.getLogger("textgen_router")
 
 
 def token(t: Token) -> dict[str, Any]:
@@ -94,3 +100,13 @@ def stream_details(finish_reason: str, generated_tokens: int, seed: int | None, 
         "seed": seed,
         "input_length": input_length,
     }
+
+
+def json_response(body: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response encoded byte-for-byte as TGI's serde_json would."""
+    return Response(jsonenc.dumps(body), status_code=status_code, media_type="application/json", headers=headers)
+
+
+def error_response(err: InferError) -> Response:
+    logger.error("%s", err)
+    return json_response(error(err), status_code=err.status_code)
