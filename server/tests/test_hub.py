@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from textgen_server.builder import build_test_model
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -98,10 +97,10 @@ def model_files(model_dir: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[StandInHub, str, Path, Path]]:
+def hub(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path,
+        tiny_gpt2: Path) -> Iterator[tuple[StandInHub, str, Path, Path]]:
     root = tmp_path_factory.mktemp("hub")
-    llama = build_test_model(root / "llama")
-    gpt2 = build_test_model(root / "gpt2", arch="gpt2")
+    llama, gpt2 = tiny_llama, tiny_gpt2
     sf_files = model_files(llama) | {"training_args.bin": b"not weights", "README.md": b"# tiny",
                                      "onnx/model.safetensors": b"nested, not fetched"}
     bin_files = {n: b for n, b in model_files(gpt2).items() if n != "model.safetensors"}
