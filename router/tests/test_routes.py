@@ -142,6 +142,9 @@ def test_invocations_dispatches_by_shape(client: httpx.Client) -> None:
     completion = client.post("/invocations", json={"prompt": PROMPT, "max_tokens": 1})
     assert completion.status_code == 200, completion.text
     assert completion.json()["object"] == "text_completion"
+    chat = client.post("/invocations", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["object"] == "chat.completion"
 
 
 def test_tokenize(client: httpx.Client, tiny_llama: Path) -> None:
