@@ -329,3 +329,21 @@ def test_template_precedence(tmp_path: Path) -> None:
     assert find_chat_template(str(tmp_path), str(override)) == "override"
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "json"}))
     assert find_chat_template(str(tmp_path), str(override)) == "json"
+
+
+def test_chunk_templates_encode_like_whole_bodies() -> None:
+    """Pre-encoded stream chunks are byte-identical to encoding each chunk's whole body."""
+    from textgen_router import jsonenc, openai_responses as bodies
+    from textgen_router.types import Token
+
+    env = bodies.Envelope.now('model "with" quotes \x00 and ü')
+    token = Token(5, ' te"xt\n', -0.125, False)
+    logprobs = bodies.chat_logprobs([token], [[token]])
+    choice = {"index": 0, "delta": {"role": "assistant", "content": token.text}, "logprobs": logprobs,
+              "finish_reason": "stop"}  # fmt: skip
+    expected = jsonenc.dumps(env.wrap("chat.completion.chunk", [choice], None))
+    assert bodies.ChatChunks(env).token(token, logprobs, "eos_token") == expected
+    usage = bodies.usage(3, 4)
+    choice = {"index": 1, "text": token.text, "logprobs": None, "finish_reason": "eos_token"}
+    expected = jsonenc.dumps(env.wrap("text_completion", [choice], usage))
+    assert bodies.CompletionChunks(env).token(1, token.text, "eos_token", usage) == expected

@@ -121,6 +121,7 @@ async def chat_completions(request: Request) -> Response:
 async def _chat_stream(
     state: RouterState, env: bodies.Envelope, body: ChatRequest, prompt: str, start_time: float
 ) -> AsyncIterator[bytes]:
+    chunks = bodies.ChatChunks(env)
     try:
         async with aclosing(generation.stream(state, prompt, body.parameters(), add_special_tokens=False)) as events:
             async for valid, event in events:
@@ -128,10 +129,10 @@ async def _chat_stream(
                     continue
                 logprobs = bodies.chat_logprobs([event.token], [event.top_tokens]) if body.logprobs else None
                 if not isinstance(event, EndEvent):
-                    yield _sse(bodies.chat_chunk(env, event.token, logprobs, None))
+                    yield sse_event(chunks.token(event.token, logprobs, None))
                     continue
                 generated = event.generated_text
-                yield _sse(bodies.chat_chunk(env, event.token, logprobs, generated.finish_reason))
+                yield sse_event(chunks.token(event.token, logprobs, generated.finish_reason))
                 timings = Timings.measure(start_time, event.queued, event.start, generated.generated_tokens)
                 generation.record_success(timings, generated.generated_tokens)
                 if body.stream_options is not None and body.stream_options.include_usage:
@@ -187,6 +188,7 @@ async def _completion_stream(
 ) -> AsyncIterator[bytes]:
     """Every prompt streams concurrently; their chunks interleave on one SSE stream (TGI's behaviour)."""
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+    chunks = bodies.CompletionChunks(env)
 
     async def run(index: int, prompt: str) -> None:
         try:
@@ -195,14 +197,14 @@ async def _completion_stream(
                     if isinstance(event, PrefillEvent):
                         continue
                     if not isinstance(event, EndEvent):
-                        await queue.put(_sse(bodies.completion_chunk(env, index, event.token.text, "", None)))
+                        await queue.put(sse_event(chunks.token(index, event.token.text, "", None)))
                         continue
                     generated = event.generated_text
                     timings = Timings.measure(start_time, event.queued, event.start, generated.generated_tokens)
                     generation.record_success(timings, generated.generated_tokens)
                     usage = bodies.usage(valid.input_length, generated.generated_tokens)
-                    chunk = bodies.completion_chunk(env, index, event.token.text, generated.finish_reason, usage)
-                    await queue.put(_sse(chunk))
+                    chunk = chunks.token(index, event.token.text, generated.finish_reason, usage)
+                    await queue.put(sse_event(chunk))
         except InferError as err:
             await queue.put(_sse(bodies.stream_error(str(err), err.status_code)))
         finally:
