@@ -39,6 +39,10 @@ def test_sigterm_lets_the_request_in_flight_finish(launch: LaunchFactory, tiny_l
     print(f"launch to healthy: {launched.wait_healthy():.1f}s")
     log = launched.log()
     assert "Shard 0 ready in" in log and "Starting Webserver" in log
+    # A second launcher on the same sockets must not take them over.
+    second = run_launcher(["--model-id", str(tiny_llama), "--shard-uds-path", launched.uds, "--port", str(free_port())])
+    assert second.returncode == 1
+    assert f"{launched.uds}-0 is the socket of a running shard; choose another --shard-uds-path" in second.stderr
     body = {"inputs": "Hello world", "parameters": {"max_new_tokens": 40, "details": True}}
     events = []
     with httpx.stream("POST", f"{launched.url}/generate_stream", json=body, timeout=60.0) as response:

@@ -13,7 +13,7 @@ import grpc
 from textgen_launcher.children import Child, stop_all
 from textgen_launcher.download import SERVER_BIN
 from textgen_launcher.environment import shard_env
-from textgen_launcher.errors import ShardCannotStart
+from textgen_launcher.errors import ArgumentValidation, ShardCannotStart
 from textgen_launcher.forward import LineForwarder
 from textgen_launcher.validate import Settings
 from textgen_pb import generate_pb2, generate_pb2_grpc
@@ -66,8 +66,12 @@ def socket_path(prefix: str, rank: int) -> str:
 def spawn_shards(args: argparse.Namespace, settings: Settings, log_level: str) -> list[Shard]:
     shards: list[Shard] = []
     cmd = shard_command(args, settings, log_level)
-    for rank in range(settings.num_shard):
-        path = socket_path(args.shard_uds_path, rank)
+    paths = [socket_path(args.shard_uds_path, rank) for rank in range(settings.num_shard)]
+    for path in paths:
+        # TGI deletes whatever is there; a socket that still answers belongs to another launcher's shard.
+        if answers_health(path):
+            raise ArgumentValidation(f"{path} is the socket of a running shard; choose another --shard-uds-path")
+    for rank, path in enumerate(paths):
         if os.path.exists(path):  # a stale socket from an earlier run would look ready
             os.remove(path)
         logger.info("Starting shard %d", rank)
