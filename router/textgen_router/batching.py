@@ -171,7 +171,11 @@ class Batcher:
         return next_batch
 
     def _send(self, generations: Sequence[generate_pb2.Generation], entries: dict[int, Entry]) -> None:
-        """Put each generation's events on its entry's stream; forget entries that ended or were dropped."""
+        """Put each generation's events on its entry's stream; forget entries that ended or were dropped.
+
+        Hot path (once per request per step): every protobuf field access costs, so optional fields are
+        only read when the request asked for them.
+        """
         for g in generations:
             rid = g.request_id
             entry = entries[rid]
@@ -181,16 +185,18 @@ class Batcher:
                 del entries[rid]
                 continue
             put = entry.events.put_nowait
-            if g.HasField("prefill_tokens"):
+            request = entry.request
+            if request.decoder_input_details and g.HasField("prefill_tokens"):
                 put(PrefillEvent(_tokens(g.prefill_tokens)))
             toks = g.tokens
-            n = len(toks.ids)
-            top_tokens = g.top_tokens
+            ids, texts, logprobs, special = toks.ids, toks.texts, toks.logprobs, toks.is_special
+            last = len(ids) - 1
+            top_tokens = g.top_tokens if request.top_n_tokens else ()
             done = g.HasField("generated_text")
-            for i in range(n):
-                token = Token(toks.ids[i], toks.texts[i], toks.logprobs[i], toks.is_special[i])
+            for i in range(last + 1):
+                token = Token(ids[i], texts[i], logprobs[i], special[i])
                 top = _tokens(top_tokens[i]) if i < len(top_tokens) else []
-                if done and i == n - 1:
+                if done and i == last:
                     gt = g.generated_text
                     put(EndEvent(
                         token, top,

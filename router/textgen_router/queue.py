@@ -25,6 +25,37 @@ from .types import InferError, StreamEvent, ValidRequest
 tracer = trace.get_tracer("textgen_router")
 
 
+class Channel:
+    """Unbounded single-consumer channel from the batching loop to one request's stream.
+
+    A leaner asyncio.Queue: put_nowait is an append plus, when the consumer sleeps, one wake-up; the loop
+    calls it once per request per step.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[StreamEvent | InferError] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: StreamEvent | InferError) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self) -> StreamEvent | InferError:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
+
+
 @dataclass(eq=False)
 class Entry:
     """One request's life in the router: queued, then batched, until its stream ends or is dropped.
@@ -35,7 +66,7 @@ class Entry:
 
     request: ValidRequest
     queue_time: float = field(default_factory=time.monotonic)
-    events: asyncio.Queue[StreamEvent | InferError] = field(default_factory=asyncio.Queue)
+    events: Channel = field(default_factory=Channel)
     parent: otel_context.Context | None = None
     id: int = -1
     batch_time: float | None = None
