@@ -35,14 +35,13 @@ def run_download(args: argparse.Namespace, model_id: str, revision: str | None,
                  running: Callable[[], bool]) -> bool:
     """Runs one download; False if a stop signal arrived meanwhile. Raises DownloadError on failure.
 
-    Unlike TGI, no `--merge-lora` for the main model: textgen's download-weights does not merge PEFT adapters.
+    Unlike TGI, neither `--merge-lora` nor `--trust-remote-code`: textgen's download-weights merges no PEFT
+    adapter and runs no model code.
     """
     cmd = [SERVER_BIN, "download-weights", model_id, "--extension", ".safetensors", "--logger-level", "INFO",
            "--json-output"]
     if revision:
         cmd += ["--revision", revision]
-    if args.trust_remote_code:
-        cmd.append("--trust-remote-code")
     logger.info("Starting check and download process for %s", model_id)
     forwarder = LineForwarder("download", {"step": "download"}, args.json_output)
     try:
