@@ -141,7 +141,8 @@ def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.M
     monkeypatch.delenv("COMPUTE_TYPE", raising=False)
     args = parse_args(["--model-id", "/models/m", "--shard-uds-path", "/tmp/s", "--port", "8080",
                        "--cors-allow-origin", "a", "--cors-allow-origin", "b", "--json-output",
-                       "--otlp-endpoint", "http://127.0.0.1:4317", "--api-key", "secret"])
+                       "--otlp-endpoint", "http://127.0.0.1:4317", "--api-key", "secret",
+                       "--huggingface-hub-cache", "/data"])
     settings = Settings(num_shard=1, max_input_tokens=None, max_batch_prefill_tokens=512, quantize=None,
                         cuda_graphs=[1])
     cmd = router_command(args, settings)
@@ -154,5 +155,6 @@ def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.M
     assert pairs["--otlp-endpoint"] == "http://127.0.0.1:4317"
     assert pairs["--otlp-service-name"] == "text-generation-inference.router"
     assert "secret" not in cmd  # the key travels in the router's environment
-    env = router_env(1, "NVIDIA A10G", args.api_key)
+    env = router_env(args, 1, "NVIDIA A10G")
     assert env["API_KEY"] == "secret" and env["COMPUTE_TYPE"] == "1-nvidia-a10g"
+    assert env["HUGGINGFACE_HUB_CACHE"] == "/data"

@@ -50,11 +50,16 @@ def shard_env(args: argparse.Namespace, settings: Settings, rank: int) -> dict[s
     return env
 
 
-def router_env(num_shard: int, card: str | None, api_key: str | None) -> dict[str, str]:
-    """The router inherits everything (LOG_LEVEL included); COMPUTE_TYPE names the hardware in `x-compute-type`."""
+def router_env(args: argparse.Namespace, num_shard: int, card: str | None) -> dict[str, str]:
+    """The router inherits everything (LOG_LEVEL included); COMPUTE_TYPE names the hardware in `x-compute-type`.
+
+    The hub cache given as a flag reaches the router too (it reads the tokenizer from the same snapshot).
+    """
     env = dict(os.environ)
-    if api_key is not None:
-        env["API_KEY"] = api_key
+    if args.api_key is not None:
+        env["API_KEY"] = args.api_key
+    if args.huggingface_hub_cache:
+        env["HUGGINGFACE_HUB_CACHE"] = args.huggingface_hub_cache
     if os.environ.get("HF_API_TOKEN"):
         env["HF_TOKEN"] = os.environ["HF_API_TOKEN"]
     if "COMPUTE_TYPE" not in env and card:

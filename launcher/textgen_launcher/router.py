@@ -70,7 +70,7 @@ def spawn_router(args: argparse.Namespace, settings: Settings) -> Child:
     logger.info("Starting Webserver")
     try:
         return Child("webserver", router_command(args, settings),
-                     router_env(settings.num_shard, cards[0] if cards else None, args.api_key), _echo, echo_stderr=True)
+                     router_env(args, settings.num_shard, cards[0] if cards else None), _echo, echo_stderr=True)
     except FileNotFoundError:
         logger.error("%s not found in PATH", ROUTER_BIN)
         logger.error("Please install it with `make install`")
