@@ -63,6 +63,19 @@ def socket_path(prefix: str, rank: int) -> str:
     return f"{prefix}-{rank}"
 
 
+def answers_health(path: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    # A fresh channel per probe: a channel that failed once would wait out gRPC's reconnect backoff.
+    with grpc.insecure_channel(f"unix://{path}") as channel:
+        try:
+            generate_pb2_grpc.TextGenerationServiceStub(channel).Health(
+                generate_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+    return True
+
+
 def spawn_shards(args: argparse.Namespace, settings: Settings, log_level: str) -> list[Shard]:
     shards: list[Shard] = []
     cmd = shard_command(args, settings, log_level)
@@ -85,19 +98,6 @@ def spawn_shards(args: argparse.Namespace, settings: Settings, log_level: str) -
             raise ShardCannotStart() from None
         shards.append(Shard(rank, path, child))
     return shards
-
-
-def answers_health(path: str) -> bool:
-    if not os.path.exists(path):
-        return False
-    # A fresh channel per probe: a channel that failed once would wait out gRPC's reconnect backoff.
-    with grpc.insecure_channel(f"unix://{path}") as channel:
-        try:
-            generate_pb2_grpc.TextGenerationServiceStub(channel).Health(
-                generate_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S)
-        except grpc.RpcError:
-            return False
-    return True
 
 
 def wait_ready(shards: list[Shard], running: Callable[[], bool]) -> bool:
