@@ -1,6 +1,7 @@
 """A real `textgen-server serve` process on a real unix socket, driven over gRPC like the router does."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -324,6 +325,18 @@ def test_unsupported_options_are_startup_errors(tiny_llama: Path, args: list[str
     assert result.returncode != 0
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and message in errors[0]
+
+
+def test_startup_error_is_one_json_line_with_json_output(tiny_llama: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "textgen_server.cli", "serve", str(tiny_llama), "--uds-path", "/tmp/tg-never",
+         "--quantize", "awq", "--json-output"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    (line,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert line["level"] == "ERROR" and line["target"] == "textgen_server.cli"
+    assert line["message"] == "--quantize awq is not supported: this shard runs transformers models unquantized"
 
 
 def test_sigterm_stops_cleanly_and_removes_socket(shard, shard_stub_factory) -> None:
