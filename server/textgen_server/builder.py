@@ -69,6 +69,17 @@ LARGE_CORPUS = TINY_CORPUS + (
     "tempfile.py", "pstats.py", "trace.py", "dis.py", "plistlib.py", "uuid.py", "socketserver.py",
     "contextlib.py", "tokenize.py", "_strptime.py",
 )
+# The 1b model's 32000-token vocabulary needs more text than the small one's 16000.
+HUGE_CORPUS = LARGE_CORPUS + (
+    "logging/__init__.py", "unittest/mock.py", "http/client.py", "http/server.py", "urllib/request.py",
+    "urllib/parse.py", "email/_header_value_parser.py", "asyncio/base_events.py", "tkinter/__init__.py",
+    "xml/dom/minidom.py", "multiprocessing/connection.py", "concurrent/futures/_base.py", "calendar.py",
+    "gettext.py", "csv.py", "selectors.py", "weakref.py", "copy.py", "gzip.py", "base64.py", "pprint.py",
+    "types.py", "warnings.py", "mimetypes.py", "fileinput.py", "posixpath.py", "code.py", "cmd.py",
+    "profile.py", "sysconfig.py", "getopt.py", "glob.py", "hmac.py", "netrc.py", "numbers.py", "operator.py",
+    "quopri.py", "sched.py", "signal.py", "struct.py", "symtable.py", "timeit.py", "tracemalloc.py",
+    "wave.py", "webbrowser.py", "zipapp.py", "modulefinder.py", "filecmp.py", "graphlib.py", "runpy.py",
+)
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,7 @@ SIZE_DIMS: dict[str, Dims] = {
     "tiny": Dims(64, 2, 4, 2, 128, 1024, 2048, torch.float32, TINY_CORPUS),
     "small": Dims(768, 12, 12, 12, 2048, 16000, 2048, torch.float32, LARGE_CORPUS),
     # GPU measurements only; no test builds it (bf16 halves the 4 GB an fp32 copy would take).
-    "1b": Dims(2048, 16, 16, 8, 5632, 32000, 4096, torch.bfloat16, LARGE_CORPUS),
+    "1b": Dims(2048, 16, 16, 8, 5632, 32000, 4096, torch.bfloat16, HUGE_CORPUS),
 }
 
 # Wider than the usual 0.02 so a random tiny model has clear greedy winners: near-ties between logits would
