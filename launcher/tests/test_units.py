@@ -13,6 +13,7 @@ from textgen_launcher.devices import DEVICE_ENV_VARS, NoDeviceFound, find_num_sh
 from textgen_launcher.environment import rope_env, router_env, shard_env
 from textgen_launcher.errors import ArgumentValidation, NotEnoughCUDADevices
 from textgen_launcher.limits import compute_optimal, default_max_batch_prefill_tokens, vram_cap
+from textgen_launcher.main import log_level
 from textgen_launcher.router import router_command
 from textgen_launcher.shards import shard_command
 from textgen_launcher.validate import Settings
@@ -158,3 +159,12 @@ def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.M
     env = router_env(args, 1, "NVIDIA A10G")
     assert env["API_KEY"] == "secret" and env["COMPUTE_TYPE"] == "1-nvidia-a10g"
     assert env["HUGGINGFACE_HUB_CACHE"] == "/data"
+
+
+@pytest.mark.parametrize(("value", "level"), [
+    ("debug", "DEBUG"), ("warn", "WARNING"), ("info,textgen_router=debug", "INFO"),
+    ("textgen_launcher=warn,info", "WARNING"), ("text_generation_launcher=debug", "DEBUG"), ("bogus", "INFO"),
+])
+def test_log_level_from_env(monkeypatch: pytest.MonkeyPatch, value: str, level: str) -> None:
+    monkeypatch.setenv("LOG_LEVEL", value)
+    assert log_level() == level

@@ -50,10 +50,15 @@ class StopFlag:
 
 
 def log_level() -> str:
-    """LOG_LEVEL as TGI reads it: a shorthand level, or a `target=level` directive (the last level wins)."""
-    raw = os.environ.get("LOG_LEVEL", "info").strip().lower()
-    last = raw.split(",")[-1].split("=")[-1]
-    return LOG_LEVELS.get(last, "INFO")
+    """LOG_LEVEL as TGI reads it: a bare level (`debug`), or filter directives (`info,textgen_router=debug`)
+    in which a bare level or the launcher's own `target=level` decides (as in the router and the shards)."""
+    parts = [p.strip().lower() for p in os.environ.get("LOG_LEVEL", "info").split(",") if p.strip()]
+    bare = [p for p in parts if "=" not in p]
+    own = [p.split("=", 1)[1] for p in parts if p.split("=", 1)[0] in ("textgen_launcher", "text_generation_launcher")]
+    for level in own + bare:
+        if level in LOG_LEVELS:
+            return LOG_LEVELS[level]
+    return "INFO"
 
 
 def _public_args(args: argparse.Namespace) -> dict[str, object]:
