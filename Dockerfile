@@ -1,6 +1,6 @@
 # textgen: CPU image by default (python:3.11-slim + the torch CPU wheel).
-# CUDA variant: --build-arg BASE=nvidia/cuda:12.4.1-runtime-ubuntu24.04 \
-#               --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu124
+# CUDA variant: --build-arg BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#               --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 
