@@ -151,6 +151,8 @@ async def _warm_up(client: ShardedClient, max_input_tokens: int | None, max_tota
     except ShardError as err:
         raise StartupError(f"Unable to get the Python model shards info: Server error: {err.message}") from None
 
+    if info.support_chunking:
+        logger.warning("The shards support chunked prefill; this router schedules whole prompts only")
     logger.info("Warming up model")
     batch = warmup_batch(max_input_tokens, max_batch_prefill_tokens, max_total_tokens, max_batch_size)
     try:
@@ -181,7 +183,9 @@ async def _warm_up(client: ShardedClient, max_input_tokens: int | None, max_tota
 
     if shard_input >= shard_total:
         raise _invalid("`max_input_tokens` must be < `max_total_tokens`")
-    if not info.support_chunking and shard_input > max_batch_prefill_tokens:
+    # TGI skips this check for shards that chunk prefills; this router never chunks, so a longer prompt
+    # could never be scheduled: the check always applies.
+    if shard_input > max_batch_prefill_tokens:
         raise _invalid("`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
                        f"Given: {max_batch_prefill_tokens} and {shard_input}")
     if max_batch_prefill_tokens > batch_total:

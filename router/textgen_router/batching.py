@@ -9,6 +9,7 @@ After every Prefill/Decode the generations go to their entries' streams, and fin
 filtered out of the shard batch in the same step (FilterBatch, or ClearCache when none is left).
 A failing Prefill fails only its new requests; a failing Decode fails the whole running batch; either way the
 shard caches of the failed batches are cleared.
+TGI's chunked-prefill branch is not implemented: our shards never report `support_chunking`.
 """
 from __future__ import annotations
 
@@ -176,6 +177,7 @@ class Batcher:
         Hot path (once per request per step): every protobuf field access costs, so optional fields are
         only read when the request asked for them.
         """
+        skipped_tokens = metrics.REQUEST_SKIPPED_TOKENS.labels()
         for g in generations:
             rid = g.request_id
             entry = entries[rid]
@@ -191,6 +193,7 @@ class Batcher:
             toks = g.tokens
             ids, texts, logprobs, special = toks.ids, toks.texts, toks.logprobs, toks.is_special
             last = len(ids) - 1
+            skipped_tokens.observe(last)  # tokens beyond the first: accepted speculation, as TGI records
             top_tokens = g.top_tokens if request.top_n_tokens else ()
             done = g.HasField("generated_text")
             for i in range(last + 1):
