@@ -25,6 +25,7 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 class Repo:
     files: dict[str, bytes]
     sha: str = SHA
+    unserved: frozenset[str] = frozenset()  # listed by the API but 404 on download (a broken mirror)
 
 
 @dataclass
@@ -79,7 +80,8 @@ class StandInHub:
                         return self._error("RepoNotFound")
                     if parts[3] not in ("main", repo.sha):
                         return self._error("RevisionNotFound")
-                    body = repo.files.get("/".join(parts[4:]))
+                    name = "/".join(parts[4:])
+                    body = None if name in repo.unserved else repo.files.get(name)
                     if body is None:
                         return self._error("EntryNotFound")
                     etag = '"' + hashlib.sha256(body).hexdigest() + '"'
@@ -110,7 +112,8 @@ def hub(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path,
     bin_path = root / "pytorch_model.bin"
     torch.save(state, bin_path)
     bin_files["pytorch_model.bin"] = bin_path.read_bytes()
-    stand_in = StandInHub({"acme/tiny-llama": Repo(sf_files), "acme/tiny-gpt2-bin": Repo(bin_files)})
+    stand_in = StandInHub({"acme/tiny-llama": Repo(sf_files), "acme/tiny-gpt2-bin": Repo(bin_files),
+                           "acme/broken": Repo(sf_files, unserved=frozenset({"model.safetensors"}))})
     server = ThreadingHTTPServer(("127.0.0.1", 0), stand_in.handler())
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -209,6 +212,10 @@ def test_missing_repo_and_revision(hub: tuple[StandInHub, str, Path, Path], tmp_
     assert bad_rev.returncode == 1
     [line] = error_lines(bad_rev)
     assert line.endswith("Revision v9 of model acme/tiny-llama not found on the hub")
+    broken = download("acme/broken", endpoint, tmp_path)
+    assert broken.returncode == 1
+    [line] = error_lines(broken)
+    assert "Download of model.safetensors of model acme/broken failed" in line
     not_an_id = download(str(tmp_path / "no-such-dir"), endpoint, tmp_path)
     assert not_an_id.returncode == 1
     [line] = error_lines(not_an_id)

@@ -20,9 +20,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CONFIG = "config.json"
 # Fetched beside the weights when the repo has them; the router and shards read them from the same snapshot.
@@ -107,7 +110,7 @@ def resolve_model_dir(model_id: str, revision: str | None = None) -> Path:
     return snapshot
 
 
-def _with_retries(what: str, fetch):  # type: ignore[no-untyped-def]
+def _with_retries(what: str, fetch: Callable[[], T]) -> T:
     """Retry transient failures (network, 5xx); a missing repo, revision or file fails at once."""
     from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError, \
         RevisionNotFoundError
@@ -173,8 +176,11 @@ def _download_hub(model_id: str, revision: str | None, extension: str, auto_conv
     start = time.monotonic()
     for i, name in enumerate(files, start=1):
         rev = info.sha if i > 1 and info.sha else revision
-        path = Path(_with_retries(f"downloading {name}", lambda name=name, rev=rev: hf_hub_download(
-            model_id, name, revision=rev, cache_dir=cache_dir(), token=token, endpoint=endpoint)))
+        try:
+            path = Path(_with_retries(f"downloading {name}", lambda name=name, rev=rev: hf_hub_download(
+                model_id, name, revision=rev, cache_dir=cache_dir(), token=token, endpoint=endpoint)))
+        except Exception as exc:  # noqa: BLE001 - after retries: one line for the user
+            raise ModelNotFoundError(f"Download of {name} of model {model_id} failed: {exc}") from None
         elapsed = time.monotonic() - start
         logger.info("Download: [%d/%d] -- ETA: %.2fs", i, len(files), elapsed / i * (len(files) - i))
     snapshot = path.parent
