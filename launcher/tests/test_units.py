@@ -168,3 +168,81 @@ def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.M
 def test_log_level_from_env(monkeypatch: pytest.MonkeyPatch, value: str, level: str) -> None:
     monkeypatch.setenv("LOG_LEVEL", value)
     assert log_level() == level
+
+
+# (flag's dest, its env var, TGI's default, an env value, what that value parses to)
+TGI_FLAGS = [
+    ("model_id", "MODEL_ID", "bigscience/bloom-560m", "org/m", "org/m"),
+    ("revision", "REVISION", None, "refs/pr/2", "refs/pr/2"),
+    ("validation_workers", "VALIDATION_WORKERS", 2, "3", 3),
+    ("sharded", "SHARDED", None, "false", False),
+    ("num_shard", "NUM_SHARD", None, "2", 2),
+    ("quantize", "QUANTIZE", None, "gptq", "gptq"),
+    ("speculate", "SPECULATE", None, "2", 2),
+    ("dtype", "DTYPE", None, "bfloat16", "bfloat16"),
+    ("kv_cache_dtype", "KV_CACHE_DTYPE", None, "fp8_e5m2", "fp8_e5m2"),
+    ("trust_remote_code", "TRUST_REMOTE_CODE", False, "true", True),
+    ("max_concurrent_requests", "MAX_CONCURRENT_REQUESTS", 128, "7", 7),
+    ("max_best_of", "MAX_BEST_OF", 2, "3", 3),
+    ("max_stop_sequences", "MAX_STOP_SEQUENCES", 4, "5", 5),
+    ("max_top_n_tokens", "MAX_TOP_N_TOKENS", 5, "6", 6),
+    ("max_input_tokens", "MAX_INPUT_TOKENS", None, "10", 10),
+    ("max_input_length", "MAX_INPUT_LENGTH", None, "10", 10),
+    ("max_total_tokens", "MAX_TOTAL_TOKENS", None, "20", 20),
+    ("waiting_served_ratio", "WAITING_SERVED_RATIO", 0.3, "1.2", 1.2),
+    ("max_batch_prefill_tokens", "MAX_BATCH_PREFILL_TOKENS", None, "64", 64),
+    ("max_batch_total_tokens", "MAX_BATCH_TOTAL_TOKENS", None, "128", 128),
+    ("max_waiting_tokens", "MAX_WAITING_TOKENS", 20, "8", 8),
+    ("max_batch_size", "MAX_BATCH_SIZE", None, "4", 4),
+    ("cuda_graphs", "CUDA_GRAPHS", None, "1,2,0", [1, 2, 0]),
+    ("hostname", "HOSTNAME", "0.0.0.0", "127.0.0.1", "127.0.0.1"),
+    ("port", "PORT", 3000, "80", 80),
+    ("prometheus_port", "PROMETHEUS_PORT", 9000, "9001", 9001),
+    ("shard_uds_path", "SHARD_UDS_PATH", "/tmp/text-generation-server", "/tmp/x", "/tmp/x"),
+    ("master_addr", "MASTER_ADDR", "localhost", "10.0.0.1", "10.0.0.1"),
+    ("master_port", "MASTER_PORT", 29500, "29501", 29501),
+    ("huggingface_hub_cache", "HUGGINGFACE_HUB_CACHE", None, "/data", "/data"),
+    ("weights_cache_override", "WEIGHTS_CACHE_OVERRIDE", None, "/w", "/w"),
+    ("disable_custom_kernels", "DISABLE_CUSTOM_KERNELS", False, "1", True),
+    ("cuda_memory_fraction", "CUDA_MEMORY_FRACTION", 1.0, "0.5", 0.5),
+    ("rope_scaling", "ROPE_SCALING", None, "dynamic", "dynamic"),
+    ("rope_factor", "ROPE_FACTOR", None, "2", 2.0),
+    ("json_output", "JSON_OUTPUT", False, "off", False),
+    ("otlp_endpoint", "OTLP_ENDPOINT", None, "http://c:4317", "http://c:4317"),
+    ("otlp_service_name", "OTLP_SERVICE_NAME", "text-generation-inference.router", "svc", "svc"),
+    ("cors_allow_origin", "CORS_ALLOW_ORIGIN", [], "https://a", ["https://a"]),
+    ("api_key", "API_KEY", None, "k", "k"),
+    ("watermark_gamma", "WATERMARK_GAMMA", None, "0.5", 0.5),
+    ("watermark_delta", "WATERMARK_DELTA", None, "2", 2.0),
+    ("ngrok", "NGROK", False, "yes", True),
+    ("ngrok_authtoken", "NGROK_AUTHTOKEN", None, "t", "t"),
+    ("ngrok_edge", "NGROK_EDGE", None, "e", "e"),
+    ("tokenizer_config_path", "TOKENIZER_CONFIG_PATH", None, "/t.json", "/t.json"),
+    ("disable_grammar_support", "DISABLE_GRAMMAR_SUPPORT", False, "true", True),
+    ("max_client_batch_size", "MAX_CLIENT_BATCH_SIZE", 4, "8", 8),
+    ("lora_adapters", "LORA_ADAPTERS", None, "a,b", "a,b"),
+    ("usage_stats", "USAGE_STATS", "on", "off", "off"),
+    ("payload_limit", "PAYLOAD_LIMIT", 2000000, "10", 10),
+    ("enable_prefill_logprobs", "ENABLE_PREFILL_LOGPROBS", False, "true", True),
+    ("graceful_termination_timeout", "GRACEFUL_TERMINATION_TIMEOUT", 90, "5", 5),
+]
+
+
+@pytest.mark.parametrize(("dest", "env", "default", "env_value", "parsed"), TGI_FLAGS, ids=[f[1] for f in TGI_FLAGS])
+def test_every_tgi_flag_has_its_default_and_env_var(monkeypatch: pytest.MonkeyPatch, dest: str, env: str,
+                                                   default: object, env_value: str, parsed: object) -> None:
+    monkeypatch.delenv(env, raising=False)
+    assert getattr(parse_args([]), dest) == default
+    monkeypatch.setenv(env, env_value)
+    assert getattr(parse_args([]), dest) == parsed
+    flag = "--" + dest.replace("_", "-")
+    if isinstance(default, bool):  # the command line wins over the environment
+        assert getattr(parse_args([flag]), dest) is True
+    elif dest == "cors_allow_origin":
+        assert parse_args([flag, "https://b"]).cors_allow_origin == ["https://b"]
+    else:
+        assert getattr(parse_args([flag, env_value]), dest) == parsed
+
+
+def test_env_flag_is_cli_only() -> None:
+    assert parse_args(["-e"]).env is True and parse_args([]).env is False
