@@ -3,7 +3,7 @@
 N real `textgen-server serve --sharded` processes (gloo on CPU) share the machine's THREADS cores (THREADS / N
 threads each, so every run uses the same cores) and are driven over gRPC with textgen-benchmark's loop via
 the router's ShardedClient (Prefill, then Decode to the end; generations of all ranks concatenated).
-Per-shard peak RSS is each process's VmHWM at the end. Shared helpers come from shard_decode.py.
+Per-shard RSS: VmRSS once loaded (weights + runtime) and VmHWM (peak) at the end. Shared helpers come from shard_decode.py.
 
 Usage: python benchmark/tp_decode.py [--shards 1 --shards 2] [--batch 1 --batch 32] [--runs 3] [--model-dir D]
 """
@@ -50,9 +50,10 @@ def start_shards(model_dir: Path, uds_path: str, num_shard: int, timeout: float 
     return procs
 
 
-def peak_rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str) -> float:
+    """A memory line of /proc/PID/status in MiB: VmRSS (now) or VmHWM (peak)."""
     with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmHWM:"))
+        line = next(line for line in status if line.startswith(f"{field}:"))
     return int(line.split()[1]) / 1024
 
 
@@ -71,19 +72,23 @@ def main(argv: list[str] | None = None) -> None:
         uds = f"/tmp/textgen-tp-bench-{os.getpid()}-{n}"
         procs = start_shards(model_dir, uds, n)
         try:
+            time.sleep(2)  # the socket appears just before the server starts serving
+            loaded = [rss_mib(p.pid, "VmRSS") for p in procs]
             seconds = asyncio.run(shard_step_seconds(f"{uds}-0", model_dir, batches, args.runs))
-            rss = [peak_rss_mib(p.pid) for p in procs]
+            peak = [rss_mib(p.pid, "VmHWM") for p in procs]
         finally:
             for p in procs:
                 stop(p)
-        rows.append((n, seconds, rss))
-    print("\n| shards | peak RSS per shard (MiB) | " + " | ".join(f"batch {b} tok/s" for b in batches) +
-          " | " + " | ".join(f"batch {b} GB/s" for b in batches) + " |")
-    print("|---:|---:|" + "---:|" * (2 * len(batches)))
-    for n, seconds, rss in rows:
+        rows.append((n, seconds, loaded, peak))
+    print("\n| shards | RSS per shard when loaded (MiB) | peak RSS per shard (MiB) | "
+          + " | ".join(f"batch {b} tok/s" for b in batches) + " | "
+          + " | ".join(f"batch {b} GB/s" for b in batches) + " |")
+    print("|---:|---:|---:|" + "---:|" * (2 * len(batches)))
+    for n, seconds, loaded, peak in rows:
         tps = " | ".join(f"{b / seconds[b]:.1f}" for b in batches)
         gbs = " | ".join(f"{bytes_per_step(model_dir, b) / seconds[b] / 1e9:.1f}" for b in batches)
-        print(f"| {n} | {', '.join(f'{r:.0f}' for r in rss)} | {tps} | {gbs} |")
+        print(f"| {n} | {', '.join(f'{r:.0f}' for r in loaded)} | {', '.join(f'{r:.0f}' for r in peak)} | "
+              f"{tps} | {gbs} |")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ def initialize_torch_distributed() -> DistInfo:
         backend = "nccl"
     else:
         backend = "gloo"
+        # CPU ranks on one host share its cores: each defaulting to all of them oversubscribes the machine,
+        # and the slowest rank then holds up every all_reduce. An explicit OMP_NUM_THREADS still wins.
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
