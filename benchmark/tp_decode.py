@@ -3,7 +3,8 @@
 N real `textgen-server serve --sharded` processes (gloo on CPU) share the machine's THREADS cores (THREADS / N
 threads each, so every run uses the same cores) and are driven over gRPC with textgen-benchmark's loop via
 the router's ShardedClient (Prefill, then Decode to the end; generations of all ranks concatenated).
-Per-shard RSS: VmRSS once loaded (weights + runtime) and VmHWM (peak) at the end. Shared helpers come from shard_decode.py.
+Per-shard RSS: VmRSS once loaded (weights + runtime) and VmHWM (peak) at the end. Shared helpers come from
+shard_decode.py.
 
 Usage: python benchmark/tp_decode.py [--shards 1 --shards 2] [--batch 1 --batch 32] [--runs 3] [--model-dir D]
 """
