@@ -251,6 +251,11 @@ def test_body_decoding_errors(client: httpx.Client) -> None:
     malformed = client.post("/generate", content=b'{"inputs":', headers=json_headers)
     assert malformed.status_code == 400
     assert malformed.text.startswith("Failed to parse the request body as JSON: ")
+    not_utf8 = client.post("/generate", content=b'{"inputs":"\xff\xfe\xfa"}', headers=json_headers)
+    assert not_utf8.status_code == 400
+    charset = client.post("/generate", content=json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}),
+                          headers={"content-type": "application/json; charset=utf-8"})
+    assert charset.status_code == 200
     missing = client.post("/generate", json={"parameters": {}})
     assert missing.status_code == 422
     assert missing.text == "Failed to deserialize the JSON body into the target type: missing field `inputs`"
