@@ -7,44 +7,21 @@ from __future__ import annotations
 
 
 class LauncherError(Exception):
-    """Base class: `kind` is TGI's variant name, the message (if any) its payload."""
-
-    kind = "LauncherError"
+    """Base class: the subclass name is TGI's variant name, the message (if any) its payload."""
 
     def render(self) -> str:
-        detail = str(self)
-        return f'Error: {self.kind}("{detail}")' if detail else f"Error: {self.kind}"
+        kind, detail = type(self).__name__, str(self)
+        return f'Error: {kind}("{detail}")' if detail else f"Error: {kind}"
 
 
-class ArgumentValidation(LauncherError):
-    kind = "ArgumentValidation"
-
-
-class NotEnoughCUDADevices(LauncherError):
-    kind = "NotEnoughCUDADevices"
-
-
-class DownloadError(LauncherError):
-    kind = "DownloadError"
-
-
-class ShardCannotStart(LauncherError):
-    kind = "ShardCannotStart"
-
-
-class ShardFailed(LauncherError):
-    kind = "ShardFailed"
-
-
-class WebserverFailed(LauncherError):
-    kind = "WebserverFailed"
-
-
-class WebserverCannotStart(LauncherError):
-    kind = "WebserverCannotStart"
+class ArgumentValidation(LauncherError): ...
+class NotEnoughCUDADevices(LauncherError): ...
+class DownloadError(LauncherError): ...
+class ShardCannotStart(LauncherError): ...
+class ShardFailed(LauncherError): ...
+class WebserverFailed(LauncherError): ...
+class WebserverCannotStart(LauncherError): ...
 
 
 class PortInUse(LauncherError):
     """Not in TGI (its router fails later, after the model loaded): checked before anything starts."""
-
-    kind = "PortInUse"
