@@ -121,6 +121,7 @@ def test_defaults_and_budget(validator: Validator) -> None:
 def test_truncate_keeps_the_last_tokens(validator: Validator) -> None:
     full = validate(validator, PROMPT, max_new_tokens=1).input_ids
     assert validate(validator, PROMPT, max_new_tokens=1, truncate=3).input_ids == full[-3:]
+    assert asyncio.run(validator.tokenize(PROMPT, truncate=0)).ids == []  # /tokenize does not validate truncate
     # Truncation makes an over-long prompt acceptable.
     assert validate(validator, LONG, max_new_tokens=1, truncate=MAX_INPUT_TOKENS).input_length == MAX_INPUT_TOKENS
 

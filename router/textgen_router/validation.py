@@ -77,7 +77,7 @@ class Validator:
             offsets = [(0, 0)] * len(ids)
         if truncate is not None and truncate < len(ids):
             # Truncation keeps the end of the prompt: the text next to what will be generated.
-            ids, offsets = ids[-truncate:], offsets[-truncate:]
+            ids, offsets = ids[len(ids) - truncate:], offsets[len(ids) - truncate:]
         return Encoding(ids, offsets)
 
     async def tokenize(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> Encoding:
