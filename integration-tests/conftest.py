@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from launcher_process import Launcher, shared_launcher
 from pydantic import BaseModel
 from syrupy.extensions.json import JSONSnapshotExtension
 
 from textgen_client import AsyncClient, Client
+
+# Explicit, so the import works under any --import-mode (the client and router tests import it too).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launcher_process import Launcher, shared_launcher  # noqa: E402
 
 # Logprobs of the same tiny model differ in the last float32 bits between CPUs; texts must not differ.
 LOGPROB_REL_TOL = 1e-2
