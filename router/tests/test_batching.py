@@ -8,24 +8,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from textgen_router import metrics
 from textgen_router.backend import Backend, connect_backend
 from textgen_router.infer import Infer
-from textgen_router.types import (
-    ChooserParameters, EndEvent, GenerationError, IntermediateEvent, OverloadedError, StoppingParameters,
-    ValidRequest,
-)
+from textgen_router.types import GenerationError, OverloadedError, ValidRequest
 
-from inference_harness import run, shard  # noqa: F401  (fixtures)
+from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
+
 pytestmark = pytest.mark.timeout(180)
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing songs".split()
 
 
 @pytest.fixture(scope="module")
@@ -33,25 +27,6 @@ def backend(shard: Any, run: Any) -> Iterator[Backend]:
     backend = run(connect_backend(shard.socket, 64, 128, 2048, None, None, 0.3, 20))
     yield backend
     run(backend.close())
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_llama: Path) -> Any:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    cache: dict[tuple[str, int], list[int]] = {}
-
-    def greedy(prompt: str, max_new_tokens: int) -> list[int]:
-        key = (prompt, max_new_tokens)
-        if key not in cache:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-            cache[key] = out[0, ids.shape[1]:].tolist()
-        return cache[key]
-
-    greedy.tokenizer = tokenizer  # type: ignore[attr-defined]
-    return greedy
 
 
 @pytest.fixture
@@ -66,30 +41,6 @@ async def idle(infer: Infer) -> None:
     """Wait (bounded by the caller's timeout) until nothing is queued or running."""
     while infer.batcher.running or len(infer.queue):
         await asyncio.sleep(0.01)
-
-
-def prompt(i: int) -> str:
-    return f"Request {i}: " + " ".join(WORDS[(i * 5) % 7:(i * 5) % 7 + 1 + i % 6])
-
-
-def valid(oracle: Any, text: str, max_new_tokens: int) -> ValidRequest:
-    return ValidRequest(
-        inputs=text, input_ids=oracle.tokenizer(text).input_ids, truncate=64, add_special_tokens=True,
-        decoder_input_details=False, top_n_tokens=0, parameters=ChooserParameters(),
-        stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens),
-    )
-
-
-async def collect(infer: Infer, request: ValidRequest, progress: list[int] | None = None) -> list[int]:
-    """Token ids of one stream; `progress` (if given) grows by one id per token as they arrive."""
-    ids = progress if progress is not None else []
-    async for event in infer.generate_stream(request):
-        assert isinstance(event, (IntermediateEvent, EndEvent))
-        ids.append(event.token.id)
-        if isinstance(event, EndEvent):
-            assert event.generated_text.generated_tokens == len(ids)
-            assert event.queued <= event.start
-    return ids
 
 
 async def until(condition: Any) -> None:

@@ -1,6 +1,7 @@
-"""ShardedClient and connect_backend against a real shard process on a real unix socket."""
+"""ShardedClient and connect_backend against a real 2-rank tensor-parallel shard group on unix sockets."""
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Coroutine
 from typing import Any
@@ -14,7 +15,9 @@ from textgen_router import metrics
 from textgen_router.backend import StartupError, connect_backend, warmup_batch
 from textgen_router.client import ShardedClient, ShardError, _metadata
 
-from inference_harness import run, shard  # noqa: F401  (fixtures)
+from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
+
+NUM_SHARD = 2  # every call fans out to two ranks; each answers generations for its own rows only
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -64,10 +67,18 @@ def test_contradictory_limits_after_warmup(run: Any, shard: Any, overrides: dict
     assert str(err.value) == f"Argument validation error: {message}"
 
 
-def test_connect_backend_settles_limits(run: Any, shard: Any) -> None:
+def test_connect_backend_settles_limits(run: Any, shard: Any, oracle: Any) -> None:
     metrics.reset()
     backend = run(connect(shard))
     try:
+        # Generations of both ranks are merged: every request gets all its tokens, exactly once.
+        requests = [valid(oracle, prompt(i), 5) for i in range(5)]
+
+        async def all_streams() -> list[list[int]]:
+            return await asyncio.gather(*(collect(backend.infer, r) for r in requests))
+
+        got = run(all_streams())
+        assert got == [oracle(r.inputs, 5) for r in requests]
         assert backend.info.requires_padding and backend.info.device_type == "cpu"
         assert (backend.max_input_tokens, backend.max_total_tokens) == (64, 128)
         # A padded shard reports no supported total: TGI falls back to max(16000, total, prefill).
@@ -94,7 +105,7 @@ def test_client_calls(run: Any, shard: Any) -> None:
     async def scenario() -> None:
         client = await ShardedClient.connect(shard.url)
         try:
-            assert client.num_shards == 1
+            assert client.num_shards == 2
             assert (await client.info()).dtype == "torch.float32"
             await client.health()
             await client.clear_cache(None)
