@@ -14,6 +14,7 @@ from textgen_pb import generate_pb2
 from textgen_router import metrics
 from textgen_router.backend import StartupError, connect_backend, warmup_batch
 from textgen_router.client import ShardedClient, ShardError, _metadata
+from textgen_router.types import GenerationError
 
 from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
 
@@ -142,3 +143,17 @@ def test_trace_context_is_injected() -> None:
         metadata = dict(_metadata() or ())
     trace_id = format(span.get_span_context().trace_id, "032x")
     assert metadata["traceparent"].split("-")[1] == trace_id
+
+
+def test_close_ends_pending_streams(run: Any, shard: Any, oracle: Any) -> None:
+    async def scenario() -> None:
+        backend = await connect(shard)
+        progress: list[int] = []
+        running = asyncio.ensure_future(collect(backend.infer, valid(oracle, prompt(1), 60), progress))
+        while len(progress) < 2:
+            await asyncio.sleep(0.005)
+        await backend.close()
+        with pytest.raises(GenerationError, match="the router is shutting down"):
+            await running
+
+    run(scenario())
