@@ -63,7 +63,6 @@ class Batcher:
         self.waiting_served_ratio = waiting_served_ratio
         self.max_waiting_tokens = max_waiting_tokens
         self.running: dict[int, Entry] = {}  # every entry of the running (shard-cached) batch
-        self._joined = False  # whether the last step onboarded waiting requests
         self._wakeup = asyncio.Event()
 
     def notify(self) -> None:
@@ -97,31 +96,33 @@ class Batcher:
             cached = await self._prefill(batch, entries)
             waiting_tokens = 1
             while cached is not None:
-                cached = await self._step(cached, waiting_tokens >= self.max_waiting_tokens)
-                waiting_tokens = 1 if self._joined else waiting_tokens + 1
+                cached, joined = await self._step(cached, waiting_tokens >= self.max_waiting_tokens)
+                waiting_tokens = 1 if joined else waiting_tokens + 1
             self.running = {}
             metrics.BATCH_CURRENT_SIZE.set(0)
             metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
 
-    async def _step(self, cached: generate_pb2.CachedBatch, wait_exceeded: bool) -> generate_pb2.CachedBatch | None:
-        """Maybe onboard waiting requests, then one Decode of everything running."""
+    async def _step(self, cached: generate_pb2.CachedBatch,
+                    wait_exceeded: bool) -> tuple[generate_pb2.CachedBatch | None, bool]:
+        """Maybe onboard waiting requests, then one Decode of everything running.
+
+        Returns the next cached batch and whether waiting requests were taken from the queue.
+        """
         batches = [cached]
         metrics.BATCH_CURRENT_SIZE.set(cached.size)
         metrics.BATCH_CURRENT_MAX_TOKENS.set(cached.max_tokens)
         min_size = None if wait_exceeded else math.floor(cached.size * self.waiting_served_ratio)
         max_size = None if self.max_batch_size is None else max(0, self.max_batch_size - cached.size)
         token_budget = max(0, self.max_batch_total_tokens - cached.max_tokens)
-        self._joined = False
         nxt = self.queue.next_batch(min_size, max_size, self.max_batch_prefill_tokens, token_budget)
         if nxt is not None:
             new_entries, new_batch = nxt
             metrics.BATCH_CONCAT.labels("backpressure" if min_size is not None else "wait_exceeded").inc()
             new_cached = await self._prefill(new_batch, new_entries)
             self.running.update(new_entries)
-            self._joined = True
             if new_cached is not None:
                 batches.append(new_cached)
-        return await self._decode(batches, self.running)
+        return await self._decode(batches, self.running), nxt is not None
 
     async def _prefill(self, batch: generate_pb2.Batch, entries: dict[int, Entry]) -> generate_pb2.CachedBatch | None:
         start = time.monotonic()
