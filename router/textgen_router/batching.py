@@ -232,8 +232,9 @@ class Batcher:
                 await self.client.clear_cache(batch_id)
             except ShardError:
                 logger.exception("Unable to clear the cache of failed batch %d", batch_id)
-        error = GenerationError(f"Server error: {err.message}")
+        message = f"Server error: {err.message}"
         for entry in entries.values():
+            error = GenerationError(message)  # one instance per stream: each consumer raises its own
             metrics.REQUEST_FAILURE.labels("generation").inc()
             logger.error("%s", error)
             entry.events.put_nowait(error)
@@ -242,7 +243,6 @@ class Batcher:
 
     def fail_all(self, message: str, queued: bool = True) -> None:
         """End every running request (and every queued one if `queued`) with GenerationError(message)."""
-        error = GenerationError(message)
         pending = list(self.running.values())
         self.running = {}
         if queued:
@@ -250,5 +250,5 @@ class Batcher:
             self.queue.entries.clear()
             metrics.QUEUE_SIZE.set(0)
         for entry in pending:
-            entry.events.put_nowait(error)
+            entry.events.put_nowait(GenerationError(message))
             entry.finish_span()
