@@ -1,6 +1,6 @@
 """Launch-to-healthy time of the real launcher (a measurement script, not a test).
 
-    python launcher/tests/measure_startup.py MODEL_DIR [--port 3990] [--num-shard 1]
+    python launcher/tests/measure_startup.py MODEL_DIR [--port 3990] [--num-shard 1] [-- LAUNCHER FLAGS...]
 
 Prints the seconds from spawning `textgen-launcher` to the first 200 on /health and the CPU seconds each
 process (launcher, shards, router) used until then: on a busy machine the CPU seconds, not the wall time,
@@ -27,13 +27,14 @@ def main() -> int:
     parser.add_argument("model_dir")
     parser.add_argument("--port", type=int, default=3990)
     parser.add_argument("--num-shard", type=int, default=1)
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args()  # the rest (after `--`) goes to the launcher
+    extra = [flag for flag in extra if flag != "--"]
     log = tempfile.NamedTemporaryFile("w", prefix="textgen-startup-", suffix=".log", delete=False)
     start = time.monotonic()
     launcher = subprocess.Popen(
         ["textgen-launcher", "--model-id", args.model_dir, "--num-shard", str(args.num_shard),
          "--hostname", "127.0.0.1", "--port", str(args.port), "--prometheus-port", str(args.port + 1),
-         "--shard-uds-path", f"/tmp/textgen-startup-{args.port}"], stdout=log, stderr=subprocess.STDOUT)
+         "--shard-uds-path", f"/tmp/textgen-startup-{args.port}", *extra], stdout=log, stderr=subprocess.STDOUT)
     try:
         while time.monotonic() - start < HEALTH_TIMEOUT_S and launcher.poll() is None:
             try:
