@@ -100,10 +100,7 @@ class ChatTemplate:
         revision: str | None = None,
     ) -> ChatTemplate:
         """The template of `model_id` (see the module docstring), rendered with the router's tokenizer."""
-        template = find_chat_template(model_id, tokenizer_config_path, revision)
-        if template is None:
-            logger.warning("No chat template found for %s: /v1/chat/completions will answer 422", model_id)
-        return cls(tokenizer, template)
+        return cls(tokenizer, find_chat_template(model_id, tokenizer_config_path, revision))
 
     def apply(self, messages: list[dict[str, str]]) -> str:
         """Prompt text for `messages` ({role, content} with flat string content).

@@ -1,7 +1,8 @@
 """`textgen-router`: connect to the shards, load the tokenizer, serve TGI's HTTP API with uvicorn.
 
 Start-up, as TGI's router: argument checks, then `connect_backend` (service discovery, clear cache,
-info, warmup; settles max_input_tokens / max_total_tokens when not given), then the tokenizer, then the
+info, warmup; settles max_input_tokens / max_total_tokens when not given), then the tokenizer (loaded
+meanwhile, its failure reported only once the backend is up), then the
 HTTP listener on hostname:port (a non-IP hostname binds 0.0.0.0 with a warning) plus the Prometheus
 listener on --prometheus-port; logs `Connected`. SIGTERM / SIGINT: stop accepting, let in-flight
 requests (streams included) finish, then stop the batching loop. Failures exit 1 with `Error: <msg>`.
@@ -9,6 +10,7 @@ requests (streams included) finish, then stop the batching loop. Failures exit 1
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ipaddress
 import json
@@ -17,9 +19,11 @@ import os
 import signal
 import socket
 import sys
+import threading
 from argparse import Namespace
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -38,7 +42,11 @@ from textgen_router.state import RouterState
 from textgen_router.tracing import setup_tracing
 from textgen_router.validation import Limits, Validator, load_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+
 logger = logging.getLogger("textgen_router")
+T = TypeVar("T")
 
 
 class _Server(uvicorn.Server):
@@ -101,28 +109,54 @@ class StartFailed(Exception):
     """Start-up failed with this message; `textgen-router` prints `Error: <message>` and exits 1."""
 
 
+def _load_text(args: Namespace) -> tuple[Tokenizer, ChatTemplate]:
+    """The tokenizer and the chat template (both from files of the model: no shard involved)."""
+    try:
+        tokenizer = load_tokenizer(args.tokenizer_name, args.revision, args.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise StartFailed(f"Unable to load the tokenizer of {args.tokenizer_name}: {err}") from None
+    return tokenizer, ChatTemplate.load(tokenizer, args.tokenizer_name, args.tokenizer_config_path, args.revision)
+
+
+def _in_daemon_thread(fn: Callable[[Namespace], T], args: Namespace) -> asyncio.Future[T]:
+    """`fn(args)` in a daemon thread: unlike the default executor's, exiting never waits for it (a failed
+    start must not wait for a hub download that nobody needs any more)."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if done.set_running_or_notify_cancel():
+            try:
+                done.set_result(fn(args))
+            except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
+                done.set_exception(err)
+
+    threading.Thread(target=run, name="load-tokenizer", daemon=True).start()
+    return asyncio.wrap_future(done)
+
+
 async def start(args: Namespace) -> Router:
     """Connect to the shards (warmup settles the token limits), load the tokenizer, build the app."""
+    # The tokenizer loads in a thread while the shards warm up (other processes: the cores really overlap).
+    # Awaited only after the backend, so a backend failure is still the error reported, as in TGI.
+    loading = _in_daemon_thread(_load_text, args)
     try:
         backend = await connect_backend(
             args.master_shard_uds_path, args.max_input_tokens, args.max_total_tokens,
             args.max_batch_prefill_tokens, args.max_batch_total_tokens, args.max_batch_size,
             args.waiting_served_ratio, args.max_waiting_tokens, args.max_concurrent_requests,
         )
-    except StartupError as err:
-        raise StartFailed(str(err)) from None
+    except BaseException as err:
+        loading.cancel()  # a cancelled future's outcome need not be retrieved
+        if isinstance(err, StartupError):
+            raise StartFailed(str(err)) from None
+        raise
     try:
         if args.max_input_tokens is None:
             logger.info("Maximum input tokens defaulted to %d", backend.max_input_tokens)
         if args.max_total_tokens is None:
             logger.info("Maximum total tokens defaulted to %d", backend.max_total_tokens)
         metrics.configure_length_buckets(backend.max_input_tokens, backend.max_total_tokens)
-        try:
-            tokenizer = await asyncio.to_thread(
-                load_tokenizer, args.tokenizer_name, args.revision, args.trust_remote_code
-            )
-        except (OSError, ValueError) as err:
-            raise StartFailed(f"Unable to load the tokenizer of {args.tokenizer_name}: {err}") from None
+        tokenizer, chat_template = await loading
         limits = Limits(args.max_best_of, args.max_stop_sequences, args.max_top_n_tokens,
                         backend.max_input_tokens, backend.max_total_tokens)
         validator = Validator(tokenizer, limits, args.validation_workers)
@@ -133,9 +167,9 @@ async def start(args: Namespace) -> Router:
         )
         app = create_app(state, api_key=args.api_key, cors_allow_origin=args.cors_allow_origin,
                          payload_limit=args.payload_limit)
-        app.state.chat_template = await asyncio.to_thread(
-            ChatTemplate.load, tokenizer, args.tokenizer_name, args.tokenizer_config_path, args.revision
-        )
+        if chat_template.template is None:
+            logger.warning("No chat template found for %s: /v1/chat/completions will answer 422", args.tokenizer_name)
+        app.state.chat_template = chat_template
     except BaseException:
         await backend.close()
         raise
