@@ -118,6 +118,25 @@ def test_waiting_request_joins_after_max_waiting_tokens(infer: Infer, oracle: An
     assert metrics.BATCH_CONCAT.value("wait_exceeded") == 1 and metrics.BATCH_CONCAT.value("backpressure") == 0
 
 
+def test_max_batch_size_holds_requests_back(infer: Infer, oracle: Any, run: Any) -> None:
+    batcher = infer.batcher
+    batcher.max_batch_size = 2
+    requests = [valid(oracle, prompt(i), n) for i, n in ((13, 3), (14, 8), (15, 3))]
+
+    async def scenario() -> list[list[int]]:
+        return await asyncio.gather(*(collect(infer, r) for r in requests))
+
+    try:
+        got = run(scenario())
+    finally:
+        batcher.max_batch_size = None
+    assert got == [oracle(r.inputs, r.stopping_parameters.max_new_tokens) for r in requests]
+    # Two fit at first; the third joins once the first finished and freed a slot (max_size = 2 - 1).
+    assert metrics.BATCH_NEXT_SIZE.count() == 2 and metrics.BATCH_CONCAT.value("backpressure") == 1
+    text = metrics.render()[0].decode()
+    assert 'tgi_batch_next_size_bucket{le="1"} 1' in text and 'tgi_batch_next_size_bucket{le="2"} 2' in text
+
+
 def test_dropped_consumer_leaves_the_batch_within_one_step(infer: Infer, oracle: Any, run: Any) -> None:
     kept, dropped = valid(oracle, prompt(6), 40), valid(oracle, prompt(7), 40)
 
