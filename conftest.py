@@ -20,6 +20,18 @@ Real shard processes:
 - `shard_stub(socket_path)`: a sync stub on any socket path, as a context manager closing its channel.
 - `unique_uds_path()`: a short unique socket prefix under /tmp (AF_UNIX paths must stay < 100 chars).
 
+Real launchers (testing/launcher.py):
+- `launcher(model_dir, *args, env=None, wait=True)`: session-scoped fixture factory. Starts
+  `textgen-launcher` on a free loopback port with `args` appended (its own process group, a short unique
+  --shard-uds-path), waits for GET /health (bounded; its log is printed and it is stopped if that fails) unless
+  `wait=False`, and returns a `LauncherProcess` (`.base_url`, `.model_dir`, `.process`, `.log`, `.uds`,
+  `.wait_healthy()`, `.wait_exit()`, `.shard_pids()`, `.survivors()`, `.sockets_left()`, `.stop()`). Whatever
+  is still running at the end of the session is stopped (process group killed, no socket left); narrower
+  scopes call `.stop()` themselves.
+- `llama_server`: the tiny llama behind one default launcher, shared by the whole session (integration and
+  client tests).
+Plain helpers (`run_launcher`, `short_uds_prefix`, `free_port`) are imported from `testing.launcher`.
+
 Test modules cannot `import conftest` reliably (every test directory has its own conftest.py), so the
 classes and helpers are also fixtures: `shard_process` (the ShardProcess class, session-scoped so module-
 and session-scoped fixtures can use it) and `shard_stub_factory` (the shard_stub function).
@@ -29,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +51,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from testing.launcher import LauncherProcess, free_port
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1), ("grpc.max_send_message_length", 2**31 - 1)]
 MODEL_CACHE_ROOT = Path(os.environ.get("TEXTGEN_TEST_MODELS", Path.home() / ".cache" / "textgen-test-models"))
@@ -66,14 +79,18 @@ def tiny_gpt2() -> Path:
     return build_model("gpt2", "tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_mistral() -> Path:
+    return build_model("mistral", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> Path:
+    return build_model("qwen2", "tiny")
+
+
 def unique_uds_path() -> str:
     return f"/tmp/tg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -254,3 +271,33 @@ def shard_process() -> type[ShardProcess]:
 def shard_stub_factory() -> Callable[[str], contextlib.AbstractContextManager]:
     """The shard_stub function: `with shard_stub_factory(handle.socket) as stub:`."""
     return shard_stub
+
+
+@pytest.fixture(scope="session")
+def launcher() -> Iterator[Callable[..., LauncherProcess]]:
+    """Factory: `launcher(model_dir, *args, env=None, wait=True) -> LauncherProcess` (see the module docstring)."""
+    started: list[LauncherProcess] = []
+
+    def start(model_dir: str | os.PathLike, *args: str, env: dict[str, str] | None = None,
+              wait: bool = True) -> LauncherProcess:
+        handle = LauncherProcess(model_dir, args, env)
+        started.append(handle)
+        if wait:
+            try:
+                handle.wait_healthy()
+            except BaseException:
+                print(handle.log, file=sys.stderr)
+                handle.stop()
+                raise
+        return handle
+
+    yield start
+    for handle in started:
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_server(launcher: Callable[..., LauncherProcess], tiny_llama: Path) -> LauncherProcess:
+    """The tiny llama behind one default `textgen-launcher`, for every test directory of the session."""
+    return launcher(tiny_llama)
+

@@ -1,7 +1,7 @@
 """Integration fixtures: ONE real `textgen-launcher` for the whole session, and JSON snapshots.
 
-- `launcher` (session): the tiny llama served by `textgen-launcher` as a user starts it (launcher_process.py);
-  the client tests share the same process through `shared_launcher`.
+- `llama_server` (session, from the repo-root conftest): the tiny llama served by `textgen-launcher` as a user
+  starts it; the client tests share the same process.
 - `client` / `async_client`: textgen_client clients on that launcher.
 - `response_snapshot`: a syrupy JSON snapshot whose comparison is exact for everything but floats (logprobs),
   which match within a tolerance; pydantic models are dumped to JSON first.
@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 from syrupy.extensions.json import JSONSnapshotExtension
 
+from testing.launcher import LauncherProcess
 from textgen_client import AsyncClient, Client
-
-# Explicit, so the import works under any --import-mode (the client and router tests import it too).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launcher_process import Launcher, shared_launcher  # noqa: E402
 
 # Logprobs of the same tiny model differ in the last float32 bits between CPUs; texts must not differ.
 LOGPROB_REL_TOL = 1e-2
@@ -31,19 +25,13 @@ LOGPROB_ABS_TOL = 1e-3
 
 
 @pytest.fixture(scope="session")
-def launcher(tiny_llama: Path) -> Iterator[Launcher]:
-    with shared_launcher(tiny_llama) as handle:
-        yield handle
+def client(llama_server: LauncherProcess) -> Client:
+    return Client(llama_server.base_url, timeout=60)
 
 
 @pytest.fixture(scope="session")
-def client(launcher: Launcher) -> Client:
-    return Client(launcher.base_url, timeout=60)
-
-
-@pytest.fixture(scope="session")
-def async_client(launcher: Launcher) -> AsyncClient:
-    return AsyncClient(launcher.base_url, timeout=120)
+def async_client(llama_server: LauncherProcess) -> AsyncClient:
+    return AsyncClient(llama_server.base_url, timeout=120)
 
 
 # Fields of OpenAI bodies that depend on the clock, the model's path on this machine or our version.

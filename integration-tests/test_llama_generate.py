@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from testing.launcher import LauncherProcess
 from textgen_client import Client
 from textgen_client.types import FinishReason, Response
 
@@ -22,13 +23,13 @@ def test_generate(greedy: Response, response_snapshot: Any) -> None:
     assert greedy == response_snapshot
 
 
-def test_generate_equals_transformers(greedy: Response, launcher: Any) -> None:
+def test_generate_equals_transformers(greedy: Response, llama_server: LauncherProcess) -> None:
     """The oracle: greedy tokens through launcher, router and shard equal transformers' generate."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(launcher.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(launcher.model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(llama_server.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(llama_server.model_dir, dtype=torch.float32)
     inputs = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=10, do_sample=False)

@@ -5,6 +5,7 @@ from typing import Any
 
 import httpx
 import pytest
+from testing.launcher import LauncherProcess
 from textgen_client import Client
 from textgen_client.types import ChatComplete, Completion
 
@@ -22,10 +23,10 @@ def chat(client: Client) -> ChatComplete:
     return response
 
 
-def test_chat(chat: ChatComplete, launcher: Any, response_snapshot: Any) -> None:
+def test_chat(chat: ChatComplete, llama_server: LauncherProcess, response_snapshot: Any) -> None:
     choice = chat.choices[0]
     assert chat.object == "chat.completion"
-    assert chat.model == str(launcher.model_dir)
+    assert chat.model == str(llama_server.model_dir)
     assert choice.message.role == "assistant"
     assert choice.logprobs is not None
     assert len(choice.logprobs.content) == chat.usage.completion_tokens
@@ -34,19 +35,19 @@ def test_chat(chat: ChatComplete, launcher: Any, response_snapshot: Any) -> None
     assert chat == response_snapshot
 
 
-def test_chat_equals_transformers_on_templated_prompt(chat: ChatComplete, launcher: Any) -> None:
+def test_chat_equals_transformers_on_templated_prompt(chat: ChatComplete, llama_server: LauncherProcess) -> None:
     """Chat = the chat template (as /chat_tokenize renders it), then greedy generation from those ids."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenized = httpx.post(f"{launcher.base_url}/chat_tokenize", json={"messages": MESSAGES}, timeout=30).json()
+    tokenized = httpx.post(f"{llama_server.base_url}/chat_tokenize", json={"messages": MESSAGES}, timeout=30).json()
     assert tokenized["templated_text"].endswith("<|im_start|>assistant\n")
     ids = [t["id"] for t in tokenized["tokenize_response"]]
     assert len(ids) == chat.usage.prompt_tokens
-    tokenizer = AutoTokenizer.from_pretrained(launcher.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(llama_server.model_dir)
     # The template already holds the special tokens: no BOS is added on the chat path.
     assert ids == tokenizer(tokenized["templated_text"], add_special_tokens=False)["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(launcher.model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(llama_server.model_dir, dtype=torch.float32)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)
     expected = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)

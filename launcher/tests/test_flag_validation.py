@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher_invocation import run_launcher, short_uds_prefix
+from testing.launcher import run_launcher, short_uds_prefix
 
 CASES = [
     (["--num-shard", "2", "--quantize", "exl2"], {},

@@ -14,30 +14,29 @@ import httpx
 import psutil
 import pytest
 
-from launcher_invocation import run_launcher
-from launched_launcher import Launched, free_port
+from testing.launcher import LauncherProcess, free_port, run_launcher
 
-LaunchFactory = Callable[..., Launched]
+LaunchFactory = Callable[..., LauncherProcess]
 
 
 @pytest.fixture
-def launch(tmp_path: Path) -> Iterator[LaunchFactory]:
-    started: list[Launched] = []
+def launch(launcher: Callable[..., LauncherProcess]) -> Iterator[LaunchFactory]:
+    """The session's launcher factory, not waiting for health, and every launcher stopped with its test."""
+    started: list[LauncherProcess] = []
 
-    def start(model: Path, *extra: str, env: dict[str, str] | None = None) -> Launched:
-        launched = Launched(model, extra, tmp_path / f"launcher-{len(started)}.log", env)
-        started.append(launched)
-        return launched
+    def start(model: Path, *args: str) -> LauncherProcess:
+        started.append(launcher(model, *args, wait=False))
+        return started[-1]
 
     yield start
     for launched in started:
-        launched.kill()
+        launched.stop()
 
 
 def test_sigterm_lets_the_request_in_flight_finish(launch: LaunchFactory, tiny_llama: Path) -> None:
     launched = launch(tiny_llama, "--graceful-termination-timeout", "30")
     print(f"launch to healthy: {launched.wait_healthy():.1f}s")
-    log = launched.log()
+    log = launched.log
     assert "Shard 0 ready in" in log and "Starting Webserver" in log
     # A second launcher on the same sockets must not take them over.
     second = run_launcher(["--model-id", str(tiny_llama), "--shard-uds-path", launched.uds, "--port", str(free_port())])
@@ -45,7 +44,7 @@ def test_sigterm_lets_the_request_in_flight_finish(launch: LaunchFactory, tiny_l
     assert f"{launched.uds}-0 is the socket of a running shard; choose another --shard-uds-path" in second.stderr
     body = {"inputs": "Hello world", "parameters": {"max_new_tokens": 40, "details": True}}
     events = []
-    with httpx.stream("POST", f"{launched.url}/generate_stream", json=body, timeout=60.0) as response:
+    with httpx.stream("POST", f"{launched.base_url}/generate_stream", json=body, timeout=60.0) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line.startswith("data:"):
@@ -59,7 +58,7 @@ def test_sigterm_lets_the_request_in_flight_finish(launch: LaunchFactory, tiny_l
     assert launched.wait_exit(60) == 0
     assert launched.survivors() == []
     assert launched.sockets_left() == []
-    log = launched.log()
+    log = launched.log
     assert log.index("Terminating webserver") < log.index("Terminating shard 0")
 
 
@@ -74,12 +73,12 @@ def test_a_dead_shard_stops_everything(launch: LaunchFactory, tiny_llama: Path) 
     assert time.monotonic() - killed_at < 15
     assert launched.survivors() == []
     assert launched.sockets_left() == []
-    records = [json.loads(line) for line in launched.log().splitlines() if line.startswith("{")]
+    records = [json.loads(line) for line in launched.log.splitlines() if line.startswith("{")]
     assert any(r["message"] == "Shard 1 crashed" and r["level"] == "ERROR" for r in records)
     assert any(r["target"] == "textgen_launcher" and r["message"].startswith("Shard 1 ready in") for r in records)
     # Shard lines come back with the shard's rank.
     assert {r["fields"]["rank"] for r in records if "rank" in r.get("fields", {})} == {0, 1}
-    assert "Error: ShardFailed" in launched.log()
+    assert "Error: ShardFailed" in launched.log
 
 
 def test_a_router_that_fails_stops_the_shards(launch: LaunchFactory, tiny_llama: Path) -> None:
@@ -87,7 +86,7 @@ def test_a_router_that_fails_stops_the_shards(launch: LaunchFactory, tiny_llama:
     launched = launch(tiny_llama, "--max-input-tokens", "100", "--max-total-tokens", "200",
                       "--max-batch-prefill-tokens", "50")
     assert launched.wait_exit(240) == 1
-    log = launched.log()
+    log = launched.log
     assert "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 50 and 100" in log
     assert "Webserver Crashed" in log and "Error: WebserverFailed" in log
     assert log.index("Webserver Crashed") < log.index("Terminating shard 0")
@@ -106,7 +105,7 @@ def _alive(proc: psutil.Process) -> bool:
 def test_a_shard_that_cannot_start_is_reported(launch: LaunchFactory, tiny_llama: Path) -> None:
     launched = launch(tiny_llama, "--quantize", "exl2")  # exllama kernels: CUDA only, refused by CPU shards
     assert launched.wait_exit(120) == 1
-    log = launched.log()
+    log = launched.log
     assert "[shard 0] --quantize exl2 is not supported" in log
     assert "Shard 0 failed to start" in log and "Error: ShardCannotStart" in log
     assert "Starting Webserver" not in log and launched.sockets_left() == []
@@ -118,7 +117,7 @@ def test_a_killed_launcher_takes_its_shards_along(launch: LaunchFactory, tiny_ll
     while len(launched.shard_pids()) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
         launched.remember_children()
-    assert len(launched.shard_pids()) == 2, launched.log()
+    assert len(launched.shard_pids()) == 2, launched.log
     os.kill(launched.process.pid, signal.SIGKILL)  # no chance to clean up: the kernel must tell the children
     launched.wait_exit(10)
     deadline = time.monotonic() + 30

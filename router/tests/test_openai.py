@@ -7,19 +7,16 @@ One launcher serves the tiny llama for the module with a chat template of our ow
 from __future__ import annotations
 
 import json
-import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from testing.launcher import LauncherProcess
 from textgen_router.chat_template import ChatTemplate, TemplateError, find_chat_template
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration-tests"))
-from launcher_process import Launcher, start_launcher  # noqa: E402
 
 TEMPLATE = (
     "{% for m in messages %}"
@@ -32,21 +29,18 @@ USER = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+def server(launcher: Callable[..., LauncherProcess], tiny_llama: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
     config = tmp_path_factory.mktemp("tokenizer-config") / "tokenizer_config.json"
     config.write_text(json.dumps({"chat_template": TEMPLATE}))
-    handle = start_launcher(
-        tiny_llama,
-        ["--tokenizer-config-path", str(config), "--max-client-batch-size", "2", "--max-concurrent-requests", "2"],
-    )
-    try:
-        yield handle
-    finally:
-        handle.stop()
+    handle = launcher(tiny_llama, "--tokenizer-config-path", str(config), "--max-client-batch-size", "2",
+                      "--max-concurrent-requests", "2")
+    yield handle
+    handle.stop()  # the module is done with it; the session factory would only stop it at the very end
 
 
 @pytest.fixture(scope="module")
-def http(server: Launcher) -> Iterator[httpx.Client]:
+def http(server: LauncherProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
 
@@ -140,7 +134,7 @@ def test_chat_stream_framing(http: httpx.Client) -> None:
     assert "".join(c["choices"][0]["delta"]["content"] for c in tokens) == full
 
 
-def test_models(http: httpx.Client, server: Launcher) -> None:
+def test_models(http: httpx.Client, server: LauncherProcess) -> None:
     model = str(server.model_dir)
     assert http.get("/v1/models").json() == {
         "object": "list",
@@ -220,7 +214,7 @@ def test_body_rejections(http: httpx.Client) -> None:
     assert stop_string.text.startswith("Failed to deserialize the JSON body into the target type: stop")
 
 
-def test_overloaded(server: Launcher, http: httpx.Client) -> None:
+def test_overloaded(server: LauncherProcess, http: httpx.Client) -> None:
     """Two prompts streaming hold both permits: the next request is a 429 (or an in-band 429 event)."""
     started = threading.Event()
 

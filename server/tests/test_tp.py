@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig,
                           PreTrainedModel)
 
-from textgen_server.builder import build_test_model
 from textgen_server.layers.tensor_parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                                    VocabParallelEmbedding)
 from textgen_server.models.tp_llama import load_tp_model
@@ -110,10 +109,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The builder's tiny llama, mistral and qwen2 (trained tokenizer, random weights)."""
-    root = tmp_path_factory.mktemp("built")
-    return {arch: build_test_model(root / arch, arch=arch, size="tiny") for arch in ("llama", "mistral", "qwen2")}
+def built(tiny_llama: Path, tiny_mistral: Path, tiny_qwen2: Path) -> dict[str, Path]:
+    """The builder's tiny llama, mistral and qwen2 (trained tokenizer, random weights), from the session cache."""
+    return {"llama": tiny_llama, "mistral": tiny_mistral, "qwen2": tiny_qwen2}
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])

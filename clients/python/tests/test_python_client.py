@@ -6,6 +6,7 @@ from typing import Any
 
 import pydantic
 import pytest
+from testing.launcher import LauncherProcess
 from textgen_client import AsyncClient, Client
 from textgen_client.errors import (
     BadRequestError,
@@ -26,13 +27,13 @@ PROMPT = "def main():"
 
 
 @pytest.fixture(scope="module")
-def client(server: Any) -> Client:
-    return Client(server.base_url, timeout=60)
+def client(llama_server: LauncherProcess) -> Client:
+    return Client(llama_server.base_url, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def async_client(server: Any) -> AsyncClient:
-    return AsyncClient(server.base_url, timeout=60)
+def async_client(llama_server: LauncherProcess) -> AsyncClient:
+    return AsyncClient(llama_server.base_url, timeout=60)
 
 
 def test_generate(client: Client) -> None:
@@ -103,9 +104,9 @@ def test_unsupported_chat_field_is_a_validation_error(client: Client) -> None:
         client.chat([{"role": "user", "content": "hi"}], n=2)
 
 
-def test_not_found(server: Any) -> None:
+def test_not_found(llama_server: LauncherProcess) -> None:
     with pytest.raises(NotFoundError):
-        Client(server.base_url + "/no-such-route").generate(PROMPT)
+        Client(llama_server.base_url + "/no-such-route").generate(PROMPT)
 
 
 def test_client_side_validation() -> None:
