@@ -7,16 +7,16 @@ when a config holds a list of named templates, the one named `default` is used.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
-from transformers import PreTrainedTokenizerBase
 
 from textgen_router.types import InferError
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    # transformers (and torch under it) take seconds to import: only the tokenizer loader imports them.
+    from transformers import PreTrainedTokenizerBase
 
 
 class TemplateError(InferError):
