@@ -29,7 +29,7 @@ Real launchers (testing/launcher.py):
   is still running at the end of the session is stopped (process group killed, no socket left); narrower
   scopes call `.stop()` themselves.
 - `llama_server`: the tiny llama behind one default launcher, shared by the whole session (integration and
-  client tests).
+  client tests); `llama_client` / `llama_async_client`: textgen_client clients on it.
 Plain helpers (`run_launcher`, `short_uds_prefix`, `free_port`) are imported from `testing.launcher`.
 
 Test modules cannot `import conftest` reliably (every test directory has its own conftest.py), so the
@@ -48,11 +48,15 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 
 from testing.launcher import LauncherProcess, free_port
+
+if TYPE_CHECKING:  # the client package is imported only by sessions that use it
+    from textgen_client import AsyncClient, Client
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1), ("grpc.max_send_message_length", 2**31 - 1)]
 MODEL_CACHE_ROOT = Path(os.environ.get("TEXTGEN_TEST_MODELS", Path.home() / ".cache" / "textgen-test-models"))
@@ -69,24 +73,20 @@ def build_model(arch: str, size: str = "tiny") -> Path:
     return builder.build_test_model(MODEL_CACHE_ROOT / key, arch=arch, size=size)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama() -> Path:
-    return build_model("llama", "tiny")
+def tiny_model_fixture(arch: str) -> Callable[[], Path]:
+    """A session fixture `tiny_<arch>`: the tiny model of that architecture, from the on-disk cache."""
+
+    @pytest.fixture(scope="session", name=f"tiny_{arch}")
+    def tiny_model() -> Path:
+        return build_model(arch, "tiny")
+
+    return tiny_model
 
 
-@pytest.fixture(scope="session")
-def tiny_gpt2() -> Path:
-    return build_model("gpt2", "tiny")
-
-
-@pytest.fixture(scope="session")
-def tiny_mistral() -> Path:
-    return build_model("mistral", "tiny")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2() -> Path:
-    return build_model("qwen2", "tiny")
+tiny_llama = tiny_model_fixture("llama")
+tiny_gpt2 = tiny_model_fixture("gpt2")
+tiny_mistral = tiny_model_fixture("mistral")
+tiny_qwen2 = tiny_model_fixture("qwen2")
 
 
 def unique_uds_path() -> str:
@@ -301,3 +301,17 @@ def llama_server(launcher: Callable[..., LauncherProcess], tiny_llama: Path) -> 
     """The tiny llama behind one default `textgen-launcher`, for every test directory of the session."""
     return launcher(tiny_llama)
 
+
+
+@pytest.fixture(scope="session")
+def llama_client(llama_server: LauncherProcess) -> Client:
+    from textgen_client import Client
+
+    return Client(llama_server.base_url, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def llama_async_client(llama_server: LauncherProcess) -> AsyncClient:
+    from textgen_client import AsyncClient
+
+    return AsyncClient(llama_server.base_url, timeout=120)

@@ -1,8 +1,8 @@
 """Integration fixtures: ONE real `textgen-launcher` for the whole session, and JSON snapshots.
 
-- `llama_server` (session, from the repo-root conftest): the tiny llama served by `textgen-launcher` as a user
-  starts it; the client tests share the same process.
-- `client` / `async_client`: textgen_client clients on that launcher.
+- `llama_server`, `llama_client`, `llama_async_client` (session, from the repo-root conftest): the tiny llama
+  served by `textgen-launcher` as a user starts it, and textgen_client clients on it; the client tests share
+  the same process.
 - `response_snapshot`: a syrupy JSON snapshot whose comparison is exact for everything but floats (logprobs),
   which match within a tolerance; pydantic models are dumped to JSON first.
 """
@@ -16,22 +16,9 @@ import pytest
 from pydantic import BaseModel
 from syrupy.extensions.json import JSONSnapshotExtension
 
-from testing.launcher import LauncherProcess
-from textgen_client import AsyncClient, Client
-
 # Logprobs of the same tiny model differ in the last float32 bits between CPUs; texts must not differ.
 LOGPROB_REL_TOL = 1e-2
 LOGPROB_ABS_TOL = 1e-3
-
-
-@pytest.fixture(scope="session")
-def client(llama_server: LauncherProcess) -> Client:
-    return Client(llama_server.base_url, timeout=60)
-
-
-@pytest.fixture(scope="session")
-def async_client(llama_server: LauncherProcess) -> AsyncClient:
-    return AsyncClient(llama_server.base_url, timeout=120)
 
 
 # Fields of OpenAI bodies that depend on the clock, the model's path on this machine or our version.

@@ -12,8 +12,8 @@ PROMPT = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
-def greedy(client: Client) -> Response:
-    return client.generate(PROMPT, max_new_tokens=10, decoder_input_details=True)
+def greedy(llama_client: Client) -> Response:
+    return llama_client.generate(PROMPT, max_new_tokens=10, decoder_input_details=True)
 
 
 def test_generate(greedy: Response, response_snapshot: Any) -> None:
@@ -39,8 +39,8 @@ def test_generate_equals_transformers(greedy: Response, llama_server: LauncherPr
     assert [t.id for t in greedy.details.prefill] == inputs["input_ids"][0].tolist()
 
 
-def test_generate_stream(client: Client, greedy: Response, response_snapshot: Any) -> None:
-    events = list(client.generate_stream(PROMPT, max_new_tokens=10))
+def test_generate_stream(llama_client: Client, greedy: Response, response_snapshot: Any) -> None:
+    events = list(llama_client.generate_stream(PROMPT, max_new_tokens=10))
     assert [e.token.id for e in events] == [t.id for t in greedy.details.tokens]  # type: ignore[union-attr]
     assert all(e.generated_text is None for e in events[:-1])
     assert events[-1].generated_text == greedy.generated_text
@@ -48,9 +48,9 @@ def test_generate_stream(client: Client, greedy: Response, response_snapshot: An
     assert events == response_snapshot
 
 
-def test_generate_all_params(client: Client, response_snapshot: Any) -> None:
+def test_generate_all_params(llama_client: Client, response_snapshot: Any) -> None:
     """Seeded sampling with every warper and penalty; truncation keeps the prompt's last 5 tokens."""
-    response = client.generate(
+    response = llama_client.generate(
         PROMPT,
         max_new_tokens=10,
         do_sample=True,
@@ -73,9 +73,9 @@ def test_generate_all_params(client: Client, response_snapshot: Any) -> None:
     assert response == response_snapshot
 
 
-def test_best_of(client: Client, greedy: Response, response_snapshot: Any) -> None:
+def test_best_of(llama_client: Client, greedy: Response, response_snapshot: Any) -> None:
     """best_of needs sampling; top_k=1 makes every sequence the greedy one, whatever its random seed."""
-    response = client.generate(PROMPT, max_new_tokens=10, best_of=2, do_sample=True, top_k=1)
+    response = llama_client.generate(PROMPT, max_new_tokens=10, best_of=2, do_sample=True, top_k=1)
     assert response.details is not None and response.details.best_of_sequences is not None
     assert len(response.details.best_of_sequences) == 1
     assert response.generated_text == greedy.generated_text
@@ -86,12 +86,12 @@ def test_best_of(client: Client, greedy: Response, response_snapshot: Any) -> No
     assert response == response_snapshot
 
 
-def test_stop_sequence(client: Client, greedy: Response, response_snapshot: Any) -> None:
+def test_stop_sequence(llama_client: Client, greedy: Response, response_snapshot: Any) -> None:
     """A stop sequence cut from the greedy output ends generation as soon as the output contains it."""
     assert greedy.details is not None
     tokens = greedy.details.tokens
     stop = tokens[2].text + tokens[3].text
-    response = client.generate(PROMPT, max_new_tokens=10, stop_sequences=[stop])
+    response = llama_client.generate(PROMPT, max_new_tokens=10, stop_sequences=[stop])
     assert response.details is not None
     assert response.details.finish_reason == FinishReason.StopSequence
     assert response.details.generated_tokens <= 4
@@ -100,8 +100,8 @@ def test_stop_sequence(client: Client, greedy: Response, response_snapshot: Any)
     assert response == response_snapshot
 
 
-def test_top_n_tokens(client: Client, greedy: Response, response_snapshot: Any) -> None:
-    response = client.generate(PROMPT, max_new_tokens=5, top_n_tokens=3)
+def test_top_n_tokens(llama_client: Client, greedy: Response, response_snapshot: Any) -> None:
+    response = llama_client.generate(PROMPT, max_new_tokens=5, top_n_tokens=3)
     assert response.details is not None and response.details.top_tokens is not None
     assert [len(step) for step in response.details.top_tokens] == [3] * 5
     for token, top in zip(response.details.tokens, response.details.top_tokens):

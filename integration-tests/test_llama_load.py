@@ -11,16 +11,16 @@ WORDS = ["import", "def", "class", "return", "while", "lambda", "yield", "assert
 REQUESTS = [(" ".join(WORDS[: 1 + i % 8]) + f" x{i}", 3 + i % 6) for i in range(32)]
 
 
-async def _run_all(client: AsyncClient, concurrent: bool) -> list[Response]:
-    calls = (client.generate(prompt, max_new_tokens=n, decoder_input_details=True) for prompt, n in REQUESTS)
+async def _run_all(llama_client: AsyncClient, concurrent: bool) -> list[Response]:
+    calls = (llama_client.generate(prompt, max_new_tokens=n, decoder_input_details=True) for prompt, n in REQUESTS)
     if concurrent:
         return list(await asyncio.gather(*calls))
     return [await call for call in calls]
 
 
-def test_load_equals_solo(async_client: AsyncClient) -> None:
-    solo = asyncio.run(_run_all(async_client, concurrent=False))
-    together = asyncio.run(_run_all(async_client, concurrent=True))
+def test_load_equals_solo(llama_async_client: AsyncClient) -> None:
+    solo = asyncio.run(_run_all(llama_async_client, concurrent=False))
+    together = asyncio.run(_run_all(llama_async_client, concurrent=True))
     assert len({r.generated_text for r in solo}) > 1  # distinct requests really produce distinct outputs
     for (prompt, _), alone, batched in zip(REQUESTS, solo, together):
         assert batched.details is not None and alone.details is not None

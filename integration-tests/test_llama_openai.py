@@ -17,8 +17,8 @@ PROMPTS = ["import os", "class Point:", "for i in range(10):"]
 
 
 @pytest.fixture(scope="module")
-def chat(client: Client) -> ChatComplete:
-    response = client.chat(MESSAGES, temperature=0, max_tokens=10, logprobs=True, top_logprobs=2)
+def chat(llama_client: Client) -> ChatComplete:
+    response = llama_client.chat(MESSAGES, temperature=0, max_tokens=10, logprobs=True, top_logprobs=2)
     assert isinstance(response, ChatComplete)
     return response
 
@@ -54,8 +54,10 @@ def test_chat_equals_transformers_on_templated_prompt(chat: ChatComplete, llama_
     assert chat.choices[0].message.content == expected
 
 
-def test_chat_stream(client: Client, chat: ChatComplete, response_snapshot: Any) -> None:
-    chunks = list(client.chat_stream(MESSAGES, temperature=0, max_tokens=10, stream_options={"include_usage": True}))
+def test_chat_stream(llama_client: Client, chat: ChatComplete, response_snapshot: Any) -> None:
+    chunks = list(
+        llama_client.chat_stream(MESSAGES, temperature=0, max_tokens=10, stream_options={"include_usage": True})
+    )
     token_chunks, usage_chunk = chunks[:-1], chunks[-1]
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert all(c.choices[0].finish_reason is None for c in token_chunks[:-1])
@@ -65,29 +67,29 @@ def test_chat_stream(client: Client, chat: ChatComplete, response_snapshot: Any)
     assert chunks == response_snapshot
 
 
-def test_completion(client: Client, response_snapshot: Any) -> None:
-    response = client.completion(PROMPTS[0], temperature=0, max_tokens=10)
+def test_completion(llama_client: Client, response_snapshot: Any) -> None:
+    response = llama_client.completion(PROMPTS[0], temperature=0, max_tokens=10)
     assert isinstance(response, Completion)
     assert response.object == "text_completion"
     assert len(response.choices) == 1
     assert response == response_snapshot
 
 
-def test_completion_many_prompts(client: Client, response_snapshot: Any) -> None:
+def test_completion_many_prompts(llama_client: Client, response_snapshot: Any) -> None:
     """A list of prompts runs concurrently; each choice equals that prompt's solo completion."""
-    response = client.completion(PROMPTS, temperature=0, max_tokens=10)
+    response = llama_client.completion(PROMPTS, temperature=0, max_tokens=10)
     assert isinstance(response, Completion)
     assert [c.index for c in response.choices] == [0, 1, 2]
     for prompt, choice in zip(PROMPTS, response.choices):
-        solo = client.completion(prompt, temperature=0, max_tokens=10)
+        solo = llama_client.completion(prompt, temperature=0, max_tokens=10)
         assert isinstance(solo, Completion)
         assert choice.text == solo.choices[0].text
     assert response == response_snapshot
 
 
-def test_completion_stream(client: Client) -> None:
-    chunks = list(client.completion_stream(PROMPTS[:2], temperature=0, max_tokens=10))
-    full = client.completion(PROMPTS[:2], temperature=0, max_tokens=10)
+def test_completion_stream(llama_client: Client) -> None:
+    chunks = list(llama_client.completion_stream(PROMPTS[:2], temperature=0, max_tokens=10))
+    full = llama_client.completion(PROMPTS[:2], temperature=0, max_tokens=10)
     assert isinstance(full, Completion)
     for index in (0, 1):
         mine = [c.choices[0] for c in chunks if c.choices[0].index == index]

@@ -26,18 +26,8 @@ from textgen_client.types import ChatComplete, ChatCompletionChunk, Completion, 
 PROMPT = "def main():"
 
 
-@pytest.fixture(scope="module")
-def client(llama_server: LauncherProcess) -> Client:
-    return Client(llama_server.base_url, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def async_client(llama_server: LauncherProcess) -> AsyncClient:
-    return AsyncClient(llama_server.base_url, timeout=60)
-
-
-def test_generate(client: Client) -> None:
-    response = client.generate(PROMPT, max_new_tokens=6, decoder_input_details=True)
+def test_generate(llama_client: Client) -> None:
+    response = llama_client.generate(PROMPT, max_new_tokens=6, decoder_input_details=True)
     assert response.details is not None
     assert response.details.generated_tokens == len(response.details.tokens) <= 6
     assert response.details.finish_reason in (FinishReason.Length, FinishReason.EndOfSequenceToken)
@@ -45,42 +35,42 @@ def test_generate(client: Client) -> None:
     assert response.details.seed is None  # greedy
 
 
-def test_generate_stream_matches_generate(client: Client) -> None:
-    full = client.generate(PROMPT, max_new_tokens=6)
-    events = list(client.generate_stream(PROMPT, max_new_tokens=6))
+def test_generate_stream_matches_generate(llama_client: Client) -> None:
+    full = llama_client.generate(PROMPT, max_new_tokens=6)
+    events = list(llama_client.generate_stream(PROMPT, max_new_tokens=6))
     assert all(isinstance(e, StreamResponse) for e in events)
     assert [e.token.id for e in events] == [t.id for t in full.details.tokens]  # type: ignore[union-attr]
     assert events[-1].generated_text == full.generated_text
     assert events[-1].details is not None
 
 
-def test_async_client_matches_sync(client: Client, async_client: AsyncClient) -> None:
+def test_async_client_matches_sync(llama_client: Client, llama_async_client: AsyncClient) -> None:
     async def run() -> tuple[Any, list[StreamResponse]]:
-        response = await async_client.generate(PROMPT, max_new_tokens=6)
-        events = [e async for e in async_client.generate_stream(PROMPT, max_new_tokens=6)]
+        response = await llama_async_client.generate(PROMPT, max_new_tokens=6)
+        events = [e async for e in llama_async_client.generate_stream(PROMPT, max_new_tokens=6)]
         return response, events
 
     response, events = asyncio.run(run())
-    assert response == client.generate(PROMPT, max_new_tokens=6)
+    assert response == llama_client.generate(PROMPT, max_new_tokens=6)
     assert events[-1].generated_text == response.generated_text
 
 
-def test_chat_and_completion(client: Client, async_client: AsyncClient) -> None:
+def test_chat_and_completion(llama_client: Client, llama_async_client: AsyncClient) -> None:
     messages = [{"role": "user", "content": "Say hi"}]
-    chat = client.chat(messages, temperature=0, max_tokens=5)
+    chat = llama_client.chat(messages, temperature=0, max_tokens=5)
     assert isinstance(chat, ChatComplete)
-    chunks = list(client.chat(messages, stream=True, temperature=0, max_tokens=5))  # type: ignore[arg-type]
+    chunks = list(llama_client.chat(messages, stream=True, temperature=0, max_tokens=5))  # type: ignore[arg-type]
     assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
 
-    completion = client.completion(PROMPT, temperature=0, max_tokens=5)
+    completion = llama_client.completion(PROMPT, temperature=0, max_tokens=5)
     assert isinstance(completion, Completion)
-    streamed = list(client.completion_stream(PROMPT, temperature=0, max_tokens=5))
+    streamed = list(llama_client.completion_stream(PROMPT, temperature=0, max_tokens=5))
     assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
 
     async def run() -> tuple[Any, Any]:
-        return await async_client.chat(messages, temperature=0, max_tokens=5), [
-            c async for c in async_client.completion_stream(PROMPT, temperature=0, max_tokens=5)
+        return await llama_async_client.chat(messages, temperature=0, max_tokens=5), [
+            c async for c in llama_async_client.completion_stream(PROMPT, temperature=0, max_tokens=5)
         ]
 
     async_chat, async_chunks = asyncio.run(run())
@@ -88,20 +78,20 @@ def test_chat_and_completion(client: Client, async_client: AsyncClient) -> None:
     assert "".join(c.choices[0].text for c in async_chunks) == completion.choices[0].text
 
 
-def test_server_validation_error(client: Client) -> None:
+def test_server_validation_error(llama_client: Client) -> None:
     with pytest.raises(ValidationError, match="must be <="):
-        client.generate(PROMPT, max_new_tokens=10**6)
+        llama_client.generate(PROMPT, max_new_tokens=10**6)
 
 
-def test_stream_error_event_raises(client: Client) -> None:
+def test_stream_error_event_raises(llama_client: Client) -> None:
     """Streams report errors in-band on a 200; the client raises them."""
     with pytest.raises(ValidationError, match="must be <="):
-        list(client.generate_stream(PROMPT, max_new_tokens=10**6))
+        list(llama_client.generate_stream(PROMPT, max_new_tokens=10**6))
 
 
-def test_unsupported_chat_field_is_a_validation_error(client: Client) -> None:
+def test_unsupported_chat_field_is_a_validation_error(llama_client: Client) -> None:
     with pytest.raises(ValidationError, match="`n` must be 1"):
-        client.chat([{"role": "user", "content": "hi"}], n=2)
+        llama_client.chat([{"role": "user", "content": "hi"}], n=2)
 
 
 def test_not_found(llama_server: LauncherProcess) -> None:
