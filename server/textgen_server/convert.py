@@ -2,14 +2,16 @@
 
 `convert_files(bin_files) -> list[Path]` writes `<stem without leading "pytorch_">.safetensors` next to each
 `.bin` (`pytorch_model-00001-of-00002.bin` -> `model-00001-of-00002.safetensors`), drops tensors that only
-alias another (tied embeddings: the name the config's transformers class re-ties goes), verifies every file by reloading it, and rewrites a
-`pytorch_model.bin.index.json` weight map as `model.safetensors.index.json` so transformers can load the result.
+alias another (tied embeddings: the name the config's transformers class re-ties goes), verifies every file by
+reloading it, and rewrites a `pytorch_model.bin.index.json` weight map as `model.safetensors.index.json` so
+transformers can load the result.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -91,8 +93,9 @@ def convert_files(bin_files: list[Path]) -> list[Path]:
     discard = tied_names(bin_files[0].parent) if bin_files else set()
     for i, bin_file in enumerate(bin_files, start=1):
         sf_file = safetensors_name(bin_file)
+        start = time.monotonic()
         dropped |= convert_file(bin_file, sf_file, discard)
-        logger.info("Convert: [%d/%d] -- Took %s", i, len(bin_files), sf_file.name)
+        logger.info("Convert: [%d/%d] -- %s in %.2fs", i, len(bin_files), sf_file.name, time.monotonic() - start)
         out.append(sf_file)
     index = bin_files[0].parent / BIN_INDEX if bin_files else None
     if index is not None and index.is_file():
