@@ -99,6 +99,8 @@ def test_startup_failures_exit_1_with_tgi_messages() -> None:
 def test_sigterm_lets_in_flight_streams_finish(request: pytest.FixtureRequest, tiny_llama: Path) -> None:
     with root_conftest(request.config).ShardProcess(tiny_llama) as shard:
         with RouterProcess(request.config, shard.socket, tiny_llama) as router:
+            # Both listeners are up: the lifecycle-line check below covers two uvicorn servers.
+            assert httpx.get(f"http://127.0.0.1:{router.prometheus_port}/metrics", timeout=5).status_code == 200
             body = {"inputs": "Hello", "parameters": {"max_new_tokens": 60}}
             with httpx.stream("POST", router.base_url + "/generate_stream", json=body, timeout=60) as response:
                 lines = response.iter_lines()
@@ -108,4 +110,8 @@ def test_sigterm_lets_in_flight_streams_finish(request: pytest.FixtureRequest, t
             assert json.loads(events[-1][5:])["index"] == 60
             assert json.loads(events[-1][5:])["generated_text"] is not None
             assert router.process.wait(timeout=60) == 0  # type: ignore[union-attr]
-            assert "signal received, starting graceful shutdown" in router.log
+            log = router.log
+            assert "signal received, starting graceful shutdown" in log
+            # Two uvicorn listeners (API and Prometheus), one set of lifecycle lines.
+            for line in ("Started server process", "Shutting down", "Finished server process"):
+                assert log.count(line) == 1, line
