@@ -90,3 +90,16 @@ def test_rejects_unknown_arch_and_size(tmp_path: Path) -> None:
         build_test_model(tmp_path / "x", arch="bert")
     with pytest.raises(ValueError, match="unknown size 'huge'"):
         build_test_model(tmp_path / "x", size="huge")
+
+
+def test_cli_rejects_an_unknown_arch_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        ["textgen-server", "build-test-model", str(tmp_path / "m"), "--arch", "bloom"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown arch 'bloom'" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "m").exists()

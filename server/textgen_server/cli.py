@@ -112,7 +112,11 @@ def run_download(args: argparse.Namespace) -> int:
 def run_build(args: argparse.Namespace) -> int:
     from textgen_server.builder import build_test_model
 
-    print(build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed))
+    try:
+        print(build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed))
+    except ValueError as err:  # an unknown arch or size: one line, not a traceback
+        logger.error("%s", err)
+        return 2
     return 0
 
 
