@@ -198,7 +198,7 @@ TGI_FLAGS = [
     ("hostname", "HOSTNAME", "0.0.0.0", "127.0.0.1", "127.0.0.1"),
     ("port", "PORT", 3000, "80", 80),
     ("prometheus_port", "PROMETHEUS_PORT", 9000, "9001", 9001),
-    ("shard_uds_path", "SHARD_UDS_PATH", "/tmp/text-generation-server", "/tmp/x", "/tmp/x"),
+    ("shard_uds_path", "SHARD_UDS_PATH", "/tmp/textgen-server", "/tmp/x", "/tmp/x"),
     ("master_addr", "MASTER_ADDR", "localhost", "10.0.0.1", "10.0.0.1"),
     ("master_port", "MASTER_PORT", 29500, "29501", 29501),
     ("huggingface_hub_cache", "HUGGINGFACE_HUB_CACHE", None, "/data", "/data"),

@@ -105,7 +105,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
     b.value("--hostname", default="0.0.0.0", help="IP address the router listens on")
     b.value("-p", "--port", type=int, default="3000", help="HTTP port")
     b.value("--prometheus-port", type=int, default="9000", help="Port of the extra Prometheus listener")
-    b.value("--shard-uds-path", default="/tmp/text-generation-server", help="Socket prefix; rank r uses <prefix>-<r>")
+    b.value("--shard-uds-path", default="/tmp/textgen-server", help="Socket prefix; rank r uses <prefix>-<r>")
     b.value("--master-addr", default="localhost", help="torch.distributed master address")
     b.value("--master-port", type=int, default="29500", help="torch.distributed master port")
     b.value("--huggingface-hub-cache", help="Hub cache directory for the download and the shards")
