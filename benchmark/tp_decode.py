@@ -1,6 +1,6 @@
 """Tensor-parallel scaling on the "small" Llama: decode tokens/s and per-shard peak RSS for 1 and N shards.
 
-N real `textgen-server serve --sharded` processes (gloo on CPU) share the machine's THREADS cores (THREADS / N
+N real `textgen-server serve --sharded` processes (gloo on CPU) share --threads cores (threads / N
 threads each, so every run uses the same cores) and are driven over gRPC with textgen-benchmark's loop via
 the router's ShardedClient (Prefill, then Decode to the end; generations of all ranks concatenated).
 Per-shard RSS: VmRSS once loaded (weights + runtime) and VmHWM (peak) at the end. Shared helpers come from
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shard_decode import THREADS, bytes_per_step, shard_step_seconds, small_model, stop
+from shard_decode import bytes_per_step, shard_steps, small_model, stop
 
 
 def free_port() -> int:
@@ -29,9 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_shards(model_dir: Path, uds_path: str, num_shard: int, timeout: float = 600.0) -> list[subprocess.Popen]:
-    """`num_shard` ranks, THREADS // num_shard threads each; returns once every rank's socket exists."""
-    threads = str(max(1, THREADS // num_shard))
+def start_shards(
+    model_dir: Path, uds_path: str, num_shard: int, cores: int, timeout: float = 600.0
+) -> list[subprocess.Popen]:
+    """`num_shard` ranks, cores // num_shard threads each; returns once every rank's socket exists."""
+    threads = str(max(1, cores // num_shard))
     port = str(free_port())
     procs = []
     for rank in range(num_shard):
@@ -63,19 +65,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, action="append", help="shard counts (default 1, 2)")
     parser.add_argument("--batch", type=int, action="append", help="batch sizes (default 1, 32)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="cores shared by the shards")
     parser.add_argument("--model-dir", type=Path, help="a built model (default: build/cached small Llama)")
     args = parser.parse_args(argv)
     batches = args.batch or [1, 32]
     model_dir = args.model_dir or small_model()
-    print(f"model {model_dir}, fp32, {THREADS} cores shared by the shards, runs {args.runs}", flush=True)
+    print(f"model {model_dir}, fp32, {args.threads} cores shared by the shards, runs {args.runs}", flush=True)
     rows = []
     for n in args.shards or [1, 2]:
         uds = f"/tmp/textgen-tp-bench-{os.getpid()}-{n}"
-        procs = start_shards(model_dir, uds, n)
+        procs = start_shards(model_dir, uds, n, args.threads)
         try:
             time.sleep(2)  # the socket appears just before the server starts serving
             loaded = [rss_mib(p.pid, "VmRSS") for p in procs]
-            seconds = asyncio.run(shard_step_seconds(f"{uds}-0", model_dir, batches, args.runs))
+            steps = asyncio.run(shard_steps(f"{uds}-0", procs[0].pid, model_dir, batches, args.runs))
+            seconds = {b: step.wall for b, step in steps.items()}
             peak = [rss_mib(p.pid, "VmHWM") for p in procs]
         finally:
             for p in procs:
