@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -96,22 +97,46 @@ def test_startup_failures_exit_1_with_tgi_messages() -> None:
     assert code == 1 and err.startswith("Error: Unable to connect to the Python model shards: ")
 
 
-def test_sigterm_lets_in_flight_streams_finish(request: pytest.FixtureRequest, tiny_llama: Path) -> None:
+@pytest.fixture(scope="module")
+def shard_socket(request: pytest.FixtureRequest, tiny_llama: Path) -> Iterator[str]:
+    """One real shard for this module's router processes (one after the other)."""
     with root_conftest(request.config).ShardProcess(tiny_llama) as shard:
-        with RouterProcess(request.config, shard.socket, tiny_llama) as router:
-            # Both listeners are up: the lifecycle-line check below covers two uvicorn servers.
-            assert httpx.get(f"http://127.0.0.1:{router.prometheus_port}/metrics", timeout=5).status_code == 200
-            body = {"inputs": "Hello", "parameters": {"max_new_tokens": 60}}
-            with httpx.stream("POST", router.base_url + "/generate_stream", json=body, timeout=60) as response:
-                lines = response.iter_lines()
-                assert next(lines).startswith('data:{"index":1,')
-                router.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-                events = [line for line in lines if line.startswith("data:")]
-            assert json.loads(events[-1][5:])["index"] == 60
-            assert json.loads(events[-1][5:])["generated_text"] is not None
-            assert router.process.wait(timeout=60) == 0  # type: ignore[union-attr]
-            log = router.log
-            assert "signal received, starting graceful shutdown" in log
-            # Two uvicorn listeners (API and Prometheus), one set of lifecycle lines.
-            for line in ("Started server process", "Shutting down", "Finished server process"):
-                assert log.count(line) == 1, line
+        yield shard.socket
+
+
+def test_tokenizer_failure_is_reported_once_the_backend_is_up(
+    request: pytest.FixtureRequest, shard_socket: str, tmp_path: Path
+) -> None:
+    """The tokenizer loads during warmup, but its failure surfaces after the backend's steps, as in TGI."""
+    free_port = root_conftest(request.config).free_port
+    proc = subprocess.run(
+        [sys.executable, "-m", "textgen_router.main", "--master-shard-uds-path", shard_socket,
+         "--tokenizer-name", str(tmp_path), "--port", str(free_port()), "--prometheus-port", str(free_port()),
+         "--max-input-tokens", "16", "--max-total-tokens", "32", "--max-batch-prefill-tokens", "32"],
+        capture_output=True, text=True, timeout=100,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"Error: Unable to load the tokenizer of {tmp_path}: ")
+    assert proc.stdout.index("Setting max batch total tokens") < proc.stdout.index("Unable to load the tokenizer")
+
+
+def test_sigterm_lets_in_flight_streams_finish(
+    request: pytest.FixtureRequest, shard_socket: str, tiny_llama: Path
+) -> None:
+    with RouterProcess(request.config, shard_socket, tiny_llama) as router:
+        # Both listeners are up: the lifecycle-line check below covers two uvicorn servers.
+        assert httpx.get(f"http://127.0.0.1:{router.prometheus_port}/metrics", timeout=5).status_code == 200
+        body = {"inputs": "Hello", "parameters": {"max_new_tokens": 60}}
+        with httpx.stream("POST", router.base_url + "/generate_stream", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith('data:{"index":1,')
+            router.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            events = [line for line in lines if line.startswith("data:")]
+        assert json.loads(events[-1][5:])["index"] == 60
+        assert json.loads(events[-1][5:])["generated_text"] is not None
+        assert router.process.wait(timeout=60) == 0  # type: ignore[union-attr]
+        log = router.log
+        assert "signal received, starting graceful shutdown" in log
+        # Two uvicorn listeners (API and Prometheus), one set of lifecycle lines.
+        for line in ("Started server process", "Shutting down", "Finished server process"):
+            assert log.count(line) == 1, line
