@@ -65,11 +65,11 @@ def make_workload(tokenizer_dir: str, n: int, seed: int, arrival: str, rate: flo
     return jobs
 
 
-def _body(route: str, job: Job) -> tuple[str, dict]:
+def _body(route: str, job: Job, model: str) -> tuple[str, dict]:
     if route == "generate":
         return "/generate_stream", {"inputs": job.prompt, "parameters": {"max_new_tokens": job.max_new_tokens}}
     body = {
-        "model": "tgi",
+        "model": model,
         "messages": [{"role": "user", "content": job.prompt}],
         "max_tokens": job.max_new_tokens,
         "temperature": 0,
@@ -85,13 +85,16 @@ def _is_token_event(route: str, payload: dict) -> bool:
     return bool(choices and (choices[0].get("delta") or {}).get("content"))
 
 
-async def _one(client: httpx.AsyncClient, route: str, job: Job, t0: float) -> Result:
+async def _one(client: httpx.AsyncClient, route: str, job: Job, t0: float, model: str) -> Result:
     await asyncio.sleep(max(0.0, t0 + job.send_at - time.perf_counter()))
-    path, body = _body(route, job)
+    path, body = _body(route, job, model)
     res, start = Result(), time.perf_counter()
     last = start
     try:
         async with client.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -122,11 +125,12 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(p / 100 * len(values)))]
 
 
-async def run_load(url: str, route: str, jobs: list[Job]) -> dict:
+async def run_load(url: str, route: str, jobs: list[Job], model: str = "tgi") -> dict:
+    """W1 against `url`; `model` is the chat `model` field (textgen serves "tgi", transformers serve a path)."""
     limits = httpx.Limits(max_connections=len(jobs), max_keepalive_connections=len(jobs))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_one(client, route, j, t0) for j in jobs))
+        results = await asyncio.gather(*(_one(client, route, j, t0, model) for j in jobs))
         wall = time.perf_counter() - t0
     tokens = sum(r.tokens for r in results)
     ttfts = [r.ttft for r in results if r.ttft is not None]
@@ -135,6 +139,7 @@ async def run_load(url: str, route: str, jobs: list[Job]) -> dict:
         "route": route,
         "requests": len(jobs),
         "errors": sum(r.error is not None for r in results),
+        "first_error": next((r.error for r in results if r.error), None),
         "generated_tokens": tokens,
         "wall_s": wall,
         "throughput_tok_s": tokens / wall,
@@ -232,7 +237,7 @@ def measure_transformers(model: str, jobs: list[Job]) -> dict:
     argv = ["transformers", "serve", model, "--port", str(port), "--host", "127.0.0.1"]
     server = Server("transformers", argv, port, "/health")
     try:
-        r = asyncio.run(run_load(server.url, "chat", jobs))
+        r = asyncio.run(run_load(server.url, "chat", jobs, model))
     finally:
         server.stop()
     r["server"] = "transformers serve"
@@ -295,8 +300,13 @@ def main() -> None:
         cpu = r.get("router_cpu_ms_per_decode_step", float("nan"))
         print(f"| {r['server']} | {r['route']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
               f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['errors']} | {cpu:.2f} |")
+    for r in public:
+        if r["first_error"]:
+            print(f"{r['server']} {r['route']}: first error: {r['first_error']}", file=sys.stderr)
     base = public[0]["throughput_tok_s"]
     for r in public[1:]:
+        if not r["throughput_tok_s"]:
+            continue
         print(f"{public[0]['server']} {public[0]['route']} / {r['server']} {r['route']}: "
               f"{base / r['throughput_tok_s']:.2f}x")
     print(f"plot: {args.plot}", file=sys.stderr)
