@@ -217,14 +217,19 @@ class ChatCompletionComplete(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatComplete(BaseModel):
-    """Response of POST /v1/chat/completions (stream=false)."""
+class OpenAIEnvelope(BaseModel):
+    """The fields every OpenAI-style response and stream chunk carries."""
 
     id: str
     object: str
     created: int
     model: str
     system_fingerprint: str
+
+
+class ChatComplete(OpenAIEnvelope):
+    """Response of POST /v1/chat/completions (stream=false)."""
+
     choices: list[ChatCompletionComplete]
     usage: Usage
 
@@ -243,14 +248,9 @@ class Choice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(OpenAIEnvelope):
     """One SSE event of POST /v1/chat/completions (stream=true); `choices` is empty in the usage chunk."""
 
-    id: str
-    object: str
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[Choice]
     usage: Usage | None = None
 
@@ -285,14 +285,9 @@ class CompletionComplete(BaseModel):
     finish_reason: str | None = None
 
 
-class Completion(BaseModel):
+class Completion(OpenAIEnvelope):
     """Response of POST /v1/completions, and also each of its stream chunks (then `usage` may be absent)."""
 
-    id: str
-    object: str
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[CompletionComplete]
     usage: Usage | None = None
 
