@@ -29,6 +29,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from textgen_benchmark.stats import Latency
+
 
 @dataclass
 class Job:
@@ -118,13 +120,6 @@ async def _one(client: httpx.AsyncClient, route: str, job: Job, t0: float, model
     return res
 
 
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(p / 100 * len(values)))]
-
-
 async def run_load(url: str, route: str, jobs: list[Job], model: str = "tgi") -> dict:
     """W1 against `url`; `model` is the chat `model` field (textgen serves "tgi", transformers serve a path)."""
     limits = httpx.Limits(max_connections=len(jobs), max_keepalive_connections=len(jobs))
@@ -135,6 +130,8 @@ async def run_load(url: str, route: str, jobs: list[Job], model: str = "tgi") ->
     tokens = sum(r.tokens for r in results)
     ttfts = [r.ttft for r in results if r.ttft is not None]
     gaps = [g for r in results for g in r.gaps]
+    ttft_ms = Latency.of([t * 1e3 for t in ttfts])
+    itl_ms = Latency.of([g * 1e3 for g in gaps])
     return {
         "route": route,
         "requests": len(jobs),
@@ -143,10 +140,10 @@ async def run_load(url: str, route: str, jobs: list[Job], model: str = "tgi") ->
         "generated_tokens": tokens,
         "wall_s": wall,
         "throughput_tok_s": tokens / wall,
-        "ttft_p50_ms": pct(ttfts, 50) * 1e3,
-        "ttft_p99_ms": pct(ttfts, 99) * 1e3,
-        "itl_p50_ms": pct(gaps, 50) * 1e3,
-        "itl_p99_ms": pct(gaps, 99) * 1e3,
+        "ttft_p50_ms": ttft_ms.p50,
+        "ttft_p99_ms": ttft_ms.p99,
+        "itl_p50_ms": itl_ms.p50,
+        "itl_p99_ms": itl_ms.p99,
         "_ttfts": ttfts,
         "_gaps": gaps,
     }

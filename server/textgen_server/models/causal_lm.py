@@ -301,16 +301,9 @@ class CausalLM(Model[CausalLMBatch]):
             if stop:
                 generation.generated_text.CopyFrom(self._generated_text(batch, i, criteria, reason))
             if prompt_logprobs is not None and request.prefill_logprobs:
-                generation.prefill_tokens.CopyFrom(self._prefill_tokens(batch.all_input_ids[i][:-1], prompt_logprobs[i]))
+                generation.prefill_tokens.CopyFrom(self._tokens(batch.all_input_ids[i][:-1], prompt_logprobs[i]))
             if batch.top_n_tokens[i]:
-                generation.top_tokens.append(
-                    generate_pb2.Tokens(
-                        ids=top_ids[i],
-                        logprobs=top_logprobs[i],
-                        texts=[self.tokenizer.decode([t]) for t in top_ids[i]],
-                        is_special=[t in special for t in top_ids[i]],
-                    )
-                )
+                generation.top_tokens.append(self._tokens(top_ids[i], top_logprobs[i]))
             generations.append(generation)
 
         if stopped_all:
@@ -339,12 +332,13 @@ class CausalLM(Model[CausalLMBatch]):
             result.append([math.nan] + rows.gather(1, targets).squeeze(1).tolist())
         return result
 
-    def _prefill_tokens(self, prompt_ids: list[int], logprobs: list[float]) -> generate_pb2.Tokens:
+    def _tokens(self, ids: list[int], logprobs: list[float]) -> generate_pb2.Tokens:
+        """Prompt tokens or top-n alternatives: each id decoded on its own, with its logprob."""
         return generate_pb2.Tokens(
-            ids=prompt_ids,
+            ids=ids,
             logprobs=logprobs,
-            texts=self.tokenizer.batch_decode([[t] for t in prompt_ids]),
-            is_special=[t in self.all_special_ids for t in prompt_ids],
+            texts=self.tokenizer.batch_decode([[t] for t in ids]),
+            is_special=[t in self.all_special_ids for t in ids],
         )
 
     def _generated_text(
