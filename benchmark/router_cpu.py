@@ -1,0 +1,167 @@
+"""Router CPU per decode step: N concurrent streams through a real launcher (one shard + the router).
+
+The tiny llama makes the shard's step short, so the router's own work dominates what is measured. The
+driver is a bare asyncio HTTP/1.1 client (no httpx), so it takes as little of the shared CPU as possible.
+Per route (/generate_stream and /v1/chat/completions with stream=true) it runs one unmeasured warm-up round,
+then `--rounds` rounds of `--streams` concurrent requests of `--max-new-tokens` tokens, and prints:
+
+- router CPU ms / decode step: user+system time of the `textgen-router` process over the rounds, divided by
+  the tgi_batch_inference_count{method="decode"} delta (prefills are few and counted in; that is the cost);
+- shard CPU ms / decode step, the same for the `textgen-server serve` process;
+- wall ms / decode step, and generated tokens/s;
+- critical path ms / decode step: (tgi_batch_inference_duration - tgi_batch_forward_duration) of decode,
+  i.e. the time a step spends outside the shard's forward (gRPC, router loop, filtering) as the router sees it.
+
+    python benchmark/router_cpu.py [--streams 64] [--max-new-tokens 64] [--rounds 2] [--routes generate,chat]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from textgen_server.builder import build_test_model
+
+PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"
+SERIES = re.compile(r'^(\S+?)(\{[^}]*\})? (\S+)$', re.M)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {name + (labels or ""): float(value) for name, labels, value in SERIES.findall(text)}
+
+
+def body(route: str, max_new_tokens: int) -> tuple[str, bytes]:
+    if route == "generate":
+        payload: dict = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens}}
+        return "/generate_stream", json.dumps(payload).encode()
+    payload = {"model": "tgi", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_new_tokens,
+               "temperature": 0, "stream": True}
+    return "/v1/chat/completions", json.dumps(payload).encode()
+
+
+async def one_stream(port: int, path: str, data: bytes) -> int:
+    """POST and read the whole SSE answer; the number of `data:` events other than [DONE]."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                 b"connection: close\r\n\r\n%s" % (path.encode(), len(data), data))
+    raw = await reader.read()
+    writer.close()
+    if b" 200 " not in raw.split(b"\r\n", 1)[0] or b'"error"' in raw:
+        raise RuntimeError(f"bad stream: {raw[:300]!r}")
+    return raw.count(b"data:") - raw.count(b"data:[DONE]")
+
+
+async def run_round(port: int, route: str, streams: int, max_new_tokens: int) -> int:
+    path, data = body(route, max_new_tokens)
+    return sum(await asyncio.gather(*(one_stream(port, path, data) for _ in range(streams))))
+
+
+class Launcher:
+    """`textgen-launcher` on the model, in its own process group; the router and shard processes found."""
+
+    def __init__(self, model: Path, streams: int) -> None:
+        self.port = free_port()
+        self.log = tempfile.NamedTemporaryFile(prefix="router-cpu-", suffix=".log", delete=False)
+        argv = ["textgen-launcher", "--model-id", str(model), "--hostname", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-port", str(free_port()), "--master-port", str(free_port()),
+                "--shard-uds-path", f"/tmp/rcpu-{self.port}", "--max-concurrent-requests", str(4 * streams),
+                "--max-batch-size", str(streams)]
+        # One OpenMP thread: the box is shared, and a spinning second thread makes shard steps noise.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "USAGE_STATS": "off"}
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"launcher not healthy; see {self.log.name}")
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        self.router = next(p for p in children if "textgen-router" in " ".join(p.cmdline()))
+        self.shard = next(p for p in children if "serve" in p.cmdline())
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def cpu(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, rounds: int) -> dict[str, float]:
+    asyncio.run(run_round(launcher.port, route, streams, max_new_tokens))  # warm-up: imports, first compiles
+    decode = '{method="decode"}'
+    m0, r0, s0, t0 = metrics(launcher.port), cpu(launcher.router), cpu(launcher.shard), time.perf_counter()
+    tokens = sum(asyncio.run(run_round(launcher.port, route, streams, max_new_tokens)) for _ in range(rounds))
+    wall = time.perf_counter() - t0
+    m1, r1, s1 = metrics(launcher.port), cpu(launcher.router), cpu(launcher.shard)
+    delta = {k: m1[k] - m0.get(k, 0.0) for k in m1}
+    steps = delta["tgi_batch_inference_count" + decode]
+    outside_forward = (delta["tgi_batch_inference_duration_sum" + decode]
+                       - delta["tgi_batch_forward_duration_sum" + decode])
+    return {
+        "decode_steps": steps,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "wall_ms_per_step": wall / steps * 1e3,
+        "router_cpu_ms_per_step": (r1 - r0) / steps * 1e3,
+        "shard_cpu_ms_per_step": (s1 - s0) / steps * 1e3,
+        "critical_path_ms_per_step": outside_forward / steps * 1e3,
+        "shard_forward_ms_per_step": delta["tgi_batch_forward_duration_sum" + decode] / steps * 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", default="models/tiny-llama", help="built here (tiny llama) when missing")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--routes", default="generate,chat")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    model = build_test_model(args.model_dir, arch="llama", size="tiny")
+    launcher = Launcher(model, args.streams)
+    results = {}
+    try:
+        for route in args.routes.split(","):
+            results[route] = r = measure(launcher, route, args.streams, args.max_new_tokens, args.rounds)
+            print(f"{route:9s} steps {r['decode_steps']:5.0f}  tokens/s {r['tokens_per_s']:7.0f}  "
+                  f"wall {r['wall_ms_per_step']:6.2f} ms/step  router CPU {r['router_cpu_ms_per_step']:6.2f}  "
+                  f"shard CPU {r['shard_cpu_ms_per_step']:5.2f}  (forward {r['shard_forward_ms_per_step']:5.2f})  "
+                  f"critical path {r['critical_path_ms_per_step']:5.2f} ms/step", flush=True)
+    finally:
+        launcher.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
