@@ -7,6 +7,8 @@ running batch step by step. Before each step, waiting requests may join: the que
 one step) and then decoded together with it (a Decode with two batches, concatenated by the shards).
 After every Prefill/Decode the generations go to their entries' streams, and finished or dropped requests are
 filtered out of the shard batch in the same step (FilterBatch, or ClearCache when none is left).
+The streams are woken only once the next Prefill/Decode is sent (or the loop goes idle): their HTTP work
+(JSON, SSE, socket writes) then overlaps the shards' step instead of delaying it.
 A failing Prefill fails only its new requests; a failing Decode fails the whole running batch; either way the
 shard caches of the failed batches are cleared.
 TGI's chunked-prefill branch is not implemented: our shards never report `support_chunking`.
@@ -24,7 +26,7 @@ from textgen_pb import generate_pb2
 
 from . import metrics
 from .client import ShardedClient, ShardError, StepResult
-from .queue import Entry, Queue
+from .queue import Channel, Entry, Queue
 from .types import EndEvent, GeneratedText, GenerationError, IntermediateEvent, PrefillEvent, Token
 
 logger = logging.getLogger("textgen_router.batching")
@@ -64,6 +66,7 @@ class Batcher:
         self.max_waiting_tokens = max_waiting_tokens
         self.running: dict[int, Entry] = {}  # every entry of the running (shard-cached) batch
         self._wakeup = asyncio.Event()
+        self._unwoken: list[Channel] = []  # streams given events since the last shard call was sent
 
     def notify(self) -> None:
         self._wakeup.set()
@@ -84,6 +87,7 @@ class Batcher:
                     logger.exception("Unable to clear the Python model shards cache")
                 self.notify()
             finally:
+                self._wake_streams()
                 metrics.BATCH_CURRENT_SIZE.set(0)
                 metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
 
@@ -130,7 +134,7 @@ class Batcher:
         links = [trace.Link(e.span.get_span_context()) for e in entries.values() if e.span is not None]
         with tracer.start_as_current_span("batch", links=links, attributes={"batch_size": len(entries)}):
             try:
-                result = await self.client.prefill(batch)
+                result = await self.client.prefill(batch, sent=self._wake_streams)
             except ShardError as err:
                 await self._fail([batch.id], entries, err)
                 metrics.BATCH_INFERENCE_FAILURE.labels(PREFILL).inc()
@@ -143,7 +147,7 @@ class Batcher:
         metrics.BATCH_INFERENCE_COUNT.labels(DECODE).inc()
         with tracer.start_as_current_span("batch", attributes={"batch_size": len(entries)}):
             try:
-                result = await self.client.decode(batches)
+                result = await self.client.decode(batches, sent=self._wake_streams)
             except ShardError as err:
                 await self._fail([b.id for b in batches], entries, err)
                 metrics.BATCH_INFERENCE_FAILURE.labels(DECODE).inc()
@@ -172,8 +176,14 @@ class Batcher:
         metrics.BATCH_INFERENCE_SUCCESS.labels(method).inc()
         return next_batch
 
+    def _wake_streams(self) -> None:
+        for channel in self._unwoken:
+            channel.wake()
+        self._unwoken.clear()
+
     def _send(self, generations: Sequence[generate_pb2.Generation], entries: dict[int, Entry]) -> None:
-        """Put each generation's events on its entry's stream; forget entries that ended or were dropped.
+        """Push each generation's events on its entry's stream (woken later, see `_wake_streams`); forget
+        entries that ended or were dropped.
 
         Hot path (once per request per step): every protobuf field access costs, so optional fields are
         only read when the request asked for them.
@@ -187,7 +197,8 @@ class Batcher:
                 entry.finish_span()
                 del entries[rid]
                 continue
-            put = entry.events.put_nowait
+            put = entry.events.push
+            self._unwoken.append(entry.events)
             request = entry.request
             if request.decoder_input_details and g.HasField("prefill_tokens"):
                 put(PrefillEvent(_tokens(g.prefill_tokens)))

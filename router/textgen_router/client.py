@@ -14,7 +14,7 @@ the router's trace. Any gRPC failure surfaces as `ShardError(details)`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +97,16 @@ class ShardedClient:
     def num_shards(self) -> int:
         return len(self._stubs)
 
-    async def _all(self, method: str, request: Any) -> list[Any]:
-        """Send `request` to every shard concurrently; the first failure becomes ShardError."""
+    async def _all(self, method: str, request: Any, sent: Callable[[], None] | None = None) -> list[Any]:
+        """Send `request` to every shard concurrently; the first failure becomes ShardError.
+
+        `sent` runs once every call is started and before any of them is awaited: grpc.aio schedules each
+        call's send as a task when the stub is called, so ready callbacks queued by `sent` run after it.
+        """
         metadata = _metadata()
         calls = [getattr(stub, method)(request, metadata=metadata) for stub in self._stubs]
+        if sent is not None:
+            sent()
         try:
             if len(calls) == 1:
                 return [await calls[0]]
@@ -155,18 +161,26 @@ class ShardedClient:
         return min(triples, key=lambda t: (t[0] is not None, t[0] or 0, t[1], t[2]))
 
     async def prefill(
-        self, batch: generate_pb2.Batch, cached_batch: generate_pb2.CachedBatch | None = None
+        self, batch: generate_pb2.Batch, cached_batch: generate_pb2.CachedBatch | None = None,
+        sent: Callable[[], None] | None = None,
     ) -> StepResult:
-        """First forward of `batch` (with `cached_batch` appended on the shard when chunking)."""
+        """First forward of `batch` (with `cached_batch` appended on the shard when chunking).
+
+        `sent` (optional) is called once the request is on its way to every shard (see `_all`).
+        """
         request = generate_pb2.PrefillRequest(batch=batch, cached_batch=cached_batch)
         with tracer.start_as_current_span("prefill", attributes={"id": batch.id, "size": batch.size}):
-            return _merge(await self._all("Prefill", request))
+            return _merge(await self._all("Prefill", request, sent))
 
-    async def decode(self, batches: Sequence[generate_pb2.CachedBatch]) -> StepResult:
-        """One step of the cached `batches`, which the shards concatenate first when there are several."""
+    async def decode(self, batches: Sequence[generate_pb2.CachedBatch],
+                     sent: Callable[[], None] | None = None) -> StepResult:
+        """One step of the cached `batches`, which the shards concatenate first when there are several.
+
+        `sent` (optional) is called once the request is on its way to every shard (see `_all`).
+        """
         request = generate_pb2.DecodeRequest(batches=batches)
         with tracer.start_as_current_span("decode"):
-            return _merge(await self._all("Decode", request))
+            return _merge(await self._all("Decode", request, sent))
 
     async def close(self) -> None:
         for channel in self._channels:

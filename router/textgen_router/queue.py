@@ -28,8 +28,9 @@ tracer = trace.get_tracer("textgen_router")
 class Channel:
     """Unbounded single-consumer channel from the batching loop to one request's stream.
 
-    A leaner asyncio.Queue: put_nowait is an append plus, when the consumer sleeps, one wake-up; the loop
-    calls it once per request per step.
+    A leaner asyncio.Queue: put_nowait is an append plus, when the consumer sleeps, one wake-up. The
+    batching loop `push`es once per request per step and `wake`s the consumers later, once the next shard
+    call is on its way.
     """
 
     __slots__ = ("_items", "_waiter")
@@ -43,6 +44,13 @@ class Channel:
 
     def put_nowait(self, item: StreamEvent | InferError) -> None:
         self._items.append(item)
+        self.wake()
+
+    def push(self, item: StreamEvent | InferError) -> None:
+        """Append without waking the consumer; the producer calls `wake()` when the consumer may run."""
+        self._items.append(item)
+
+    def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
