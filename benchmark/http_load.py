@@ -67,7 +67,7 @@ def make_workload(tokenizer_dir: str, n: int, seed: int, arrival: str, rate: flo
     return jobs
 
 
-def _body(route: str, job: Job, model: str) -> tuple[str, dict]:
+def request_body(route: str, job: Job, model: str) -> tuple[str, dict]:
     if route == "generate":
         return "/generate_stream", {"inputs": job.prompt, "parameters": {"max_new_tokens": job.max_new_tokens}}
     body = {
@@ -80,6 +80,45 @@ def _body(route: str, job: Job, model: str) -> tuple[str, dict]:
     return "/v1/chat/completions", body
 
 
+@dataclass(frozen=True)
+class Budgets:
+    """The launcher's token limits for a run; shard_w1.py schedules the shard-only baseline under the same."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        for name in ("max-input-tokens", "max-total-tokens", "max-batch-prefill-tokens", "max-batch-total-tokens"):
+            p.add_argument(f"--{name}", type=int, help="launcher flag (default: what lets every request batch at once)")
+
+    def launcher_args(self) -> list[str]:
+        return [arg for name, value in vars(self).items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def workload_budgets(tokenizer_dir: str, jobs: list[Job], args: argparse.Namespace) -> Budgets:
+    """Budgets from `args`, each unset one sized so the whole workload fits one padded prefill.
+
+    The small model's launcher defaults (prefill 2048, batch total 16000) hold only ~7 W1 prompts per prefill,
+    so the router would batch far fewer requests than the shard-only run: like for like needs both to allow
+    n * longest prompt tokens of prefill (the padded rule) plus every max_new_tokens.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    longest = max(len(tok(j.prompt)["input_ids"]) for j in jobs)  # with special tokens, as the router counts
+    max_input = args.max_input_tokens or longest
+    prefill = args.max_batch_prefill_tokens or len(jobs) * max_input
+    return Budgets(
+        max_input_tokens=max_input,
+        max_total_tokens=args.max_total_tokens or max_input + max(j.max_new_tokens for j in jobs),
+        max_batch_prefill_tokens=prefill,
+        max_batch_total_tokens=args.max_batch_total_tokens or prefill + sum(j.max_new_tokens for j in jobs),
+    )
+
+
 def _is_token_event(route: str, payload: dict) -> bool:
     if route == "generate":
         return "token" in payload and not payload["token"].get("special", False)
@@ -89,7 +128,7 @@ def _is_token_event(route: str, payload: dict) -> bool:
 
 async def _one(client: httpx.AsyncClient, route: str, job: Job, t0: float, model: str) -> Result:
     await asyncio.sleep(max(0.0, t0 + job.send_at - time.perf_counter()))
-    path, body = _body(route, job, model)
+    path, body = request_body(route, job, model)
     res, start = Result(), time.perf_counter()
     last = start
     try:
@@ -206,15 +245,16 @@ def decode_steps(url: str) -> float:
     return 0.0
 
 
-def textgen_server(model: str) -> Server:
+def textgen_server(model: str, budgets: Budgets, env: dict[str, str]) -> Server:
     port = free_port()
     argv = ["textgen-launcher", "--model-id", model, "--port", str(port), "--hostname", "127.0.0.1",
-            "--shard-uds-path", f"/tmp/w1-{port}", "--max-concurrent-requests", "256"]
-    return Server("textgen", argv, port, "/health")
+            "--shard-uds-path", f"/tmp/w1-{port}", "--max-concurrent-requests", "256", *budgets.launcher_args()]
+    return Server("textgen", argv, port, "/health", env)
 
 
-def measure_textgen(model: str, routes: list[str], jobs: list[Job]) -> list[dict]:
-    server, out = textgen_server(model), []
+def measure_textgen(model: str, routes: list[str], jobs: list[Job], budgets: Budgets,
+                    env: dict[str, str]) -> list[dict]:
+    server, out = textgen_server(model, budgets, env), []
     try:
         for route in routes:
             steps0, cpu0 = decode_steps(server.url), server.cpu_seconds("textgen-router")
@@ -241,6 +281,18 @@ def measure_transformers(model: str, jobs: list[Job]) -> dict:
     return r
 
 
+def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: int | None) -> dict:
+    """shard_w1.py's run (W1 over gRPC into one shard, no router) as a row of this script's results."""
+    import shard_w1  # imports torch: only paid when the baseline is asked for
+
+    report = shard_w1.measure(Path(model), jobs, budgets, threads or shard_w1.default_threads())
+    return {"server": "textgen shard-only", "route": "grpc", "requests": report.requests, "errors": 0,
+            "first_error": None, "generated_tokens": report.generated_tokens, "wall_s": report.wall_s,
+            "throughput_tok_s": report.throughput_tok_s, "decode_steps": report.decode_steps,
+            "decode_step_p50_ms": report.decode_step_p50_ms, "prefill_s": report.prefill_s,
+            "shard_cpu_s": report.shard_cpu_s}
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -248,7 +300,7 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
+    for r in (r for r in results if "_ttfts" in r):  # the shard-only row has no per-token timings
         label = f"{r['server']} {r['route']}"
         a.hist([t * 1e3 for t in r["_ttfts"]], bins=20, alpha=0.5, label=label)
         b.hist([g * 1e3 for g in r["_gaps"]], bins=40, alpha=0.5, label=label)
@@ -271,14 +323,26 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="benchmark/results/w1.png")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--shard-baseline", action="store_true",
+                   help="then run shard_w1.py (W1 straight into one shard) and report e2e / shard-only")
+    p.add_argument("--threads", type=int,
+                   help="OMP_NUM_THREADS of the shard in both runs (default: this environment's, as the launcher)")
+    Budgets.add_arguments(p)
     args = p.parse_args()
 
     jobs = make_workload(args.model, args.requests, args.seed, args.arrival, args.rate)
+    budgets = workload_budgets(args.model, jobs, args)
+    threads_env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
     routes = args.routes.split(",")
     if args.url:
         results = [dict(asyncio.run(run_load(args.url, r, jobs)), server="textgen") for r in routes]
     else:
-        results = measure_textgen(args.model, routes, jobs)
+        results = measure_textgen(args.model, routes, jobs, budgets, threads_env)
+    if args.shard_baseline:
+        shard_only = measure_shard_only(args.model, jobs, budgets, args.threads)
+        for r in results:  # issue 3's target: e2e >= 0.9x shard-only at the same batch
+            r["shard_only_ratio"] = r["throughput_tok_s"] / shard_only["throughput_tok_s"]
+        results.append(shard_only)
     if args.compare:
         try:
             results.append(measure_transformers(args.model, jobs))
@@ -290,13 +354,20 @@ def main() -> None:
     if args.json:
         print(json.dumps(public, indent=2))
         return
-    print(f"W1: {args.requests} requests, {args.arrival} arrival, seed {args.seed}")
-    print("| server | route | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors | router CPU ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"W1: {args.requests} requests, {args.arrival} arrival, seed {args.seed}; {budgets}")
+    print("| server | route | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors | router CPU ms/step "
+          "| / shard-only |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for r in public:
-        cpu = r.get("router_cpu_ms_per_decode_step", float("nan"))
-        print(f"| {r['server']} | {r['route']} | {r['throughput_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
-              f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['errors']} | {cpu:.2f} |")
+        print(f"| {r['server']} | {r['route']} | {r['throughput_tok_s']:.1f} | {r.get('ttft_p50_ms', nan):.0f} | "
+              f"{r.get('ttft_p99_ms', nan):.0f} | {r.get('itl_p50_ms', nan):.1f} | {r.get('itl_p99_ms', nan):.1f} | "
+              f"{r['errors']} | {r.get('router_cpu_ms_per_decode_step', nan):.2f} | "
+              f"{r.get('shard_only_ratio', nan):.2f} |")
+    if args.shard_baseline:
+        print(f"shard-only: {shard_only['decode_steps']} decode steps, median "
+              f"{shard_only['decode_step_p50_ms']:.1f} ms, prefill {shard_only['prefill_s']:.2f} s, "
+              f"shard CPU {shard_only['shard_cpu_s']:.1f} s")
     for r in public:
         if r["first_error"]:
             print(f"{r['server']} {r['route']}: first error: {r['first_error']}", file=sys.stderr)
