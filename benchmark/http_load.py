@@ -5,10 +5,15 @@ Reports throughput (generated tokens/s), time to first token and inter-token lat
 PNG plot. With --compare it starts textgen (launcher) and `transformers serve` on the same model one after the
 other in this process tree and prints the ratio (`transformers serve` needs the `bench` extra:
 pip install -e ".[bench]"); with --routes it runs W1 through /generate_stream and /v1/chat/completions on
-one textgen server (the OpenAI layer's overhead).
+one textgen server (the OpenAI layer's overhead). With --shard-baseline it then runs shard_w1.py (the same
+workload straight into one shard over gRPC, no router) and reports e2e / shard-only throughput (issue 3:
+>= 0.9). The launcher gets --max-input-tokens, --max-total-tokens, --max-batch-prefill-tokens and
+--max-batch-total-tokens (default: sized so every request fits one padded prefill) and the shard-only run
+schedules under the same budgets; --threads sets OMP_NUM_THREADS for the shard of both runs.
 
-    python benchmark/http_load.py --model models/small-llama --compare
-    python benchmark/http_load.py --model models/small-llama --routes generate,chat
+    python benchmark/http_load.py --model models/small-llama-v1 --compare
+    python benchmark/http_load.py --model models/small-llama-v1 --routes generate,chat
+    python benchmark/http_load.py --model models/small-llama-v1 --shard-baseline
 """
 from __future__ import annotations
 
