@@ -7,6 +7,8 @@ then `--rounds` rounds of `--streams` concurrent requests of `--max-new-tokens` 
 
 - router CPU ms / decode step: user+system time of the `textgen-router` process over the rounds, divided by
   the tgi_batch_inference_count{method="decode"} delta (prefills are few and counted in; that is the cost);
+- router CPU us / token: the same CPU time per streamed token, which does not depend on how the burst was
+  split into prefills (the number of decode steps does);
 - shard CPU ms / decode step, the same for the `textgen-server serve` process;
 - wall ms / decode step, and generated tokens/s;
 - critical path ms / decode step: (tgi_batch_inference_duration - tgi_batch_forward_duration) of decode,
@@ -132,6 +134,7 @@ def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, r
         "tokens_per_s": tokens / wall,
         "wall_ms_per_step": wall / steps * 1e3,
         "router_cpu_ms_per_step": (r1 - r0) / steps * 1e3,
+        "router_cpu_us_per_token": (r1 - r0) / tokens * 1e6,
         "shard_cpu_ms_per_step": (s1 - s0) / steps * 1e3,
         "critical_path_ms_per_step": outside_forward / steps * 1e3,
         "shard_forward_ms_per_step": delta["tgi_batch_forward_duration_sum" + decode] / steps * 1e3,
@@ -154,7 +157,8 @@ def main() -> None:
         for route in args.routes.split(","):
             results[route] = r = measure(launcher, route, args.streams, args.max_new_tokens, args.rounds)
             print(f"{route:9s} steps {r['decode_steps']:5.0f}  tokens/s {r['tokens_per_s']:7.0f}  "
-                  f"wall {r['wall_ms_per_step']:6.2f} ms/step  router CPU {r['router_cpu_ms_per_step']:6.2f}  "
+                  f"wall {r['wall_ms_per_step']:6.2f} ms/step  router CPU {r['router_cpu_ms_per_step']:6.2f} "
+                  f"({r['router_cpu_us_per_token']:4.0f} us/token)  "
                   f"shard CPU {r['shard_cpu_ms_per_step']:5.2f}  (forward {r['shard_forward_ms_per_step']:5.2f})  "
                   f"critical path {r['critical_path_ms_per_step']:5.2f} ms/step", flush=True)
     finally:
