@@ -7,6 +7,8 @@ import struct
 import pytest
 
 from textgen_router.jsonenc import dumps, format_f32
+from textgen_router.responses import stream_response, stream_token_event
+from textgen_router.types import Token
 
 
 def f32(x: float) -> float:
@@ -38,6 +40,17 @@ def test_shortest_digits_round_trip_to_the_same_f32() -> None:
     for bits in range(0x3A000000, 0x3F800000, 0x00123457):
         value = struct.unpack("<f", struct.pack("<I", bits))[0]
         assert f32(float(format_f32(value))) == value
+        # ... and no shorter decimal does.
+        digits = len(format_f32(value).split("e")[0].replace(".", "").lstrip("0").rstrip("0"))
+        if digits > 1:
+            assert f32(float(f"{value:.{digits - 2}e}")) != value
+
+
+@pytest.mark.parametrize("tok", [
+    Token(5, "abc", -0.25), Token(0, "é \"\n", float("nan"), True), Token(1023, "", -12.345678),
+])
+def test_stream_token_event_is_the_generic_encoding(tok: Token) -> None:
+    assert stream_token_event(7, tok) == dumps(stream_response(7, tok, []))
 
 
 def test_compact_utf8_and_field_order() -> None:

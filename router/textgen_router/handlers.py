@@ -103,8 +103,10 @@ async def _stream_events(
                     index += 1
                     if isinstance(ev, EndEvent):
                         yield _final_event(req, request, ev, index, start_time, span)
-                    else:
+                    elif ev.top_tokens:
                         yield event(jsonenc.dumps(responses.stream_response(index, ev.token, ev.top_tokens)))
+                    else:
+                        yield event(responses.stream_token_event(index, ev.token))
         except IncompleteGenerationError:
             # Already counted as err="incomplete"; a stream reports it under its own name.
             yield _error_event(IncompleteGenerationStreamError())

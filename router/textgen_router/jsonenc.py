@@ -22,12 +22,17 @@ def _to_f32(value: float) -> float:
 
 def _shortest_f32_digits(value: float) -> tuple[str, int]:
     """The shortest decimal digits d1d2..dn and exponent e with value == 0.d1..dn x 10^e as an f32."""
-    target = _to_f32(value)
-    for precision in range(1, 10):
-        text = f"{abs(target):.{precision - 1}e}"
-        if _to_f32(float(text)) == abs(target):
-            break
-    mantissa, exponent = text.split("e")
+    target = abs(_to_f32(value))
+    # Binary search over 1..9 significant digits (9 always round-trip an f32): whether p digits round-trip
+    # is monotone in p, and logprobs mostly need 7-9, so this halves the formatting work of a linear scan.
+    low, high = 1, 9
+    while low < high:
+        mid = (low + high) // 2
+        if _to_f32(float(f"{target:.{mid - 1}e}")) == target:
+            high = mid
+        else:
+            low = mid + 1
+    mantissa, exponent = f"{target:.{low - 1}e}".split("e")
     digits = mantissa.replace(".", "").rstrip("0") or "0"
     return digits, int(exponent) + 1
 
@@ -53,9 +58,14 @@ def format_f32(value: float) -> str:
     return f"{sign}{digits[0]}.{digits[1:]}e{exponent}"
 
 
+def string(value: str) -> str:
+    """A JSON string literal as serde_json writes it (non-ASCII kept as UTF-8 text)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _encode(value: Any, out: list[str]) -> None:
     if isinstance(value, str):
-        out.append(json.dumps(value, ensure_ascii=False))
+        out.append(string(value))
     elif value is None:
         out.append("null")
     elif value is True:
@@ -71,7 +81,7 @@ def _encode(value: Any, out: list[str]) -> None:
         for i, (key, item) in enumerate(value.items()):
             if i:
                 out.append(",")
-            out.append(json.dumps(key, ensure_ascii=False))
+            out.append(string(key))
             out.append(":")
             _encode(item, out)
         out.append("}")

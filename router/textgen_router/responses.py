@@ -93,6 +93,14 @@ def stream_response(
     return out
 
 
+def stream_token_event(index: int, tok: Token) -> bytes:
+    """`jsonenc.dumps(stream_response(index, tok, []))` written directly: the hot path of /generate_stream
+    (once per token per stream), where building and walking the dict cost more than the bytes."""
+    return (f'{{"index":{index},"token":{{"id":{tok.id},"text":{jsonenc.string(tok.text)},'
+            f'"logprob":{jsonenc.format_f32(tok.logprob)},"special":{"true" if tok.special else "false"}}},'
+            '"generated_text":null,"details":null}').encode()
+
+
 def stream_details(finish_reason: str, generated_tokens: int, seed: int | None, input_length: int) -> dict[str, Any]:
     return {
         "finish_reason": finish_reason,
