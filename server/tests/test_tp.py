@@ -169,7 +169,7 @@ def _rank_main(rank: int, world_size: int, port: int, layer_dir: Path, refs: dic
         config = AutoConfig.from_pretrained(model_dir)
         model = load_tp_model(model_dir, config, torch.float32, CPU, dist)
         cache = model(torch.tensor([[1, 2, 3]])).past_key_values
-        assert cache.layers[0].keys.shape[1] == config.num_key_value_heads // world_size
+        assert cache.keys[0].shape[1] == config.num_key_value_heads // world_size
 
 
 def free_port() -> int:

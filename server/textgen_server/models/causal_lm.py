@@ -24,6 +24,7 @@ from textgen_server.models.model import (
     request_text,
     validate_stopping,
 )
+from textgen_server.models.kv_cache import GROW, KVCache, concatenate_caches, filter_cache
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
 
@@ -36,7 +37,7 @@ class CausalLMBatch(Batch):
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
-    past_key_values: DynamicCache | None
+    past_key_values: KVCache | None
     all_input_ids: list[list[int]]  # prompt + generated ids of each row, unpadded
     input_lengths: list[int]
     prefix_offsets: list[int]
@@ -130,7 +131,7 @@ class CausalLMBatch(Batch):
             raise InvalidRequestError(f"request ids {unknown} are not in batch {self.batch_id}")
         if len(request_ids) == len(self) and len(set(request_ids)) == len(self):
             return self
-        keep = [self.requests_idx_mapping[i] for i in request_ids]
+        keep = _fill_holes_from_tail(sorted(self.requests_idx_mapping[i] for i in set(request_ids)))
         stopping = [self.stopping_criterias[i] for i in keep]
         input_lengths = [self.input_lengths[i] for i in keep]
         new_max_input_length = max(input_lengths)
@@ -144,11 +145,7 @@ class CausalLMBatch(Batch):
         self.input_ids = self.input_ids.index_select(0, index)
         self.position_ids = self.position_ids.index_select(0, index)
         if self.past_key_values is not None:
-            keep_positions = new_max_input_length - 1
-            for layer in self.past_key_values.layers:
-                seq = layer.keys.shape[2]
-                layer.keys = layer.keys[index, :, seq - keep_positions :]
-                layer.values = layer.values[index, :, seq - keep_positions :]
+            filter_cache(self.past_key_values, keep, new_max_input_length - 1)
 
         self.requests = [self.requests[i] for i in keep]
         self.requests_idx_mapping = {r.id: i for i, r in enumerate(self.requests)}
@@ -183,24 +180,11 @@ class CausalLMBatch(Batch):
             attention_mask[start : start + len(b), left:max_input_length] = b.attention_mask[:, : b.max_input_length]
             start += len(b)
 
-        cache = first.past_key_values
-        assert cache is not None
-        kv_length = max_input_length - 1
-        for layer_idx, layer in enumerate(cache.layers):
-            heads, head_dim = layer.keys.shape[1], layer.keys.shape[3]
-            keys = layer.keys.new_zeros((size, heads, kv_length, head_dim))
-            values = layer.values.new_zeros((size, heads, kv_length, head_dim))
-            start = 0
-            for b in batches:
-                b_layer = b.past_key_values.layers[layer_idx]  # type: ignore[union-attr]
-                n = b.max_input_length - 1
-                keys[start : start + len(b), :, kv_length - n :] = b_layer.keys[:, :, b_layer.keys.shape[2] - n :]
-                values[start : start + len(b), :, kv_length - n :] = b_layer.values[:, :, b_layer.values.shape[2] - n :]
-                if b is not first:  # free each source layer as soon as it is copied: peak memory ~ one layer
-                    b_layer.keys = b_layer.values = None
-                start += len(b)
-            layer.keys, layer.values = keys, values
-
+        cache = concatenate_caches(
+            [(b.past_key_values, b.max_input_length - 1) for b in batches],  # type: ignore[misc]
+            max_input_length - 1,
+            min(padding_right_offset, GROW),
+        )
         requests = [r for b in batches for r in b.requests]
         return cls(
             batch_id=first.batch_id,
@@ -237,9 +221,9 @@ class CausalLM(Model[CausalLMBatch]):
     def batch_type(self) -> type[CausalLMBatch]:
         return CausalLMBatch
 
-    def forward(self, batch: CausalLMBatch, all_logits: bool) -> tuple[torch.Tensor, DynamicCache]:
+    def forward(self, batch: CausalLMBatch, all_logits: bool) -> tuple[torch.Tensor, KVCache]:
         """Logits [B, S, V] (S = 1 unless `all_logits`) and the grown KV cache."""
-        cache = batch.past_key_values if batch.past_key_values is not None else DynamicCache()
+        cache = batch.past_key_values if batch.past_key_values is not None else self._new_cache(batch)
         width = batch.attention_mask.shape[1] - batch.padding_right_offset
         kwargs: dict[str, object] = {}
         if self._has_logits_to_keep and not all_logits:
@@ -253,6 +237,11 @@ class CausalLM(Model[CausalLMBatch]):
             **kwargs,
         )
         return out.logits, out.past_key_values
+
+    def _new_cache(self, batch: CausalLMBatch) -> KVCache:
+        """The module's own preallocated cache when it has one (room for the first decode steps), else HF's."""
+        new_cache = getattr(self.module, "new_cache", None)
+        return new_cache(min(batch.padding_right_offset, GROW)) if new_cache is not None else DynamicCache()
 
     @torch.inference_mode()
     def generate_token(
@@ -358,3 +347,15 @@ class CausalLM(Model[CausalLMBatch]):
         if batch.next_token_chooser.do_sample[i]:
             generated.seed = batch.next_token_chooser.seeds[i]
         return generated
+
+
+def _fill_holes_from_tail(kept: list[int]) -> list[int]:
+    """A row order for the kept rows (ascending `kept`) that leaves the first len(kept) rows in place.
+
+    Each position below len(kept) whose row left takes a kept row from beyond that point, so a cache that
+    filters in place copies only those rows.
+    """
+    size = len(kept)
+    kept_set = set(kept)
+    tail = [row for row in kept if row >= size]
+    return [row if row in kept_set else tail.pop() for row in range(size)]

@@ -35,7 +35,11 @@ class Batch(ABC):
 
     @abstractmethod
     def filter(self, request_ids: list[int]) -> Batch:
-        """Keep only `request_ids` (each request's state exact); unknown ids raise InvalidRequestError."""
+        """Keep only `request_ids` (each request's state exact); unknown ids raise InvalidRequestError.
+
+        The kept rows' order is the batch's choice (a cache may move a few rows instead of copying all);
+        `to_pb().request_ids` gives it, and generations follow it.
+        """
 
     @classmethod
     @abstractmethod

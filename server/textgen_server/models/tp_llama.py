@@ -2,18 +2,19 @@
 
 Contract with the padded CausalLM (models/causal_lm.py): `load_tp_model(...)` returns a module whose
 `forward(input_ids [B,S], attention_mask [B, past+S] (1 = real token, left padding), position_ids [B,S],
-past_key_values: DynamicCache | None, use_cache=True)` returns `.logits` [B,S,V] over the FULL vocabulary
+past_key_values: KVCache | None, use_cache=True)` returns `.logits` [B,S,V] over the FULL vocabulary
 (identical on every rank) and `.past_key_values` holding this rank's KV heads
 (num_key_value_heads / world_size of them) — the same shapes an HF causal LM gives on one shard.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -25,6 +26,7 @@ from textgen_server.layers.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from textgen_server.models.kv_cache import KVCache, PaddedKVCache
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 
@@ -73,6 +75,49 @@ def _attention_mask(attention_mask: torch.Tensor, seq_len: int, window: int | No
     return allowed[:, None]
 
 
+@dataclass
+class TokenLayout:
+    """Where the real tokens of a left-padded [B, S] step sit, so the matmuls skip the padding.
+
+    `index` lists the flat positions (row * S + column) of the real tokens in order; None means every
+    position is real (decode steps, unpadded prefills). Linear layers run on the packed [T, features] rows;
+    attention scatters them back onto the [B * S] grid, with zeros at padded positions.
+    """
+    batch: int
+    seq_len: int
+    index: torch.Tensor | None
+    lengths: torch.Tensor | None  # real tokens per row (with `index`)
+    device: torch.device
+
+    @classmethod
+    def of(cls, live_mask: torch.Tensor) -> TokenLayout:
+        batch, seq_len = live_mask.shape
+        real = live_mask.bool()
+        if seq_len == 1 or bool(real.all()):
+            return cls(batch, seq_len, None, None, live_mask.device)
+        return cls(batch, seq_len, real.reshape(-1).nonzero().squeeze(1), real.sum(1), live_mask.device)
+
+    def pack(self, grid: torch.Tensor) -> torch.Tensor:
+        """[B * S, ...] -> [T, ...]"""
+        return grid if self.index is None else grid.index_select(0, self.index)
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """[T, F] -> [B * S, F], zeros at padded positions."""
+        if self.index is None:
+            return packed
+        grid = packed.new_zeros((self.batch * self.seq_len, packed.shape[1]))
+        return grid.index_copy_(0, self.index, packed)
+
+    def last_positions(self, n: int) -> torch.Tensor:
+        """Packed indices of each row's last `n` positions, row-major ([B * n])."""
+        if self.index is None:
+            ends = torch.arange(1, self.batch + 1, device=self.device) * self.seq_len
+        else:
+            assert self.lengths is not None
+            ends = self.lengths.cumsum(0)
+        return (ends[:, None] - torch.arange(n, 0, -1, device=self.device)[None, :]).reshape(-1)
+
+
 class Attention(nn.Module):
     """This rank's heads: fused q/k/v column projection, RoPE, SDPA, row-parallel o_proj (one all_reduce)."""
 
@@ -93,10 +138,11 @@ class Attention(nn.Module):
         )
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", f"{prefix}.o_proj.bias" in weights, dist)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: DynamicCache | None) -> torch.Tensor:
-        batch, seq_len, _ = hidden.shape
-        q, k, v = self.qkv(hidden).split(self.split, dim=-1)
+    def forward(self, hidden: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        """`hidden` [T, hidden] holds the layout's real tokens; attention itself runs on the padded [B, S] grid."""
+        batch, seq_len = layout.batch, layout.seq_len
+        q, k, v = layout.pad(self.qkv(hidden)).split(self.split, dim=-1)
         q = apply_rotary(q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rotary(k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -110,7 +156,7 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads,
             is_causal=mask is None and seq_len > 1,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        return self.o_proj(layout.pack(out.transpose(1, 2).reshape(batch * seq_len, -1)))
 
 
 class MLP(nn.Module):
@@ -140,9 +186,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = MLP(config, weights, f"{prefix}.mlp", dist)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: DynamicCache | None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, cache)
+    def forward(self, hidden: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), layout, cos, sin, mask, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -160,27 +206,37 @@ class TPCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device)
         self.windows = _layer_windows(config)
 
+    def new_cache(self, reserve: int = 0) -> PaddedKVCache:
+        """An empty preallocating cache with `reserve` spare columns after the prefill (see kv_cache.py)."""
+        return PaddedKVCache(self.config.num_hidden_layers, reserve)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values: DynamicCache | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
                 use_cache: bool = True, logits_to_keep: int = 0) -> CausalLMOutputWithPast:
         """HF-compatible forward; `logits_to_keep` > 0 computes logits only for the last positions."""
         batch, seq_len = input_ids.shape
         if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
+            past_key_values = self.new_cache()
         cache = past_key_values if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + seq_len, device=input_ids.device).expand(batch, -1)
         if attention_mask is None:
             attention_mask = torch.ones(batch, past + seq_len, dtype=torch.long, device=input_ids.device)
-        hidden = self.embed_tokens(input_ids)
+        layout = TokenLayout.of(attention_mask[:, -seq_len:])
+        hidden = self.embed_tokens(layout.pack(input_ids.reshape(-1)))
         cos, sin = self.rotary(hidden, position_ids)
         masks = self._masks(attention_mask, seq_len)
         for layer, window in zip(self.layers, self.windows):
-            hidden = layer(hidden, cos, sin, masks[window], cache)
-        hidden = self.norm(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=cache)
+            hidden = layer(hidden, layout, cos, sin, masks[window], cache)
+        if logits_to_keep:
+            # Left padding: every row's newest positions are real tokens, the last ones of its packed run.
+            hidden = hidden[layout.last_positions(logits_to_keep)].view(batch, logits_to_keep, -1)
+            logits = self.lm_head(self.norm(hidden))
+        else:
+            logits = layout.pad(self.lm_head(self.norm(hidden))).view(batch, seq_len, -1)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
     def _masks(self, attention_mask: torch.Tensor, seq_len: int) -> dict[int | None, torch.Tensor | None]:
         """One mask per distinct window size; None (SDPA's own causal path) when nothing needs masking."""

@@ -1,0 +1,166 @@
+"""KV caches of the padded CausalLM path, and the two batch operations they must support (filter, concatenate).
+
+`PaddedKVCache` (the TP Llama family): per layer one preallocated buffer [B, kv_heads, capacity, head_dim] whose
+live window is columns [offset, offset + length). A decode step writes its column in place, where transformers'
+`DynamicCache` concatenates the whole cache into a new tensor on every step and layer (at batch 64 and a few
+hundred positions that copy alone cost more than the model's matmuls). Filtering moves only the rows that fill
+the holes left by finished requests and slides the window start; batches are only copied when concatenated or
+when a buffer runs out of columns.
+
+Any other transformers model keeps its `DynamicCache`; `filter_cache` / `concatenate_caches` give both the same
+semantics, which is what `CausalLMBatch` relies on:
+- rows follow the batch's request order; positions are right aligned with the attention mask (the newest column
+  last, left padding first);
+- `filter_cache(cache, order, keep_positions)`: row i of the result is old row `order[i]`, and only the newest
+  `keep_positions` columns remain;
+- `concatenate_caches(parts, kv_length, reserve)`: stack (cache, newest columns to keep) parts row-wise,
+  right-aligned on `kv_length` columns, padding columns zero.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+# Columns a full buffer grows by beyond what the current step needs: one regrowth every GROW decode steps.
+GROW = 128
+
+
+class PaddedKVCache:
+    """Preallocated K/V buffers with a sliding live window; `update` matches transformers' Cache.update."""
+
+    def __init__(self, num_layers: int, reserve: int = 0) -> None:
+        self.num_layers = num_layers
+        self.reserve = reserve  # spare columns to allocate up front beyond the prefill (the decode steps to come)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.offset = 0
+        self.length = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `key`/`value` [B, H, S, D] after the live window; return the window including them.
+
+        Every layer of one forward appends the same S columns, so the window advances after the last layer.
+        """
+        seq = key.shape[2]
+        if layer_idx == 0:
+            self._make_room(key, value, seq)
+        end = self.offset + self.length
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[:, :, end : end + seq] = key
+        values[:, :, end : end + seq] = value
+        if layer_idx == self.num_layers - 1:
+            self.length += seq
+        return keys[:, :, self.offset : end + seq], values[:, :, self.offset : end + seq]
+
+    def _make_room(self, key: torch.Tensor, value: torch.Tensor, seq: int) -> None:
+        if not self.keys:
+            columns = seq + self.reserve
+            self.keys = [key.new_zeros(_shape(key, columns)) for _ in range(self.num_layers)]
+            self.values = [value.new_zeros(_shape(value, columns)) for _ in range(self.num_layers)]
+            return
+        if self.offset + self.length + seq <= self.capacity:
+            return
+        columns = self.length + seq + GROW
+        for layers in (self.keys, self.values):
+            for i, old in enumerate(layers):
+                new = old.new_zeros(_shape(old, columns))
+                new[:, :, : self.length] = old[:, :, self.offset : self.offset + self.length]
+                layers[i] = new
+        self.offset = 0
+
+    @torch.inference_mode()  # the buffers are inference tensors: in-place row moves need the mode too
+    def filter(self, order: list[int], keep_positions: int) -> None:
+        """Keep rows `order` (row i <- old row order[i]) and the newest `keep_positions` columns, in place."""
+        size = len(order)
+        moves = [(dst, src) for dst, src in enumerate(order) if dst != src]
+        # The batch fills holes from its tail, so sources lie past the kept rows and a few row copies do.
+        in_place = all(src >= size for _, src in moves)
+        device = self.keys[0].device
+        if moves and in_place:
+            dst = torch.tensor([d for d, _ in moves], device=device)
+            src = torch.tensor([s for _, s in moves], device=device)
+        index = torch.tensor(order, device=device)
+        for layers in (self.keys, self.values):
+            for i, buf in enumerate(layers):
+                if not in_place:
+                    layers[i] = buf.index_select(0, index)
+                    continue
+                if moves:
+                    buf.index_copy_(0, dst, buf.index_select(0, src))
+                layers[i] = buf[:size]
+        self.offset += self.length - keep_positions
+        self.length = keep_positions
+
+
+def _shape(like: torch.Tensor, columns: int) -> tuple[int, int, int, int]:
+    return (like.shape[0], like.shape[1], columns, like.shape[3])
+
+
+KVCache = PaddedKVCache | DynamicCache
+
+
+def filter_cache(cache: KVCache, order: list[int], keep_positions: int) -> None:
+    """Rows `order`, newest `keep_positions` columns, in place (see the module docstring)."""
+    if isinstance(cache, PaddedKVCache):
+        cache.filter(order, keep_positions)
+        return
+    index = torch.tensor(order, dtype=torch.long, device=cache.layers[0].keys.device)
+    for layer in cache.layers:
+        seq = layer.keys.shape[2]
+        layer.keys = layer.keys[index, :, seq - keep_positions :]
+        layer.values = layer.values[index, :, seq - keep_positions :]
+
+
+def _windows(cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) of the live positions, per layer."""
+    if isinstance(cache, PaddedKVCache):
+        end = cache.offset + cache.length
+        return [(k[:, :, cache.offset : end], v[:, :, cache.offset : end]) for k, v in zip(cache.keys, cache.values)]
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def concatenate_caches(parts: list[tuple[KVCache, int]], kv_length: int, reserve: int) -> KVCache:
+    """One cache of all parts' rows: each part's newest n columns right aligned on `kv_length` columns.
+
+    The first part's object is reused (and returned); every part's source layer is released as soon as it is
+    copied, so peak memory stays near one layer's worth above the result. `reserve` spare columns follow
+    (PaddedKVCache only).
+    """
+    first = parts[0][0]
+    padded = isinstance(first, PaddedKVCache)
+    windows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = [list(_windows(c)) for c, _ in parts]
+    size = sum(w[0][0].shape[0] for w in windows)  # type: ignore[index]
+    columns = kv_length + (reserve if padded else 0)
+    for layer_idx in range(len(windows[0])):
+        ref_k, ref_v = windows[0][layer_idx]  # type: ignore[misc]
+        keys = ref_k.new_zeros((size, ref_k.shape[1], columns, ref_k.shape[3]))
+        values = ref_v.new_zeros((size, ref_v.shape[1], columns, ref_v.shape[3]))
+        del ref_k, ref_v
+        start = 0
+        for (cache, n), part in zip(parts, windows):
+            k, v = part[layer_idx]  # type: ignore[misc]
+            rows = k.shape[0]
+            keys[start : start + rows, :, kv_length - n : kv_length] = k[:, :, k.shape[2] - n :]
+            values[start : start + rows, :, kv_length - n : kv_length] = v[:, :, v.shape[2] - n :]
+            start += rows
+            del k, v
+            part[layer_idx] = None
+            _set_layer(cache, layer_idx, None, None)
+        _set_layer(first, layer_idx, keys, values)
+    if isinstance(first, PaddedKVCache):
+        first.offset, first.length = 0, kv_length
+    return first
+
+
+def _set_layer(cache: KVCache, layer_idx: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+    if isinstance(cache, PaddedKVCache):
+        cache.keys[layer_idx], cache.values[layer_idx] = keys, values  # type: ignore[call-overload]
+    else:
+        cache.layers[layer_idx].keys, cache.layers[layer_idx].values = keys, values
