@@ -92,7 +92,7 @@ class Launcher:
         deadline = time.monotonic() + 240
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
+                self.stop(keep_log=True)
                 raise RuntimeError(f"launcher not healthy; see {self.log.name}")
             try:
                 if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
@@ -103,13 +103,15 @@ class Launcher:
         self.router = next(p for p in children if "textgen-router" in " ".join(p.cmdline()))
         self.shard = next(p for p in children if "serve" in p.cmdline())
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(60)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
+        if not keep_log:
+            os.unlink(self.log.name)
 
 
 def cpu(proc: psutil.Process) -> float:
@@ -161,8 +163,11 @@ def main() -> None:
                   f"({r['router_cpu_us_per_token']:4.0f} us/token)  "
                   f"shard CPU {r['shard_cpu_ms_per_step']:5.2f}  (forward {r['shard_forward_ms_per_step']:5.2f})  "
                   f"critical path {r['critical_path_ms_per_step']:5.2f} ms/step", flush=True)
-    finally:
-        launcher.stop()
+    except BaseException:
+        launcher.stop(keep_log=True)
+        print(f"launcher log: {launcher.log.name}")
+        raise
+    launcher.stop()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
