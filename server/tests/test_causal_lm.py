@@ -71,7 +71,7 @@ def test_gpt2_greedy_through_filter_and_concatenate_matches_transformers(gpt2: C
     generations, late_next, _ = gpt2.generate_token(late)
     tokens[3] = [g.tokens.ids[0] for g in generations]
     merged = CausalLMBatch.concatenate([batch, late_next])  # type: ignore[list-item]
-    assert merged.batch_id == 1 and [r.id for r in merged.requests] == [0, 2, 3]
+    assert merged.batch_id == 1 and sorted(r.id for r in merged.requests) == [0, 2, 3]  # row order: the batch's
     for request_id, ids in generate_all(gpt2, merged).items():
         tokens[request_id].extend(ids)
 
@@ -134,3 +134,18 @@ def test_concatenate_keeps_each_rows_kv_right_aligned(gpt2: CausalLM) -> None:
     assert keys[1, :, : width - b_keys.shape[2]].abs().sum() == 0
     live = merged.attention_mask[:, : merged.max_input_length]
     assert live.sum(1).tolist() == merged.input_lengths
+
+
+def test_llama_batch_of_ten_uneven_prompts_matches_transformers(tiny_llama: Path, llama_oracle: HFOracle) -> None:
+    """Ten rows (enough for grouped decode attention), prompts of 1-30 words, uneven lengths to generate."""
+    model = get_model(str(tiny_llama))
+    assert isinstance(model, CausalLM)
+    prompts = [" ".join(["word"] * (1 + 3 * i)) + PROMPTS[i % 4] for i in range(10)]
+    new_tokens = [3 + i % 5 for i in range(10)]
+    batch = CausalLMBatch.from_pb(make_batch(1, [make_request(i, p, n) for i, (p, n) in
+                                               enumerate(zip(prompts, new_tokens))]), model)
+    lengths = batch.input_lengths
+    assert lengths == sorted(lengths, reverse=True)  # longest first: the attention groups rely on it
+    tokens = generate_all(model, batch)
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == llama_oracle.greedy(prompt, new_tokens[i]), f"request {i}"

@@ -94,14 +94,15 @@ def test_greedy_through_filter_and_concatenate_matches_transformers(stub, llama_
         cached = step(stub, lambda: stub.Decode(request, timeout=30), tokens, texts, finished)
     # The router drops requests 1 and 3 (e.g. clients gone): the others must continue exactly.
     cached = stub.FilterBatch(pb.FilterBatchRequest(batch_id=1, request_ids=[0, 2, 4]), timeout=30).batch
-    # Request 4's row moved into request 1's slot: the shard fills holes from the tail instead of copying.
-    assert list(cached.request_ids) == [0, 4, 2] and cached.size == 3
+    # Row order is the shard's choice (longest prompt first, holes filled from the tail).
+    assert sorted(cached.request_ids) == [0, 2, 4] and cached.size == 3
 
     second = make_batch(2, [make_request(i, PROMPTS[i], new_tokens[i]) for i in range(5, 8)])
     new = step(stub, lambda: stub.Prefill(pb.PrefillRequest(batch=second), timeout=30), tokens, texts, finished)
     merged = stub.Decode(pb.DecodeRequest(batches=[cached, new]), timeout=30)
     assert merged.HasField("concat_ns") and merged.batch.id == 1
-    assert list(merged.batch.request_ids) == [0, 4, 2, 5, 6, 7]
+    assert list(merged.batch.request_ids)[:3] == list(cached.request_ids)
+    assert sorted(merged.batch.request_ids) == [0, 2, 4, 5, 6, 7]
     cached = step(stub, lambda: merged, tokens, texts, finished)
     run_to_end(stub, cached, tokens, texts, finished)
 

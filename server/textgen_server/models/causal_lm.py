@@ -68,12 +68,17 @@ class CausalLMBatch(Batch):
             if not ids:
                 raise InvalidRequestError(f"request {r.id}: the prompt has no tokens")
             all_input_ids.append(ids)
+        # Longest prompts first: rows of similar length stay neighbours, so decode attention can skip the
+        # left padding of each group of rows (TPCausalLM's attention groups).
+        order = sorted(range(len(all_input_ids)), key=lambda i: -len(all_input_ids[i]))
+        requests = [pb.requests[i] for i in order]
+        all_input_ids = [all_input_ids[i] for i in order]
         chooser = HeterogeneousNextTokenChooser.from_pb(
-            [r.parameters for r in pb.requests], all_input_ids, model.vocab_size, model.device
+            [r.parameters for r in requests], all_input_ids, model.vocab_size, model.device
         )
-        stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.eos_token_ids) for r in pb.requests]
+        stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.eos_token_ids) for r in requests]
 
-        size = len(pb.requests)
+        size = len(requests)
         input_lengths = [len(ids) for ids in all_input_ids]
         max_input_length = max(input_lengths)
         padding_right_offset = max(s.max_new_tokens for s in stopping)
@@ -88,8 +93,8 @@ class CausalLMBatch(Batch):
         position_ids.masked_fill_(live_mask == 0, 1)
         return cls(
             batch_id=pb.id,
-            requests=list(pb.requests),
-            requests_idx_mapping={r.id: i for i, r in enumerate(pb.requests)},
+            requests=requests,
+            requests_idx_mapping={r.id: i for i, r in enumerate(requests)},
             input_ids=input_ids.to(model.device),
             attention_mask=attention_mask.to(model.device),
             position_ids=position_ids.to(model.device),
@@ -100,7 +105,7 @@ class CausalLMBatch(Batch):
             read_offsets=input_lengths[:],
             next_token_chooser=chooser,
             stopping_criterias=stopping,
-            top_n_tokens=[r.top_n_tokens for r in pb.requests],
+            top_n_tokens=[r.top_n_tokens for r in requests],
             max_input_length=max_input_length,
             padding_right_offset=padding_right_offset,
             max_tokens=size * max_input_length + sum(s.max_new_tokens for s in stopping),

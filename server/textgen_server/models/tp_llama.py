@@ -75,6 +75,11 @@ def _attention_mask(attention_mask: torch.Tensor, seq_len: int, window: int | No
     return allowed[:, None]
 
 
+# Decode attention runs on this many groups of neighbouring rows, each from its own first real key column:
+# the batch keeps rows of similar prompt length together, so most of the left padding is skipped.
+ATTENTION_GROUPS = 4
+
+
 @dataclass
 class TokenLayout:
     """Where the real tokens of a left-padded [B, S] step sit, so the matmuls skip the padding.
@@ -82,20 +87,25 @@ class TokenLayout:
     `index` lists the flat positions (row * S + column) of the real tokens in order; None means every
     position is real (decode steps, unpadded prefills). Linear layers run on the packed [T, features] rows;
     attention scatters them back onto the [B * S] grid, with zeros at padded positions.
+    `row_groups` (decode steps with padding): (first row, end row, first key column any of them attends to).
     """
     batch: int
     seq_len: int
     index: torch.Tensor | None
     lengths: torch.Tensor | None  # real tokens per row (with `index`)
     device: torch.device
+    row_groups: list[tuple[int, int, int]] | None = None
 
     @classmethod
-    def of(cls, live_mask: torch.Tensor) -> TokenLayout:
-        batch, seq_len = live_mask.shape
-        real = live_mask.bool()
-        if seq_len == 1 or bool(real.all()):
-            return cls(batch, seq_len, None, None, live_mask.device)
-        return cls(batch, seq_len, real.reshape(-1).nonzero().squeeze(1), real.sum(1), live_mask.device)
+    def of(cls, attention_mask: torch.Tensor, seq_len: int) -> TokenLayout:
+        """The layout of a step feeding the last `seq_len` columns of `attention_mask` [B, past + S]."""
+        batch, device = attention_mask.shape[0], attention_mask.device
+        real = attention_mask[:, -seq_len:].bool()
+        if seq_len == 1:
+            return cls(batch, seq_len, None, None, device, _row_groups(attention_mask))
+        if bool(real.all()):
+            return cls(batch, seq_len, None, None, device)
+        return cls(batch, seq_len, real.reshape(-1).nonzero().squeeze(1), real.sum(1), device)
 
     def pack(self, grid: torch.Tensor) -> torch.Tensor:
         """[B * S, ...] -> [T, ...]"""
@@ -116,6 +126,20 @@ class TokenLayout:
             assert self.lengths is not None
             ends = self.lengths.cumsum(0)
         return (ends[:, None] - torch.arange(n, 0, -1, device=self.device)[None, :]).reshape(-1)
+
+
+def _row_groups(attention_mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """Split the rows into ATTENTION_GROUPS runs, each with the first column any of its rows attends to.
+
+    None when the split would skip no column (then one attention call over everything is as good).
+    """
+    batch = attention_mask.shape[0]
+    if batch < 2 * ATTENTION_GROUPS:
+        return None
+    first_real = attention_mask.argmax(1).tolist()  # left padding: the first 1 of each row
+    bounds = [batch * g // ATTENTION_GROUPS for g in range(ATTENTION_GROUPS + 1)]
+    groups = [(lo, hi, min(first_real[lo:hi])) for lo, hi in zip(bounds, bounds[1:])]
+    return groups if any(start > 0 for _, _, start in groups) else None
 
 
 class Attention(nn.Module):
@@ -148,15 +172,31 @@ class Attention(nn.Module):
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        shift = 0
         if mask is not None:
             # A sliding-window cache layer may return fewer keys than the mask has columns: they are the
             # most recent ones, so align right.
-            mask = mask[..., -k.shape[2]:]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads,
-            is_causal=mask is None and seq_len > 1,
-        )
+            shift = max(mask.shape[-1] - k.shape[2], 0)
+            mask = mask[..., shift:]
+        out = self._attend(q, k, v, mask, layout.row_groups, shift)
         return self.o_proj(layout.pack(out.transpose(1, 2).reshape(batch * seq_len, -1)))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                groups: list[tuple[int, int, int]] | None, shift: int) -> torch.Tensor:
+        """SDPA, per row group when given (group columns count from the mask's first column, `shift`
+        columns left of the first key)."""
+        gqa = self.num_kv_heads != self.num_heads
+        if groups is None or mask is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa,
+                                                  is_causal=mask is None and q.shape[2] > 1)
+        outs = []
+        for lo, hi, start in groups:
+            col = max(start - shift, 0)
+            outs.append(F.scaled_dot_product_attention(
+                q[lo:hi], k[lo:hi, :, col:], v[lo:hi, :, col:], attn_mask=mask[lo:hi, ..., col:],
+                scale=self.scaling, enable_gqa=gqa,
+            ))
+        return torch.cat(outs)
 
 
 class MLP(nn.Module):
@@ -224,7 +264,7 @@ class TPCausalLM(nn.Module):
             position_ids = torch.arange(past, past + seq_len, device=input_ids.device).expand(batch, -1)
         if attention_mask is None:
             attention_mask = torch.ones(batch, past + seq_len, dtype=torch.long, device=input_ids.device)
-        layout = TokenLayout.of(attention_mask[:, -seq_len:])
+        layout = TokenLayout.of(attention_mask, seq_len)
         hidden = self.embed_tokens(layout.pack(input_ids.reshape(-1)))
         cos, sin = self.rotary(hidden, position_ids)
         masks = self._masks(attention_mask, seq_len)
