@@ -75,7 +75,7 @@ def _attention_mask(attention_mask: torch.Tensor, seq_len: int, window: int | No
     return allowed[:, None]
 
 
-# Decode attention runs on this many groups of neighbouring rows, each from its own first real key column:
+# Attention runs on this many groups of neighbouring rows, each from its own first real column:
 # the batch keeps rows of similar prompt length together, so most of the left padding is skipped.
 ATTENTION_GROUPS = 4
 
@@ -87,7 +87,7 @@ class TokenLayout:
     `index` lists the flat positions (row * S + column) of the real tokens in order; None means every
     position is real (decode steps, unpadded prefills). Linear layers run on the packed [T, features] rows;
     attention scatters them back onto the [B * S] grid, with zeros at padded positions.
-    `row_groups` (decode steps with padding): (first row, end row, first key column any of them attends to).
+    `row_groups` (steps with padding): (first row, end row, first key column any of them attends to).
     """
     batch: int
     seq_len: int
@@ -105,7 +105,8 @@ class TokenLayout:
             return cls(batch, seq_len, None, None, device, _row_groups(attention_mask))
         if bool(real.all()):
             return cls(batch, seq_len, None, None, device)
-        return cls(batch, seq_len, real.reshape(-1).nonzero().squeeze(1), real.sum(1), device)
+        return cls(batch, seq_len, real.reshape(-1).nonzero().squeeze(1), real.sum(1), device,
+                   _row_groups(attention_mask))
 
     def pack(self, grid: torch.Tensor) -> torch.Tensor:
         """[B * S, ...] -> [T, ...]"""
@@ -189,14 +190,18 @@ class Attention(nn.Module):
         if groups is None or mask is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa,
                                                   is_causal=mask is None and q.shape[2] > 1)
-        outs = []
+        # Columns left of a group's start are padding for all its rows, as keys and as queries (whose
+        # outputs the packed layout drops): both are cut, and those query rows get zeros.
+        out = q.new_zeros(q.shape)
+        first_query_col = mask.shape[-1] - q.shape[2]
         for lo, hi, start in groups:
             col = max(start - shift, 0)
-            outs.append(F.scaled_dot_product_attention(
-                q[lo:hi], k[lo:hi, :, col:], v[lo:hi, :, col:], attn_mask=mask[lo:hi, ..., col:],
+            q_col = max(start - shift - first_query_col, 0)
+            out[lo:hi, :, q_col:] = F.scaled_dot_product_attention(
+                q[lo:hi, :, q_col:], k[lo:hi, :, col:], v[lo:hi, :, col:], attn_mask=mask[lo:hi, :, q_col:, col:],
                 scale=self.scaling, enable_gqa=gqa,
-            ))
-        return torch.cat(outs)
+            )
+        return out
 
 
 class MLP(nn.Module):
