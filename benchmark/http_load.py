@@ -286,11 +286,11 @@ def measure_transformers(model: str, jobs: list[Job]) -> dict:
     return r
 
 
-def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: int | None) -> dict:
+def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: int) -> dict:
     """shard_w1.py's run (W1 over gRPC into one shard, no router) as a row of this script's results."""
-    import shard_w1  # imports torch: only paid when the baseline is asked for
+    import shard_w1
 
-    report = shard_w1.measure(Path(model), jobs, budgets, threads or shard_w1.default_threads())
+    report = shard_w1.measure(Path(model), jobs, budgets, threads)
     return {"server": "textgen shard-only", "route": "grpc", "requests": report.requests, "errors": 0,
             "first_error": None, "generated_tokens": report.generated_tokens, "wall_s": report.wall_s,
             "throughput_tok_s": report.throughput_tok_s, "decode_steps": report.decode_steps,
@@ -331,20 +331,28 @@ def main() -> None:
     p.add_argument("--shard-baseline", action="store_true",
                    help="then run shard_w1.py (W1 straight into one shard) and report e2e / shard-only")
     p.add_argument("--threads", type=int,
-                   help="OMP_NUM_THREADS of the shard in both runs (default: this environment's, as the launcher)")
+                   help="OMP_NUM_THREADS of the shard in both runs (default: this environment's; with "
+                        "--shard-baseline always set, to this environment's or torch's default)")
     Budgets.add_arguments(p)
     args = p.parse_args()
 
     jobs = make_workload(args.model, args.requests, args.seed, args.arrival, args.rate)
     budgets = workload_budgets(args.model, jobs, args)
-    threads_env = {} if args.threads is None else {"OMP_NUM_THREADS": str(args.threads)}
+    threads = args.threads
+    if threads is None and args.shard_baseline:
+        import shard_w1  # imports torch: only paid when the baseline is asked for
+
+        # shard_w1's shard always gets OMP_NUM_THREADS set (shard_decode.start_shard): give the launcher's
+        # shard the same explicit value so the two runs differ in the router alone.
+        threads = shard_w1.default_threads()
+    threads_env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
     routes = args.routes.split(",")
     if args.url:
         results = [dict(asyncio.run(run_load(args.url, r, jobs)), server="textgen") for r in routes]
     else:
         results = measure_textgen(args.model, routes, jobs, budgets, threads_env)
     if args.shard_baseline:
-        shard_only = measure_shard_only(args.model, jobs, budgets, args.threads)
+        shard_only = measure_shard_only(args.model, jobs, budgets, threads)
         for r in results:  # issue 3's target: e2e >= 0.9x shard-only at the same batch
             r["shard_only_ratio"] = r["throughput_tok_s"] / shard_only["throughput_tok_s"]
         results.append(shard_only)
