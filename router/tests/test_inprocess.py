@@ -110,8 +110,9 @@ def test_request_and_validation_spans_follow_traceparent(
     streamed = httpx.post(router.base_url + "/generate_stream", timeout=60,
                           json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
     assert streamed.text.count("data:") == 2
-    names = [span.name for span in exporter.get_finished_spans()]
-    assert "generate_stream" in names and "validate" in names
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    # The stream's body runs under its request span: validation (inside the body) is its child.
+    assert spans["validate"].parent.span_id == spans["generate_stream"].context.span_id
     # Without a traceparent each request starts its own trace.
     assert {s.context.trace_id for s in exporter.get_finished_spans() if s.name == "generate_stream"} != {
         int(TRACE_ID, 16)}

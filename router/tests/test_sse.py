@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import re
 import time
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from router_fixtures import MAX_CONCURRENT_REQUESTS
-from textgen_router.sse import KEEP_ALIVE, event, with_keep_alive
+from textgen_router.sse import KEEP_ALIVE, EventStream, event
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -120,36 +121,90 @@ def test_overload_and_disconnect_give_permits_back(client: httpx.Client, router:
         assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}).status_code == 200
 
 
+class AsgiPeer:
+    """The server side of one EventStream call: records what is sent; `receive` reports a disconnect once
+    `leave` is set (as uvicorn does once the client is gone or the response is complete)."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.leave = asyncio.Event()
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+        if not message.get("more_body", False) and message["type"] == "http.response.body":
+            self.leave.set()
+
+    async def receive(self) -> dict:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    def bodies(self) -> list[bytes]:
+        assert self.sent[0]["type"] == "http.response.start" and self.sent[0]["status"] == 200
+        assert self.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        return [m["body"] for m in self.sent[1:-1]]
+
+
 def test_keep_alive_comment_while_idle() -> None:
     async def slow() -> AsyncIterator[bytes]:
         yield event(b"1")
         await asyncio.sleep(0.35)
         yield event(b"2")
 
-    async def collect() -> list[bytes]:
-        return [chunk async for chunk in with_keep_alive(slow(), interval=0.1)]
-
-    chunks = asyncio.run(collect())
+    peer = AsgiPeer()
+    asyncio.run(EventStream(slow(), {}, keep_alive_interval=0.1)({"type": "http"}, peer.receive, peer.send))
+    chunks = peer.bodies()
     assert chunks[0] == b"data:1\n\n" and chunks[-1] == b"data:2\n\n"
     assert KEEP_ALIVE == b":\n\n" and 2 <= chunks.count(KEEP_ALIVE) <= 4
+    assert set(chunks[1:-1]) == {KEEP_ALIVE}
 
 
-def test_keep_alive_close_closes_the_source() -> None:
-    closed = asyncio.Event()
+def test_client_disconnect_closes_the_source_in_the_streaming_task() -> None:
+    """The source is closed in the task that iterated it, so context it set across awaits is reset there."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="")
+    closed: list[str] = []
 
     async def endless() -> AsyncIterator[bytes]:
+        token = var.set("span")
         try:
             while True:
                 yield b"x"
                 await asyncio.sleep(0.01)
         finally:
-            closed.set()
+            try:
+                var.reset(token)  # ValueError if closed from another task's context
+                closed.append("reset")
+            except ValueError as err:
+                closed.append(repr(err))
 
     async def main() -> None:
-        it = with_keep_alive(endless(), interval=1.0)
-        assert await it.__anext__() == b"x"
-        await it.aclose()
-        await asyncio.wait_for(closed.wait(), 5)
+        peer = AsgiPeer()
+
+        async def send(message: dict) -> None:
+            await peer.send(message)
+            if len(peer.sent) == 3:  # start and two chunks: the client goes away
+                peer.leave.set()
+
+        await asyncio.wait_for(EventStream(endless(), {})({"type": "http"}, peer.receive, send), 5)
+        assert peer.bodies() == [b"x", b"x"]
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+    asyncio.run(main())
+    assert closed == ["reset"]
+
+
+def test_cancel_from_outside_propagates() -> None:
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield b"x"
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        peer = AsgiPeer()
+        task = asyncio.ensure_future(EventStream(endless(), {})({"type": "http"}, peer.receive, peer.send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
     asyncio.run(main())
 

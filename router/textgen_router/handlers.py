@@ -21,7 +21,7 @@ from opentelemetry.trace import Span
 from textgen_router import generation, jsonenc, metrics, responses, schemas
 from textgen_router.generation import Timings
 from textgen_router.responses import error_response, json_response
-from textgen_router.sse import event, sse_response, with_keep_alive
+from textgen_router.sse import EventStream, event
 from textgen_router.state import RouterState
 from textgen_router.types import (
     EndEvent,
@@ -85,7 +85,7 @@ def generate_stream_internal(
 ) -> Response:
     """A 200 SSE stream of TGI's StreamResponse events; every error is an event on it. Ends `span`."""
     headers = {"x-compute-type": state.compute_type, "x-compute-characters": str(len(req.inputs))}
-    return sse_response(with_keep_alive(_stream_events(state, req, start_time, span)), headers)
+    return EventStream(_stream_events(state, req, start_time, span), headers)
 
 
 async def _stream_events(

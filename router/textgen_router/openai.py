@@ -23,7 +23,7 @@ from textgen_router.openai_schemas import ChatRequest, CompletionRequest
 from textgen_router.openai_streams import chat_stream, completion_stream
 from textgen_router.responses import error_response, json_response
 from textgen_router.schemas import GenerateParameters
-from textgen_router.sse import sse_response, with_keep_alive
+from textgen_router.sse import EventStream
 from textgen_router.state import RouterState
 from textgen_router.tracing import request_span, start_request_span
 from textgen_router.types import InferError
@@ -84,7 +84,7 @@ async def chat_completions(request: Request) -> Response:
     if body.stream:
         span = start_request_span("chat_completions", request.headers)
         events = chat_stream(state, env, body, prompt, start_time, span)
-        return sse_response(with_keep_alive(events), _stream_headers(state, len(prompt)))
+        return EventStream(events, _stream_headers(state, len(prompt)))
     with request_span("chat_completions", request.headers):
         return await until_disconnected(request, _chat(state, env, body, prompt, start_time))
 
@@ -119,7 +119,7 @@ async def completions(request: Request) -> Response:
     if body.stream:
         span = start_request_span("completions", request.headers)
         events = completion_stream(state, env, prompts, parameters, start_time, span)
-        return sse_response(with_keep_alive(events), _stream_headers(state, sum(len(p) for p in prompts)))
+        return EventStream(events, _stream_headers(state, sum(len(p) for p in prompts)))
     with request_span("completions", request.headers):
         return await until_disconnected(request, _complete(state, env, prompts, parameters, start_time))
 

@@ -3,17 +3,17 @@
 Each event is `data:<json>\\n\\n` (no space after the colon, no event names, no [DONE] for the native
 stream); after 15 s without an event a keep-alive comment `:\\n\\n` is sent. Responses carry
 `content-type: text/event-stream`, `cache-control: no-cache` and `x-accel-buffering: no`.
-Reused by the OpenAI routes: `sse_response(with_keep_alive(events), headers)` where events are bytes
-made with `event(...)`.
+Used by the native and OpenAI routes: `EventStream(events, headers)` where events are bytes made with
+`event(...)`.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import AsyncIterator, Mapping
 
-from starlette.responses import StreamingResponse
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 KEEP_ALIVE = b":\n\n"
 KEEP_ALIVE_INTERVAL = 15.0
@@ -24,86 +24,92 @@ def event(data: bytes) -> bytes:
     return b"data:" + data + b"\n\n"
 
 
-class _Pipe:
-    """Chunks from the pump task to the response task, with one idle timer for the keep-alive.
+class EventStream(Response):
+    """A 200 event stream whose body is `source`'s chunks, sent as they come, plus keep-alives.
 
-    Per chunk this is an append and at most one future wake-up; the timer is armed once and re-armed only
-    when it fires (every `interval` at most), instead of a timeout per chunk.
+    ASGI contract: the body is sent from the task that runs the response (the request's task), which also
+    iterates `source`; so `source` may hold context (an OpenTelemetry span, any contextvar) across its
+    awaits, and is always closed in that task. Per chunk this costs one `send`, with no hand-over to another
+    task. Around it, for the whole stream:
+    - a watcher task awaits `receive()`: when the client disconnects it cancels the request's task while it
+      streams, which closes `source` (the generation leaves its batch at the next step), and the response
+      then ends normally;
+    - one timer, re-armed only when it fires, sends KEEP_ALIVE (from a short task of its own) once
+      `keep_alive_interval` seconds passed without a chunk.
+    An error raised by `source` propagates, as from any ASGI app once the response has started.
     """
 
-    def __init__(self, interval: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._interval = interval
-        self._chunks: deque[bytes] = deque()
-        self._end = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._last = self._loop.time()  # when a chunk (or keep-alive) was last handed out
-        self._timer = self._loop.call_at(self._last + interval, self._tick)
+    def __init__(self, source: AsyncIterator[bytes], headers: Mapping[str, str],
+                 keep_alive_interval: float = KEEP_ALIVE_INTERVAL) -> None:
+        self.source = source
+        self.keep_alive_interval = keep_alive_interval
+        self.status_code = 200
+        self.background = None
+        # Set explicitly: starlette would append "; charset=utf-8" to a text/* media type.
+        all_headers = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
+        all_headers.update(headers)
+        self.init_headers(all_headers)
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await _Body(send, self.keep_alive_interval).stream(self.source, receive)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Body:
+    """The body of one EventStream while it streams (see EventStream for the contract)."""
+
+    def __init__(self, send: Send, interval: float) -> None:
+        self._send = send
+        self._interval = interval
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()  # when a chunk (or keep-alive) was last sent
+        self._timer = self._loop.call_at(self._last + interval, self._tick)
+        self._keep_alive: asyncio.Task[None] | None = None
+        self._streaming = False
+        self._client_left = False
+
+    async def stream(self, source: AsyncIterator[bytes], receive: Receive) -> None:
+        """Send every chunk of `source`; returns early, `source` closed, when the client disconnects."""
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(self._watch(receive, task))
+        self._streaming = True
+        try:
+            async with contextlib.aclosing(source):  # type: ignore[type-var]
+                async for chunk in source:
+                    await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    self._last = self._loop.time()
+        except asyncio.CancelledError:
+            if not self._client_left:
+                raise  # cancelled from outside (server shutdown)
+            task.uncancel()
+        finally:
+            # No await before this: the watcher must not cancel the task once it left the try block.
+            self._streaming = False
+            watcher.cancel()
+            self._timer.cancel()
+            if self._keep_alive is not None:
+                # Its send must not come after the final message of the response.
+                self._keep_alive.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._keep_alive
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[None]) -> None:
+        # The request body was read already: the next message is the disconnect.
+        message: Message = await receive()
+        while message["type"] != "http.disconnect":
+            message = await receive()
+        if self._streaming:
+            self._client_left = True
+            task.cancel()
+
+    async def _send_keep_alive(self) -> None:
+        await self._send({"type": "http.response.body", "body": KEEP_ALIVE, "more_body": True})
 
     def _tick(self) -> None:
         now = self._loop.time()
-        if now >= self._last + self._interval:
-            self._wake()
+        if now >= self._last + self._interval and (self._keep_alive is None or self._keep_alive.done()):
+            self._last = now
+            self._keep_alive = self._loop.create_task(self._send_keep_alive())
         self._timer = self._loop.call_at(max(now, self._last) + self._interval, self._tick)
-
-    async def drain(self, source: AsyncIterator[bytes]) -> None:
-        try:
-            async for chunk in source:
-                self._chunks.append(chunk)
-                self._wake()
-        except Exception as err:  # handed to the consumer, which re-raises it in its own task
-            self._error = err
-        self._end = True
-        self._wake()
-
-    async def get(self) -> bytes | None:
-        """The next chunk, KEEP_ALIVE after `interval` idle seconds, None at the end; raises the source's error."""
-        while not self._chunks:
-            if self._error is not None:
-                raise self._error
-            if self._end:
-                return None
-            if self._loop.time() >= self._last + self._interval:
-                self._last = self._loop.time()
-                return KEEP_ALIVE
-            self._waiter = self._loop.create_future()
-            await self._waiter
-        self._last = self._loop.time()
-        return self._chunks.popleft()
-
-    def close(self) -> None:
-        self._timer.cancel()
-
-
-async def with_keep_alive(source: AsyncIterator[bytes], interval: float = KEEP_ALIVE_INTERVAL) -> AsyncIterator[bytes]:
-    """`source`'s chunks, plus KEEP_ALIVE whenever `interval` seconds pass without one.
-
-    `source` is drained by one task of its own, so it may hold context (an OpenTelemetry span) across
-    its awaits. Closing this iterator (the client went away) cancels that task, which closes `source`.
-    """
-    pipe = _Pipe(interval)
-    task = asyncio.ensure_future(pipe.drain(source))
-    try:
-        while (chunk := await pipe.get()) is not None:
-            yield chunk
-    finally:
-        pipe.close()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-def sse_response(body: AsyncIterator[bytes], headers: Mapping[str, str]) -> StreamingResponse:
-    """A 200 event stream with TGI's SSE headers plus `headers`."""
-    # Set explicitly: starlette would append "; charset=utf-8" to a text/* media type.
-    all_headers = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
-    all_headers.update(headers)
-    return StreamingResponse(body, headers=all_headers)
