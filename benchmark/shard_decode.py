@@ -82,7 +82,7 @@ class Step:
     cpu: float
 
 
-def _cpu_seconds(proc: psutil.Process) -> float:
+def cpu_seconds(proc: psutil.Process) -> float:
     times = proc.cpu_times()
     return times.user + times.system
 
@@ -110,13 +110,13 @@ async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int]
             cpus: list[float] = []
             for run in range(runs + 1):  # the first run warms up
                 cached = (await client.prefill(batch)).batch
-                cpu, start, calls = _cpu_seconds(shard), time.perf_counter(), 0
+                cpu, start, calls = cpu_seconds(shard), time.perf_counter(), 0
                 while cached is not None:
                     cached = (await client.decode([cached])).batch
                     calls += 1
                 if run:
                     walls.append((time.perf_counter() - start) / calls)
-                    cpus.append((_cpu_seconds(shard) - cpu) / calls)
+                    cpus.append((cpu_seconds(shard) - cpu) / calls)
                 _progress(f"shard batch size {b}: {f'run {run}/{runs}' if run else 'warmup'}")
             out[b] = Step(statistics.median(walls), statistics.median(cpus))
     finally:

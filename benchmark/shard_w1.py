@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 import torch
 from http_load import Budgets, Job, make_workload, request_body, workload_budgets
-from shard_decode import _cpu_seconds, small_model, start_shard, stop
+from shard_decode import cpu_seconds, small_model, start_shard, stop
 
 @dataclass
 class Outcome:
@@ -127,7 +127,7 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
             record(result, alive)
             return await filtered(result.batch, alive), alive
 
-        cpu0, t0 = _cpu_seconds(shard), time.perf_counter()
+        cpu0, t0 = cpu_seconds(shard), time.perf_counter()
         cached, running = await prefill(budgets.max_batch_total_tokens)
         while cached is not None or len(queue):
             batches = [] if cached is None else [cached]
@@ -146,7 +146,7 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
             record(result, running)
             cached = await filtered(result.batch, running)
         report.wall_s = time.perf_counter() - t0
-        report.shard_cpu_s = _cpu_seconds(shard) - cpu0
+        report.shard_cpu_s = cpu_seconds(shard) - cpu0
     finally:
         await client.close()
     report.throughput_tok_s = report.generated_tokens / report.wall_s
