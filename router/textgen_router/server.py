@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from textgen_router import openai, schemas
 from textgen_router.body import BodyError
 from textgen_router.routes import routes
+from textgen_router.sse import DIRECT_SEND
 from textgen_router.state import RouterState, package_version
 
 # POST routes that need the API key (TGI leaves info, health, metrics, docs, /v1/models, /chat_tokenize open).
@@ -41,6 +42,16 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _App(FastAPI):
+    """FastAPI that hands its streams the ASGI server's `send` (sse.DIRECT_SEND): none of the middlewares
+    below changes a response body, so EventStream may send its chunks past them."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[DIRECT_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     state: RouterState | None,
     *,
@@ -49,7 +60,7 @@ def create_app(
     payload_limit: int = 2_000_000,
 ) -> FastAPI:
     """The router's app. `state` None builds the routes for the OpenAPI spec only."""
-    app = FastAPI(
+    app = _App(
         title="Text Generation Inference",
         description="Text Generation Webserver",
         version=package_version(),
@@ -63,6 +74,7 @@ def create_app(
     app.include_router(openai.router)
     app.add_exception_handler(BodyError, _body_error)  # type: ignore[arg-type]
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    # A middleware that rewrites response bodies (gzip, ...) would be bypassed by streams: see _App.
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(

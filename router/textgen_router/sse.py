@@ -17,6 +17,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 KEEP_ALIVE = b":\n\n"
 KEEP_ALIVE_INTERVAL = 15.0
+# Scope key under which an app may hand EventStream the ASGI server's own `send` (see EventStream).
+DIRECT_SEND = "textgen.direct_send"
 
 
 def event(data: bytes) -> bytes:
@@ -37,6 +39,11 @@ class EventStream(Response):
     - one timer, re-armed only when it fires, sends KEEP_ALIVE (from a short task of its own) once
       `keep_alive_interval` seconds passed without a chunk.
     An error raised by `source` propagates, as from any ASGI app once the response has started.
+
+    The start and the end of the response go through `send`. The chunks go through `scope[DIRECT_SEND]`
+    when the app put the server's own `send` there, promising that no layer in between changes a body
+    message once the response started (starlette's and FastAPI's only watch the start and the end): the
+    chain of send wrappers cost ~12% of the router's CPU under 64 streams, once per chunk.
     """
 
     def __init__(self, source: AsyncIterator[bytes], headers: Mapping[str, str],
@@ -52,7 +59,7 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await _Body(send, self.keep_alive_interval).stream(self.source, receive)
+        await _Body(scope.get(DIRECT_SEND, send), self.keep_alive_interval).stream(self.source, receive)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
