@@ -337,6 +337,11 @@ def test_chunk_templates_encode_like_whole_bodies() -> None:
               "finish_reason": "stop"}  # fmt: skip
     expected = jsonenc.dumps(env.wrap("chat.completion.chunk", [choice], None))
     assert bodies.ChatChunks(env).token(token, logprobs, "eos_token") == expected
+    for plain in (token, Token(6, "é \x01", float("nan"), False), Token(2, "</s>", -0.5, True)):
+        choice = {"index": 0, "delta": {"role": "assistant", "content": "" if plain.special else plain.text},
+                  "logprobs": None, "finish_reason": None}  # fmt: skip
+        expected = jsonenc.dumps(env.wrap("chat.completion.chunk", [choice], None))
+        assert bodies.ChatChunks(env).token(plain, None, None) == expected
     usage = bodies.usage(3, 4)
     choice = {"index": 1, "text": token.text, "logprobs": None, "finish_reason": "eos_token"}
     expected = jsonenc.dumps(env.wrap("text_completion", [choice], usage))

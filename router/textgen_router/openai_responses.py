@@ -115,11 +115,20 @@ class ChunkTemplate:
         self.parts.append(encoded)
 
     def render(self, *values: Any) -> bytes:
-        out = [self.parts[0]]
-        for value, part in zip(values, self.parts[1:]):
-            out.append(jsonenc.dumps(value))
-            out.append(part)
-        return b"".join(out)
+        return self.parts[0] + _fill(values, self.parts[1:])
+
+    def around_first(self, *rest: Any) -> tuple[bytes, bytes]:
+        """(head, tail) such that `render(v, *rest) == head + dumps(v) + tail` for every first value v."""
+        return self.parts[0], self.parts[1] + _fill(rest, self.parts[2:])
+
+
+def _fill(values: tuple[Any, ...], parts: list[bytes]) -> bytes:
+    """Each value encoded, followed by the part after it."""
+    out = []
+    for value, part in zip(values, parts):
+        out.append(jsonenc.dumps(value))
+        out.append(part)
+    return b"".join(out)
 
 
 class ChatChunks:
@@ -132,11 +141,16 @@ class ChatChunks:
             return env.wrap("chat.completion.chunk", [choice], None)
 
         self.template = ChunkTemplate(build, 3)
+        # Most chunks are a token without logprobs or finish reason: only the content is encoded per token.
+        self._head, self._plain_tail = self.template.around_first(None, None)
 
     def token(self, token: Token, logprobs: dict[str, Any] | None, finish_reason: str | None) -> bytes:
         """One token; special tokens (e.g. the final eos) stream as empty content."""
+        content = "" if token.special else token.text
+        if logprobs is None and finish_reason is None:
+            return self._head + jsonenc.string(content).encode() + self._plain_tail
         reason = None if finish_reason is None else openai_finish_reason(finish_reason)
-        return self.template.render("" if token.special else token.text, logprobs, reason)
+        return self.template.render(content, logprobs, reason)
 
 
 class CompletionChunks:
