@@ -23,16 +23,16 @@ def _to_f32(value: float) -> float:
 def _shortest_f32_digits(value: float) -> tuple[str, int]:
     """The shortest decimal digits d1d2..dn and exponent e with value == 0.d1..dn x 10^e as an f32."""
     target = abs(_to_f32(value))
-    # Binary search over 1..9 significant digits (9 always round-trip an f32): whether p digits round-trip
-    # is monotone in p, and logprobs mostly need 7-9, so this halves the formatting work of a linear scan.
-    low, high = 1, 9
-    while low < high:
-        mid = (low + high) // 2
-        if _to_f32(float(f"{target:.{mid - 1}e}")) == target:
-            high = mid
-        else:
-            low = mid + 1
-    mantissa, exponent = f"{target:.{low - 1}e}".split("e")
+    # Whether p digits round-trip is monotone in p and 9 always do: drop one digit at a time while the
+    # shorter text still round-trips. Logprobs mostly need 9 to 7 digits: two to four formats (a binary
+    # search over 1..9 took four or five).
+    text = f"{target:.8e}"
+    for p in range(8, 0, -1):
+        shorter = f"{target:.{p - 1}e}"
+        if _to_f32(float(shorter)) != target:
+            break
+        text = shorter
+    mantissa, exponent = text.split("e")
     digits = mantissa.replace(".", "").rstrip("0") or "0"
     return digits, int(exponent) + 1
 
