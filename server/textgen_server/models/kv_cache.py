@@ -62,15 +62,16 @@ class PaddedKVCache:
     def _make_room(self, key: torch.Tensor, value: torch.Tensor, seq: int) -> None:
         if not self.keys:
             columns = seq + self.reserve
-            self.keys = [key.new_zeros(_shape(key, columns)) for _ in range(self.num_layers)]
-            self.values = [value.new_zeros(_shape(value, columns)) for _ in range(self.num_layers)]
+            # Uninitialised: a column is written (padding as zeros) before the window ever covers it.
+            self.keys = [key.new_empty(_shape(key, columns)) for _ in range(self.num_layers)]
+            self.values = [value.new_empty(_shape(value, columns)) for _ in range(self.num_layers)]
             return
         if self.offset + self.length + seq <= self.capacity:
             return
         columns = self.length + seq + GROW
         for layers in (self.keys, self.values):
             for i, old in enumerate(layers):
-                new = old.new_zeros(_shape(old, columns))
+                new = old.new_empty(_shape(old, columns))
                 new[:, :, : self.length] = old[:, :, self.offset : self.offset + self.length]
                 layers[i] = new
         self.offset = 0

@@ -93,6 +93,7 @@ class TokenLayout:
     seq_len: int
     index: torch.Tensor | None
     lengths: torch.Tensor | None  # real tokens per row (with `index`)
+    padding: torch.Tensor | None  # flat positions of the padding (with `index`)
     device: torch.device
     row_groups: list[tuple[int, int, int]] | None = None
 
@@ -102,10 +103,11 @@ class TokenLayout:
         batch, device = attention_mask.shape[0], attention_mask.device
         real = attention_mask[:, -seq_len:].bool()
         if seq_len == 1:
-            return cls(batch, seq_len, None, None, device, _row_groups(attention_mask))
+            return cls(batch, seq_len, None, None, None, device, _row_groups(attention_mask))
         if bool(real.all()):
-            return cls(batch, seq_len, None, None, device)
-        return cls(batch, seq_len, real.reshape(-1).nonzero().squeeze(1), real.sum(1), device,
+            return cls(batch, seq_len, None, None, None, device)
+        flat = real.reshape(-1)
+        return cls(batch, seq_len, flat.nonzero().squeeze(1), real.sum(1), (~flat).nonzero().squeeze(1), device,
                    _row_groups(attention_mask))
 
     def pack(self, grid: torch.Tensor) -> torch.Tensor:
@@ -116,8 +118,10 @@ class TokenLayout:
         """[T, F] -> [B * S, F], zeros at padded positions."""
         if self.index is None:
             return packed
-        grid = packed.new_zeros((self.batch * self.seq_len, packed.shape[1]))
-        return grid.index_copy_(0, self.index, packed)
+        grid = packed.new_empty((self.batch * self.seq_len, packed.shape[1]))
+        grid.index_copy_(0, self.index, packed)
+        # Padded keys and values must be finite (zero attention weight times NaN is NaN): zero just those rows.
+        return grid.index_fill_(0, self.padding, 0.0)
 
     def last_positions(self, n: int) -> torch.Tensor:
         """Packed indices of each row's last `n` positions, row-major ([B * n])."""
@@ -192,11 +196,12 @@ class Attention(nn.Module):
                                                   is_causal=mask is None and q.shape[2] > 1)
         # Columns left of a group's start are padding for all its rows, as keys and as queries (whose
         # outputs the packed layout drops): both are cut, and those query rows get zeros.
-        out = q.new_zeros(q.shape)
+        out = q.new_empty(q.shape)
         first_query_col = mask.shape[-1] - q.shape[2]
         for lo, hi, start in groups:
             col = max(start - shift, 0)
             q_col = max(start - shift - first_query_col, 0)
+            out[lo:hi, :, :q_col] = 0.0
             out[lo:hi, :, q_col:] = F.scaled_dot_product_attention(
                 q[lo:hi, :, q_col:], k[lo:hi, :, col:], v[lo:hi, :, col:], attn_mask=mask[lo:hi, :, q_col:, col:],
                 scale=self.scaling, enable_gqa=gqa,
