@@ -25,26 +25,17 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import psutil
 
+from http_load import Server, free_port
 from textgen_server.builder import build_test_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"
 SERIES = re.compile(r'^(\S+?)(\{[^}]*\})? (\S+)$', re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -78,42 +69,21 @@ async def run_round(port: int, route: str, streams: int, max_new_tokens: int) ->
     return sum(await asyncio.gather(*(one_stream(port, path, data) for _ in range(streams))))
 
 
-class Launcher:
-    """`textgen-launcher` on the model, in its own process group; the router and shard processes found."""
+class Launcher(Server):
+    """`textgen-launcher` on the model (http_load's Server), with its router and shard processes found."""
 
     def __init__(self, model: Path, streams: int) -> None:
         self.port = free_port()
-        self.log = tempfile.NamedTemporaryFile(prefix="router-cpu-", suffix=".log", delete=False)
         argv = ["textgen-launcher", "--model-id", str(model), "--hostname", "127.0.0.1", "--port", str(self.port),
                 "--prometheus-port", str(free_port()), "--master-port", str(free_port()),
                 "--shard-uds-path", f"/tmp/rcpu-{self.port}", "--max-concurrent-requests", str(4 * streams),
                 "--max-batch-size", str(streams)]
         # One OpenMP thread: the box is shared, and a spinning second thread makes shard steps noise.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "USAGE_STATS": "off"}
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop(keep_log=True)
-                raise RuntimeError(f"launcher not healthy; see {self.log.name}")
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
+        super().__init__("router_cpu", argv, self.port, "/health",
+                         env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "USAGE_STATS": "off"})
         children = psutil.Process(self.proc.pid).children(recursive=True)
         self.router = next(p for p in children if "textgen-router" in " ".join(p.cmdline()))
         self.shard = next(p for p in children if "serve" in p.cmdline())
-
-    def stop(self, keep_log: bool = False) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
-        if not keep_log:
-            os.unlink(self.log.name)
 
 
 def cpu(proc: psutil.Process) -> tuple[float, float, int]:
@@ -175,11 +145,8 @@ def main() -> None:
                   f"{r['router_preemptions_per_step']:4.1f} preempted/step)  "
                   f"shard CPU {r['shard_cpu_ms_per_step']:5.2f}  (forward {r['shard_forward_ms_per_step']:5.2f})  "
                   f"critical path {r['critical_path_ms_per_step']:5.2f} ms/step", flush=True)
-    except BaseException:
-        launcher.stop(keep_log=True)
-        print(f"launcher log: {launcher.log.name}")
-        raise
-    launcher.stop()
+    finally:
+        launcher.stop()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -21,7 +21,7 @@ from opentelemetry.trace import Span
 from textgen_router import generation, jsonenc, metrics, responses, schemas
 from textgen_router.generation import Timings
 from textgen_router.responses import error_response, json_response
-from textgen_router.sse import EventStream, event
+from textgen_router.sse import EventStream, client_disconnected, event
 from textgen_router.state import RouterState
 from textgen_router.types import (
     EndEvent,
@@ -153,9 +153,7 @@ async def until_disconnected(request: Request, work: Awaitable[Response]) -> Res
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
-        # The body was read already: the next ASGI message is the disconnect (or the end of the response).
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        await client_disconnected(request.receive)
         task.cancel()
 
     watcher = asyncio.ensure_future(watch())

@@ -13,12 +13,19 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping
 
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 KEEP_ALIVE = b":\n\n"
 KEEP_ALIVE_INTERVAL = 15.0
 # Scope key under which an app may hand EventStream the ASGI server's own `send` (see EventStream).
 DIRECT_SEND = "textgen.direct_send"
+
+
+async def client_disconnected(receive: Receive) -> None:
+    """Return once the client has gone away: after the request body was read, the next ASGI message is the
+    disconnect (or, for a finished response, nothing further matters)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def event(data: bytes) -> bytes:
@@ -103,10 +110,7 @@ class _Body:
                     await self._keep_alive
 
     async def _watch(self, receive: Receive, task: asyncio.Task[None]) -> None:
-        # The request body was read already: the next message is the disconnect.
-        message: Message = await receive()
-        while message["type"] != "http.disconnect":
-            message = await receive()
+        await client_disconnected(receive)
         if self._streaming:
             self._client_left = True
             task.cancel()

@@ -4,8 +4,14 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from textgen_server.models.causal_lm import _fill_holes_from_tail
-from textgen_server.models.kv_cache import GROW, PaddedKVCache, _windows, concatenate_caches, filter_cache
+from textgen_server.models.kv_cache import (
+    GROW,
+    PaddedKVCache,
+    _windows,
+    concatenate_caches,
+    fill_holes_from_tail,
+    filter_cache,
+)
 
 LAYERS, HEADS, DIM = 3, 2, 4
 
@@ -36,7 +42,7 @@ def test_padded_cache_matches_dynamic_cache_through_growth_filter_and_concatenat
     _same(padded, dynamic)
     assert padded.capacity < 5 + GROW + 3 + GROW + 1  # grew by GROW once, not per step
 
-    order = _fill_holes_from_tail([0, 2, 3, 5])  # rows 1 and 4 leave
+    order = fill_holes_from_tail([0, 2, 3, 5])  # rows 1 and 4 leave
     assert order == [0, 5, 2, 3]
     filter_cache(padded, order, keep_positions=20)
     filter_cache(dynamic, order, keep_positions=20)

@@ -6,7 +6,6 @@ padded CausalLM drives the model, equal `AutoModelForCausalLM.generate` on each 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from safetensors.torch import save_file
 from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig,
                           PreTrainedModel)
 
+from testing.launcher import free_port
 from textgen_server.layers.tensor_parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                                    VocabParallelEmbedding)
 from textgen_server.models.tp_llama import load_tp_model
@@ -170,12 +170,6 @@ def _rank_main(rank: int, world_size: int, port: int, layer_dir: Path, refs: dic
         model = load_tp_model(model_dir, config, torch.float32, CPU, dist)
         cache = model(torch.tensor([[1, 2, 3]])).past_key_values
         assert cache.keys[0].shape[1] == config.num_key_value_heads // world_size
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(world_size: int, args: tuple, timeout: float) -> None:

@@ -24,7 +24,13 @@ from textgen_server.models.model import (
     request_text,
     validate_stopping,
 )
-from textgen_server.models.kv_cache import GROW, KVCache, concatenate_caches, filter_cache
+from textgen_server.models.kv_cache import (
+    GROW,
+    KVCache,
+    concatenate_caches,
+    fill_holes_from_tail,
+    filter_cache,
+)
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
 
@@ -136,7 +142,7 @@ class CausalLMBatch(Batch):
             raise InvalidRequestError(f"request ids {unknown} are not in batch {self.batch_id}")
         if len(request_ids) == len(self) and len(set(request_ids)) == len(self):
             return self
-        keep = _fill_holes_from_tail(sorted(self.requests_idx_mapping[i] for i in set(request_ids)))
+        keep = fill_holes_from_tail(sorted(self.requests_idx_mapping[i] for i in set(request_ids)))
         stopping = [self.stopping_criterias[i] for i in keep]
         input_lengths = [self.input_lengths[i] for i in keep]
         new_max_input_length = max(input_lengths)
@@ -352,15 +358,3 @@ class CausalLM(Model[CausalLMBatch]):
         if batch.next_token_chooser.do_sample[i]:
             generated.seed = batch.next_token_chooser.seeds[i]
         return generated
-
-
-def _fill_holes_from_tail(kept: list[int]) -> list[int]:
-    """A row order for the kept rows (ascending `kept`) that leaves the first len(kept) rows in place.
-
-    Each position below len(kept) whose row left takes a kept row from beyond that point, so a cache that
-    filters in place copies only those rows.
-    """
-    size = len(kept)
-    kept_set = set(kept)
-    tail = [row for row in kept if row >= size]
-    return [row if row in kept_set else tail.pop() for row in range(size)]

@@ -78,26 +78,38 @@ class PaddedKVCache:
 
     @torch.inference_mode()  # the buffers are inference tensors: in-place row moves need the mode too
     def filter(self, order: list[int], keep_positions: int) -> None:
-        """Keep rows `order` (row i <- old row order[i]) and the newest `keep_positions` columns, in place."""
-        size = len(order)
+        """Keep rows `order` (row i <- old row order[i]) and the newest `keep_positions` columns, in place.
+
+        An order from `fill_holes_from_tail` costs a copy of the moved rows only; any other order copies all.
+        """
+        size, device = len(order), self.keys[0].device
         moves = [(dst, src) for dst, src in enumerate(order) if dst != src]
-        # The batch fills holes from its tail, so sources lie past the kept rows and a few row copies do.
-        in_place = all(src >= size for _, src in moves)
-        device = self.keys[0].device
-        if moves and in_place:
-            dst = torch.tensor([d for d, _ in moves], device=device)
-            src = torch.tensor([s for _, s in moves], device=device)
-        index = torch.tensor(order, device=device)
-        for layers in (self.keys, self.values):
-            for i, buf in enumerate(layers):
-                if not in_place:
-                    layers[i] = buf.index_select(0, index)
-                    continue
-                if moves:
+        if any(src < size for _, src in moves):
+            index = torch.tensor(order, device=device)
+            self.keys = [buf.index_select(0, index) for buf in self.keys]
+            self.values = [buf.index_select(0, index) for buf in self.values]
+        else:
+            if moves:
+                dst = torch.tensor([d for d, _ in moves], device=device)
+                src = torch.tensor([s for _, s in moves], device=device)
+                for buf in self.keys + self.values:
                     buf.index_copy_(0, dst, buf.index_select(0, src))
-                layers[i] = buf[:size]
+            self.keys = [buf[:size] for buf in self.keys]
+            self.values = [buf[:size] for buf in self.values]
         self.offset += self.length - keep_positions
         self.length = keep_positions
+
+
+def fill_holes_from_tail(kept: list[int]) -> list[int]:
+    """A row order for the kept rows (ascending `kept`) that leaves the first len(kept) rows in place.
+
+    Each position below len(kept) whose row left takes a kept row from beyond that point, so
+    `PaddedKVCache.filter` copies only those rows.
+    """
+    size = len(kept)
+    kept_set = set(kept)
+    tail = [row for row in kept if row >= size]
+    return [row if row in kept_set else tail.pop() for row in range(size)]
 
 
 def _shape(like: torch.Tensor, columns: int) -> tuple[int, int, int, int]:
