@@ -80,7 +80,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from textgen_server.interceptor import setup_tracing
     from textgen_server.models import get_model
     from textgen_server.server import serve
+    from textgen_server.utils.memory import keep_freed_memory
 
+    keep_freed_memory()
     if args.otlp_endpoint:
         setup_tracing(args.otlp_endpoint, args.otlp_service_name)
     try:
