@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from textgen_router.jsonenc import dumps, format_f32
+from textgen_router.jsonenc import _ryu_layout, dumps, format_f32
 from textgen_router.responses import stream_response, stream_token_event
 from textgen_router.types import Token
 
@@ -44,6 +44,18 @@ def test_shortest_digits_round_trip_to_the_same_f32() -> None:
         digits = len(format_f32(value).split("e")[0].replace(".", "").lstrip("0").rstrip("0"))
         if digits > 1:
             assert f32(float(f"{value:.{digits - 2}e}")) != value
+
+
+def test_fast_path_is_the_ryu_layout() -> None:
+    # Every binade from 1e-7 to 1e14, both signs: numpy's formatter (where format_f32 uses it) and the
+    # digit search agree, and so do both sides of the switch points.
+    for bits in range(0x33D6BF95, 0x56B5E620, 0x0000B3A1):
+        value = struct.unpack("<f", struct.pack("<I", bits))[0]
+        assert format_f32(value) == _ryu_layout(value)
+        assert format_f32(-value) == _ryu_layout(-value)
+    for edge in (1e-4, 2e-4, 1e5, 1e6, 1e7, 1e13, 1e16):
+        for value in (edge, f32(edge), edge * (1 - 1e-9), edge * (1 + 1e-9)):
+            assert format_f32(value) == _ryu_layout(value)
 
 
 @pytest.mark.parametrize("tok", [
