@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -96,6 +97,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except Exception:
         logger.exception("Error when initializing model")
         return 1
+    # The model load left ~360k long-lived objects (torch, transformers): frozen, the collector never walks
+    # them again, so no step pays a full collection's ~0.18 s.
+    gc.freeze()
     fatal = asyncio.run(serve(model, args.uds_path, args.sharded, tracing=bool(args.otlp_endpoint)))
     return 1 if fatal else 0
 

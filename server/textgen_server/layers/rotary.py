@@ -37,14 +37,14 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [B, S, head_dim] in x's dtype."""
+        """(cos, sin), each [*position_ids.shape, head_dim] in x's dtype."""
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, S, D] by the per-position angles (cos/sin [B, S, D], broadcast over heads)."""
+    """Rotate x [..., D] by the per-position angles (cos/sin broadcastable to x, e.g. [T, 1, D] for x [T, H, D])."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return x * cos + rotated * sin

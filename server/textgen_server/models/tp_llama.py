@@ -169,12 +169,15 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
-        """`hidden` [T, hidden] holds the layout's real tokens; attention itself runs on the padded [B, S] grid."""
-        batch, seq_len = layout.batch, layout.seq_len
-        q, k, v = layout.pad(self.qkv(hidden)).split(self.split, dim=-1)
-        q = apply_rotary(q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rotary(k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        """`hidden` [T, hidden] holds the layout's real tokens, `cos`/`sin` [T, 1, head_dim] their angles;
+        attention itself runs on the padded [B, S] grid."""
+        batch, seq_len, tokens = layout.batch, layout.seq_len, hidden.shape[0]
+        q, k, v = self.qkv(hidden).split(self.split, dim=-1)
+        # RoPE on the real tokens only, before padding: a W1 prefill grid is ~40% padding.
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k, v = (layout.pad(x.reshape(tokens, -1)).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+                   for x in (q, k, v))
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         shift = 0
@@ -276,7 +279,7 @@ class TPCausalLM(nn.Module):
             attention_mask = torch.ones(batch, past + seq_len, dtype=torch.long, device=input_ids.device)
         layout = TokenLayout.of(attention_mask, seq_len)
         hidden = self.embed_tokens(layout.pack(input_ids.reshape(-1)))
-        cos, sin = self.rotary(hidden, position_ids)
+        cos, sin = (x.unsqueeze(1) for x in self.rotary(hidden, layout.pack(position_ids.reshape(-1))))
         masks = self._masks(attention_mask, seq_len)
         for layer, window in zip(self.layers, self.windows):
             hidden = layer(hidden, layout, cos, sin, masks[window], cache)
