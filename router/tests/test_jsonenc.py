@@ -6,7 +6,8 @@ import struct
 
 import pytest
 
-from textgen_router.jsonenc import _ryu_layout, dumps, format_f32
+from textgen_router import jsonenc
+from textgen_router.jsonenc import _ryu_layout, dumps, format_f32, string
 from textgen_router.responses import stream_response, stream_token_event
 from textgen_router.types import Token
 
@@ -74,3 +75,11 @@ def test_compact_utf8_and_field_order() -> None:
 def test_unknown_types_are_refused() -> None:
     with pytest.raises(TypeError):
         dumps({"x": object()})
+
+
+def test_short_string_literals_are_remembered_long_ones_not() -> None:
+    short, long = "tok é\n\"", "x" * 33
+    assert string(short) == string(short) == json.dumps(short, ensure_ascii=False)
+    assert string(long) == json.dumps(long)
+    assert short in jsonenc._LITERALS
+    assert long not in jsonenc._LITERALS

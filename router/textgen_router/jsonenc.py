@@ -74,9 +74,21 @@ def _ryu_layout(value: float) -> str:
     return f"{sign}{digits[0]}.{digits[1:]}e{exponent}"
 
 
+# Literals of short strings already written: streamed token texts come from a bounded vocabulary, and a dict
+# lookup costs a tenth of json.dumps. Bounded, so arbitrary client text cannot grow it without limit.
+_LITERALS: dict[str, str] = {}
+_LITERALS_MAX = 1 << 16
+_LITERAL_MAX_CHARS = 32
+
+
 def string(value: str) -> str:
     """A JSON string literal as serde_json writes it (non-ASCII kept as UTF-8 text)."""
-    return json.dumps(value, ensure_ascii=False)
+    literal = _LITERALS.get(value)
+    if literal is None:
+        literal = json.dumps(value, ensure_ascii=False)
+        if len(value) <= _LITERAL_MAX_CHARS and len(_LITERALS) < _LITERALS_MAX:
+            _LITERALS[value] = literal
+    return literal
 
 
 def _encode(value: Any, out: list[str]) -> None:
