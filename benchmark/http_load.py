@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -242,12 +243,19 @@ class Server:
         self.log.close()
 
 
+# One exposed sample: name, optional {labels}, value. (prometheus_client's parser would rename TGI's counters,
+# which have no _total suffix, so the series are read as exposed.)
+SAMPLE = re.compile(r"^(\S+?(?:\{[^}]*\})?) (\S+)$", re.M)
+DECODE = '{method="decode"}'
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of the server's /metrics, keyed as exposed: 'name{label="value"}' -> value."""
+    return {series: float(value) for series, value in SAMPLE.findall(httpx.get(url + "/metrics", timeout=10).text)}
+
+
 def decode_steps(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("tgi_batch_inference_count") and 'method="decode"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return scrape(url).get("tgi_batch_inference_count" + DECODE, 0.0)
 
 
 def textgen_server(model: str, budgets: Budgets, env: dict[str, str]) -> Server:

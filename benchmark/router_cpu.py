@@ -24,25 +24,15 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 
-from http_load import Server, free_port
+from http_load import DECODE, Server, free_port, scrape
 from textgen_server.builder import build_test_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"
-SERIES = re.compile(r'^(\S+?)(\{[^}]*\})? (\S+)$', re.M)
-
-
-def metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {name + (labels or ""): float(value) for name, labels, value in SERIES.findall(text)}
-
-
 def body(route: str, max_new_tokens: int) -> tuple[str, bytes]:
     if route == "generate":
         payload: dict = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens}}
@@ -94,17 +84,16 @@ def cpu(proc: psutil.Process) -> tuple[float, float, int]:
 
 def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, rounds: int) -> dict[str, float]:
     asyncio.run(run_round(launcher.port, route, streams, max_new_tokens))  # warm-up: imports, first compiles
-    decode = '{method="decode"}'
-    m0, r0, s0, t0 = metrics(launcher.port), cpu(launcher.router), cpu(launcher.shard), time.perf_counter()
+    m0, r0, s0, t0 = scrape(launcher.url), cpu(launcher.router), cpu(launcher.shard), time.perf_counter()
     tokens = sum(asyncio.run(run_round(launcher.port, route, streams, max_new_tokens)) for _ in range(rounds))
     wall = time.perf_counter() - t0
-    m1, r1, s1 = metrics(launcher.port), cpu(launcher.router), cpu(launcher.shard)
+    m1, r1, s1 = scrape(launcher.url), cpu(launcher.router), cpu(launcher.shard)
     delta = {k: m1[k] - m0.get(k, 0.0) for k in m1}
     router_user, router_sys, router_preempted = (b - a for a, b in zip(r0, r1))
     router = router_user + router_sys
-    steps = delta["tgi_batch_inference_count" + decode]
-    outside_forward = (delta["tgi_batch_inference_duration_sum" + decode]
-                       - delta["tgi_batch_forward_duration_sum" + decode])
+    steps = delta["tgi_batch_inference_count" + DECODE]
+    outside_forward = (delta["tgi_batch_inference_duration_sum" + DECODE]
+                       - delta["tgi_batch_forward_duration_sum" + DECODE])
     return {
         "decode_steps": steps,
         "tokens": tokens,
@@ -116,7 +105,7 @@ def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, r
         "router_preemptions_per_step": router_preempted / steps,
         "shard_cpu_ms_per_step": (s1[0] + s1[1] - s0[0] - s0[1]) / steps * 1e3,
         "critical_path_ms_per_step": outside_forward / steps * 1e3,
-        "shard_forward_ms_per_step": delta["tgi_batch_forward_duration_sum" + decode] / steps * 1e3,
+        "shard_forward_ms_per_step": delta["tgi_batch_forward_duration_sum" + DECODE] / steps * 1e3,
     }
 
 

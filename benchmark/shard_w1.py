@@ -66,7 +66,7 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
     """Warm the shard as the router does, then run every job to its end; timings around the gRPC calls."""
     from textgen_pb import generate_pb2
     from textgen_router.backend import warmup_batch
-    from textgen_router.batching import FINISH_REASONS
+    from textgen_router.batching import FINISH_REASONS, keep_requests
     from textgen_router.client import ShardedClient, StepResult
     from textgen_router.queue import Entry, Queue
     from textgen_router.schemas import GenerateRequest
@@ -105,15 +105,6 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
                     out.finish_reason = FINISH_REASONS[g.generated_text.finish_reason]
                     alive.discard(g.request_id)
 
-        async def filtered(batch: generate_pb2.CachedBatch | None,
-                           alive: set[int]) -> generate_pb2.CachedBatch | None:
-            if batch is None or batch.size == len(alive):
-                return batch
-            if not alive:
-                await client.clear_cache(batch.id)
-                return None
-            return await client.filter_batch(batch.id, sorted(alive))
-
         async def prefill(token_budget: int) -> tuple[generate_pb2.CachedBatch | None, set[int]]:
             nxt = queue.next_batch(None, None, budgets.max_batch_prefill_tokens, token_budget)
             if nxt is None:
@@ -125,7 +116,7 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
             report.prefills += 1
             alive = set(entries)
             record(result, alive)
-            return await filtered(result.batch, alive), alive
+            return await keep_requests(client, result.batch, alive), alive
 
         cpu0, t0 = cpu_seconds(shard), time.perf_counter()
         cached, running = await prefill(budgets.max_batch_total_tokens)
@@ -144,7 +135,7 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
             result = await client.decode(batches)
             steps.append(time.perf_counter() - start)
             record(result, running)
-            cached = await filtered(result.batch, running)
+            cached = await keep_requests(client, result.batch, running)
         report.wall_s = time.perf_counter() - t0
         report.shard_cpu_s = cpu_seconds(shard) - cpu0
     finally:

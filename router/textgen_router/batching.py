@@ -19,7 +19,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from opentelemetry import trace
 from textgen_pb import generate_pb2
@@ -42,6 +42,20 @@ PREFILL, DECODE = "prefill", "decode"
 
 def _tokens(t: generate_pb2.Tokens) -> list[Token]:
     return [Token(i, text, lp, sp) for i, text, lp, sp in zip(t.ids, t.texts, t.logprobs, t.is_special)]
+
+
+async def keep_requests(client: ShardedClient, batch: generate_pb2.CachedBatch | None,
+                        request_ids: Collection[int]) -> generate_pb2.CachedBatch | None:
+    """`batch` reduced to `request_ids` on every shard: unchanged when all remain (no call), FilterBatch
+    when some do, ClearCache (and None) when none does."""
+    if batch is None:
+        return None
+    if batch.size == len(request_ids):
+        return batch
+    if not request_ids:
+        await client.clear_cache(batch.id)
+        return None
+    return await client.filter_batch(batch.id, list(request_ids))
 
 
 class Batcher:
@@ -160,7 +174,7 @@ class Batcher:
         filter_start = time.monotonic()
         self._send(result.generations, entries)
         try:
-            next_batch = await self._filter(result.batch, entries)
+            next_batch = await keep_requests(self.client, result.batch, entries)
         except ShardError as err:
             # TGI panics here; failing just this batch keeps the router serving.
             await self._fail(batch_ids + ([result.batch.id] if result.batch else []), entries, err)
@@ -224,17 +238,6 @@ class Batcher:
             if done:
                 entry.finish_span()
                 del entries[rid]
-
-    async def _filter(self, batch: generate_pb2.CachedBatch | None,
-                      entries: dict[int, Entry]) -> generate_pb2.CachedBatch | None:
-        if batch is None:
-            return None
-        if batch.size == len(entries):
-            return batch
-        if not entries:
-            await self.client.clear_cache(batch.id)
-            return None
-        return await self.client.filter_batch(batch.id, list(entries))
 
     async def _fail(self, batch_ids: list[int], entries: dict[int, Entry], err: ShardError) -> None:
         """Fail every entry of the failed batch(es) and drop their shard caches."""

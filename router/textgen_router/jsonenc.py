@@ -19,7 +19,7 @@ _F32 = struct.Struct("<f")
 # Where numpy's str of a float32 (Dragon4, shortest unique digits, positional with at least one decimal) is
 # exactly ryu's layout: numpy writes positional from 1e-4 below 1e6, ryu from 1e-6 below 1e13. The bounds
 # keep a margin so that rounding a float64 argument to f32 never crosses a switch point.
-_NUMPY_LAYOUT = (2e-4, 1e5)
+_NUMPY_MIN, _NUMPY_END = 2e-4, 1e5
 
 
 def _to_f32(value: float) -> float:
@@ -49,7 +49,7 @@ def format_f32(value: float) -> str:
     Hot path (once per streamed token): logprobs nearly always fall where numpy's C formatter gives the same
     text, at ~1 us instead of ~6 us for the digit search below.
     """
-    if _NUMPY_LAYOUT[0] <= abs(value) < _NUMPY_LAYOUT[1]:
+    if _NUMPY_MIN <= abs(value) < _NUMPY_END:
         return str(np.float32(value))
     return _ryu_layout(value)
 

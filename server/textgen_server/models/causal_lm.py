@@ -25,11 +25,11 @@ from textgen_server.models.model import (
     validate_stopping,
 )
 from textgen_server.models.kv_cache import (
-    GROW,
     KVCache,
     concatenate_caches,
     fill_holes_from_tail,
     filter_cache,
+    spare_columns,
 )
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
@@ -194,7 +194,7 @@ class CausalLMBatch(Batch):
         cache = concatenate_caches(
             [(b.past_key_values, b.max_input_length - 1) for b in batches],  # type: ignore[misc]
             max_input_length - 1,
-            min(padding_right_offset, GROW),
+            spare_columns(padding_right_offset),
         )
         requests = [r for b in batches for r in b.requests]
         return cls(
@@ -252,7 +252,7 @@ class CausalLM(Model[CausalLMBatch]):
     def _new_cache(self, batch: CausalLMBatch) -> KVCache:
         """The module's own preallocated cache when it has one (room for the first decode steps), else HF's."""
         new_cache = getattr(self.module, "new_cache", None)
-        return new_cache(min(batch.padding_right_offset, GROW)) if new_cache is not None else DynamicCache()
+        return new_cache(spare_columns(batch.padding_right_offset)) if new_cache is not None else DynamicCache()
 
     @torch.inference_mode()
     def generate_token(

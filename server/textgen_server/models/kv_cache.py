@@ -25,6 +25,12 @@ from transformers import DynamicCache
 GROW = 128
 
 
+def spare_columns(decode_steps: int) -> int:
+    """Columns to allocate beyond the prompt for `decode_steps` steps to come: at most GROW (growth covers
+    the rest, and most requests stop early)."""
+    return min(decode_steps, GROW)
+
+
 class PaddedKVCache:
     """Preallocated K/V buffers with a sliding live window; `update` matches transformers' Cache.update."""
 
