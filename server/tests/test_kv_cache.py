@@ -26,6 +26,12 @@ def _step(caches: list, batch: int, seq: int, gen: torch.Generator) -> None:
             assert torch.equal(keys, outs[0][0]) and torch.equal(values, outs[0][1])
 
 
+def _leave_nan_blocks(shape: tuple[int, ...], count: int) -> None:
+    """Allocate and free `count` NaN-filled tensors of `shape`: the allocator's next blocks of that size hold NaN."""
+    blocks = [torch.full(shape, float("nan")) for _ in range(count)]
+    del blocks
+
+
 def _same(a: PaddedKVCache, b: DynamicCache) -> None:
     assert a.get_seq_length() == b.get_seq_length()
     for (ka, va), (kb, vb) in zip(_windows(a), _windows(b), strict=True):
@@ -52,6 +58,9 @@ def test_padded_cache_matches_dynamic_cache_through_growth_filter_and_concatenat
 
     joiner_p, joiner_d = PaddedKVCache(LAYERS), DynamicCache()
     _step([joiner_p, joiner_d], 3, 7, gen)
+    # The merged buffers start uninitialised: leave NaN in the memory the allocator is about to hand out, so
+    # the left padding is zero only if concatenation wrote it.
+    _leave_nan_blocks((7, HEADS, 25, DIM), 2 * LAYERS)
     merged_p = concatenate_caches([(padded, 21), (joiner_p, 7)], kv_length=21, reserve=4)
     merged_d = concatenate_caches([(dynamic, 21), (joiner_d, 7)], kv_length=21, reserve=4)
     assert merged_p is padded and merged_d is dynamic
