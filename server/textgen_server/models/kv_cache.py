@@ -86,7 +86,8 @@ class PaddedKVCache:
     def filter(self, order: list[int], keep_positions: int) -> None:
         """Keep rows `order` (row i <- old row order[i]) and the newest `keep_positions` columns, in place.
 
-        An order from `fill_holes_from_tail` costs a copy of the moved rows only; any other order copies all.
+        An order from `fill_holes_from_tail` costs a copy of the moved rows' kept columns only; any other order
+        copies all.
         """
         size, device = len(order), self.keys[0].device
         moves = [(dst, src) for dst, src in enumerate(order) if dst != src]
@@ -95,11 +96,13 @@ class PaddedKVCache:
             self.keys = [buf.index_select(0, index) for buf in self.keys]
             self.values = [buf.index_select(0, index) for buf in self.values]
         else:
-            if moves:
-                dst = torch.tensor([d for d, _ in moves], device=device)
-                src = torch.tensor([s for _, s in moves], device=device)
-                for buf in self.keys + self.values:
-                    buf.index_copy_(0, dst, buf.index_select(0, src))
+            # Only the columns that stay live, each copied once, straight into its row: the rest of a row is
+            # dead (left of the new window) or not yet written (the reserve).
+            end = self.offset + self.length
+            start = end - keep_positions
+            for buf in self.keys + self.values:
+                for dst, src in moves:
+                    buf[dst, :, start:end] = buf[src, :, start:end]
             self.keys = [buf[:size] for buf in self.keys]
             self.values = [buf[:size] for buf in self.values]
         self.offset += self.length - keep_positions
