@@ -33,6 +33,8 @@ from http_load import DECODE, Server, free_port, scrape
 from textgen_server.builder import build_test_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"
+
+
 def body(route: str, max_new_tokens: int) -> tuple[str, bytes]:
     if route == "generate":
         payload: dict = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens}}

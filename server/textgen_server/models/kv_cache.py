@@ -89,10 +89,10 @@ class PaddedKVCache:
         An order from `fill_holes_from_tail` costs a copy of the moved rows' kept columns only; any other order
         copies all.
         """
-        size, device = len(order), self.keys[0].device
+        size = len(order)
         moves = [(dst, src) for dst, src in enumerate(order) if dst != src]
         if any(src < size for _, src in moves):
-            index = torch.tensor(order, device=device)
+            index = torch.tensor(order, device=self.keys[0].device)
             self.keys = [buf.index_select(0, index) for buf in self.keys]
             self.values = [buf.index_select(0, index) for buf in self.values]
         else:

@@ -197,14 +197,14 @@ class Attention(nn.Module):
         if groups is None or mask is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa,
                                                   is_causal=mask is None and q.shape[2] > 1)
-        # Columns left of a group's start are padding for all its rows, as keys and as queries (whose
-        # outputs the packed layout drops): both are cut, and those query rows get zeros.
+        # Columns left of a group's start are padding for all its rows, as keys and as queries: both are cut,
+        # and those query rows of `out` stay unwritten, since the packed layout drops them (a group's start
+        # can only lie past the first query column in a padded prefill, where the layout has an index).
         out = q.new_empty(q.shape)
         first_query_col = mask.shape[-1] - q.shape[2]
         for lo, hi, start in groups:
             col = max(start - shift, 0)
             q_col = max(start - shift - first_query_col, 0)
-            out[lo:hi, :, :q_col] = 0.0
             out[lo:hi, :, q_col:] = F.scaled_dot_product_attention(
                 q[lo:hi, :, q_col:], k[lo:hi, :, col:], v[lo:hi, :, col:], attn_mask=mask[lo:hi, :, q_col:, col:],
                 scale=self.scaling, enable_gqa=gqa,
