@@ -24,8 +24,6 @@ import os
 import random
 import re
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +33,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from textgen_benchmark.ports import free_port
 from textgen_benchmark.stats import Latency
 
 
@@ -192,12 +191,6 @@ async def run_load(url: str, route: str, jobs: list[Job], model: str = "tgi") ->
         "_ttfts": ttfts,
         "_gaps": gaps,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

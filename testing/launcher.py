@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from textgen_benchmark.ports import free_port
 
 HEALTH_TIMEOUT_S = 240.0
 LOG_TAIL_CHARS = 8000
@@ -30,40 +29,6 @@ DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "ASCEND_RT_VISI
 FLAG_VARS = ("MODEL_ID", "NUM_SHARD", "SHARDED", "PORT", "HOSTNAME", "MAX_INPUT_TOKENS", "MAX_TOTAL_TOKENS",
              "MAX_INPUT_LENGTH", "MAX_BATCH_PREFILL_TOKENS", "MAX_BATCH_TOTAL_TOKENS", "QUANTIZE", "API_KEY",
              "SHARD_UDS_PATH", "JSON_OUTPUT", "LOG_LEVEL", "ATTENTION", "PREFIX_CACHING")
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for ports it picks itself (bind to 0, and every outgoing connection)."""
-    with contextlib.suppress(OSError, ValueError):
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    return 32768, 60999  # Linux's default
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody holds now, for a process the test starts later to bind.
-
-    Nothing reserves it in between, so it is drawn outside the ephemeral range: a port from bind(0) can be
-    taken first by any outgoing connection of the test session (HTTP clients, gRPC channels, torch's store),
-    and then the server that was meant to bind it fails with "address in use". Ports already handed out
-    in this process are skipped, so one launcher never gets the same port twice.
-    """
-    low, high = _ephemeral_ports()
-    below, above = (1024, low) if low - 1024 >= 4096 else (high + 1, 65536)
-    while True:
-        port = random.randrange(below, above)
-        if port in _handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
 
 
 def short_uds_prefix() -> str:
