@@ -1,6 +1,7 @@
 """`Weights`: name -> file routing over several safetensors files, per-rank blocks, dtype and alias rules."""
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,14 @@ def test_a_name_stored_twice_or_no_files_is_an_error(tmp_path: Path) -> None:
         Weights.from_dir(tmp_path, CPU, torch.float32)
     with pytest.raises(ValueError, match="no .safetensors weight files in"):
         Weights.from_dir(tmp_path / "empty", CPU, torch.float32)
+
+
+def test_loaded_tensors_do_not_keep_the_file_mapped(model_dir: Path) -> None:
+    # Same dtype, same device, whole tensor: the case where safetensors would hand out a view into its mmap.
+    w = Weights.from_dir(model_dir, CPU, torch.float32)
+    kept = [w.get_tensor("a.weight"), w.get_tensor("ids"), w.get_sharded("b.weight", dim=0)]
+    del w
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text()
+    assert str(model_dir) not in maps
+    assert torch.equal(kept[0], torch.arange(35.0).reshape(7, 5)) and torch.equal(kept[1], torch.arange(4))

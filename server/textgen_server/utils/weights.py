@@ -17,7 +17,10 @@ class Weights:
     """Tensor name -> safetensors file map over every `*.safetensors` file of a model directory.
 
     `aliases` maps a wanted name to other names that may hold it (e.g. a tied `lm_head.weight` stored only
-    as `model.embed_tokens.weight`). Floating tensors are converted to `dtype`, then moved to `device`.
+    as `model.embed_tokens.weight`). Floating tensors are converted to `dtype`, and every tensor is copied to
+    `device` as memory of its own: a view into the memory-mapped file would keep the whole file mapped, and
+    with it the pages read to build what replaced a weight (a fused or MKL-packed copy), for as long as any
+    view lives.
     """
 
     def __init__(
@@ -75,9 +78,8 @@ class Weights:
 
     def _finish(self, tensor: torch.Tensor) -> torch.Tensor:
         # Integer tensors (quantisation metadata, ids) keep their dtype; only floats follow the model.
-        if tensor.is_floating_point():
-            tensor = tensor.to(self.dtype)
-        return tensor.to(self.device)
+        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.to(device=self.device, dtype=dtype, copy=True)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor (for replicated weights such as norms)."""
