@@ -1,0 +1,76 @@
+"""The shard's Linear: MKL-packed on CPU float32, plain `F.linear` otherwise.
+
+Oracle: the product in float64. The packed path must be as accurate as `F.linear` for every row count the
+shard produces (1-row decode, small and large batches, 3-D prefill input, no rows at all), and must not
+depend on the row count the weight was packed for.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from textgen_server.layers.tensor_parallel import Linear
+
+# (out, in): the small model's fused q/k/v, o, gate/up, down and head, and the tests' tiny layers.
+SHAPES = [(2304, 768), (768, 768), (4096, 768), (768, 2048), (16000, 768), (320, 64), (8, 6)]
+ROWS = [0, 1, 2, 3, 7, 8, 63, 64, 65, 300]
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
+
+
+def assert_fp32_accurate(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         ) -> None:
+    """|out - exact| <= eps * (sqrt(K) * sum|x w| + |exact|): rounding errors that grow like a random walk over
+    the K products, plus the output's own rounding. F.linear stays below 0.4 of it on these shapes."""
+    x, weight = x.double(), weight.double()
+    b = None if bias is None else bias.double()
+    exact = F.linear(x, weight, b)
+    magnitude = F.linear(x.abs(), weight.abs(), None if b is None else b.abs())
+    bound = torch.finfo(torch.float32).eps * (math.sqrt(x.shape[-1]) * magnitude + exact.abs())
+    excess = (out.double() - exact).abs() - bound
+    assert excess.max().item() <= 0, f"{x.shape[0]} rows: error above the fp32 bound by {excess.max().item()}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_packed_is_as_accurate_as_f_linear_at_every_row_count(shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(shape, generator=g), torch.randn(shape[0], generator=g)
+    for b in (None, bias):
+        layer = Linear(weight.clone(), b)
+        assert layer.packed is not None and layer.weight is None  # the unpacked copy is not kept
+        for rows in ROWS:
+            x = torch.randn(rows, shape[1], generator=g)
+            out = layer(x)
+            assert out.shape == (rows, shape[0])
+            if rows:
+                assert_fp32_accurate(out, x, weight, b)
+
+
+def test_packed_result_does_not_depend_on_the_row_count_it_was_packed_for() -> None:
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(768, 2048, generator=g)
+    layer = Linear(weight.clone(), None)
+    for pack_rows in (2, 16, 1000):
+        other = torch.ops.mkl._mkl_reorder_linear_weight(weight, pack_rows)
+        for rows in (2, 5, 64, 257):
+            x = torch.randn(rows, 2048, generator=g)
+            assert torch.equal(layer(x), torch.ops.mkl._mkl_linear(x, other, layer._shape_only, None, rows))
+
+
+def test_three_dimensional_input_keeps_its_leading_dims() -> None:
+    g = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(3, 5, 24, generator=g)
+    torch.testing.assert_close(Linear(weight, bias)(x), F.linear(x, weight, bias))
+    torch.testing.assert_close(Linear(weight, bias)(x.transpose(0, 1)), F.linear(x.transpose(0, 1), weight, bias))
+
+
+def test_other_dtypes_keep_the_plain_weight_and_f_linear() -> None:
+    weight = torch.randn(40, 24, dtype=torch.bfloat16)
+    layer = Linear(weight, None)
+    assert layer.packed is None and layer.weight is not None
+    x = torch.randn(7, 24, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, weight))
