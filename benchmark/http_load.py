@@ -247,10 +247,6 @@ def scrape(url: str) -> dict[str, float]:
     return {series: float(value) for series, value in SAMPLE.findall(httpx.get(url + "/metrics", timeout=10).text)}
 
 
-def decode_steps(url: str) -> float:
-    return scrape(url).get("tgi_batch_inference_count" + DECODE, 0.0)
-
-
 def textgen_server(model: str, budgets: Budgets, env: dict[str, str]) -> Server:
     port = free_port()
     argv = ["textgen-launcher", "--model-id", model, "--port", str(port), "--hostname", "127.0.0.1",
@@ -263,12 +259,22 @@ def measure_textgen(model: str, routes: list[str], jobs: list[Job], budgets: Bud
     server, out = textgen_server(model, budgets, env), []
     try:
         for route in routes:
-            steps0, cpu0 = decode_steps(server.url), server.cpu_seconds("textgen-router")
+            m0, cpu0, client0 = scrape(server.url), server.cpu_seconds("textgen-router"), time.process_time()
             r = asyncio.run(run_load(server.url, route, jobs))
-            steps = decode_steps(server.url) - steps0
+            client = time.process_time() - client0
             cpu = server.cpu_seconds("textgen-router") - cpu0
+            m1 = scrape(server.url)
+            delta = lambda name: m1.get(name + DECODE, 0.0) - m0.get(name + DECODE, 0.0)  # noqa: E731
+            steps = delta("tgi_batch_inference_count")
+            per_step = (lambda seconds: seconds / steps * 1e3) if steps else (lambda seconds: float("nan"))
             r["server"] = "textgen"
-            r["router_cpu_ms_per_decode_step"] = cpu / steps * 1e3 if steps else float("nan")
+            r["decode_steps"] = steps
+            r["router_cpu_ms_per_decode_step"] = per_step(cpu)
+            # Where an e2e step goes: the shard's own forward vs the router's step as it sees it, and the
+            # CPU this load client took from the same cores (a real client runs on another machine).
+            r["forward_ms_per_decode_step"] = per_step(delta("tgi_batch_forward_duration_sum"))
+            r["step_ms_per_decode_step"] = per_step(delta("tgi_batch_inference_duration_sum"))
+            r["client_cpu_ms_per_decode_step"] = per_step(client)
             out.append(r)
     finally:
         server.stop()
@@ -378,6 +384,10 @@ def main() -> None:
               f"{r.get('ttft_p99_ms', nan):.0f} | {r.get('itl_p50_ms', nan):.1f} | {r.get('itl_p99_ms', nan):.1f} | "
               f"{r['errors']} | {r.get('router_cpu_ms_per_decode_step', nan):.2f} | "
               f"{r.get('shard_only_ratio', nan):.2f} |")
+    for r in (r for r in public if "forward_ms_per_decode_step" in r):
+        print(f"{r['server']} {r['route']}: {r['decode_steps']:.0f} decode steps, mean step "
+              f"{r['step_ms_per_decode_step']:.1f} ms (shard forward {r['forward_ms_per_decode_step']:.1f}), "
+              f"load client CPU {r['client_cpu_ms_per_decode_step']:.2f} ms/step")
     if args.shard_baseline:
         print(f"shard-only: {shard_only['decode_steps']} decode steps, median "
               f"{shard_only['decode_step_p50_ms']:.1f} ms, prefill {shard_only['prefill_s']:.2f} s, "
