@@ -6,6 +6,7 @@ padded CausalLM drives the model, equal `AutoModelForCausalLM.generate` on each 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -170,6 +171,13 @@ def _rank_main(rank: int, world_size: int, port: int, layer_dir: Path, refs: dic
         model = load_tp_model(model_dir, config, torch.float32, CPU, dist)
         cache = model(torch.tensor([[1, 2, 3]])).past_key_values
         assert cache.keys[0].shape[1] == config.num_key_value_heads // world_size
+    # Both ranks are done with every collective; then exit without the interpreter's finalization. Its last
+    # garbage collection could destroy the gloo group, whose worker thread then took the GIL of a finalizing
+    # interpreter and the rank aborted ("terminate called without an active exception"; seen in gdb).
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world_size: int, args: tuple, timeout: float) -> None:
