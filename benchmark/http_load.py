@@ -247,16 +247,22 @@ def scrape(url: str) -> dict[str, float]:
     return {series: float(value) for series, value in SAMPLE.findall(httpx.get(url + "/metrics", timeout=10).text)}
 
 
-def textgen_server(model: str, budgets: Budgets, env: dict[str, str]) -> Server:
+def dtype_args(dtype: str | None) -> list[str]:
+    """`--dtype` for the launcher and `transformers serve` alike; none leaves each its own default (fp32 here)."""
+    return [] if dtype is None else ["--dtype", dtype]
+
+
+def textgen_server(model: str, budgets: Budgets, env: dict[str, str], dtype: str | None) -> Server:
     port = free_port()
     argv = ["textgen-launcher", "--model-id", model, "--port", str(port), "--hostname", "127.0.0.1",
-            "--shard-uds-path", f"/tmp/w1-{port}", "--max-concurrent-requests", "256", *budgets.launcher_args()]
+            "--shard-uds-path", f"/tmp/w1-{port}", "--max-concurrent-requests", "256", *budgets.launcher_args(),
+            *dtype_args(dtype)]
     return Server("textgen", argv, port, "/health", env)
 
 
 def measure_textgen(model: str, routes: list[str], jobs: list[Job], budgets: Budgets,
-                    env: dict[str, str]) -> list[dict]:
-    server, out = textgen_server(model, budgets, env), []
+                    env: dict[str, str], dtype: str | None) -> list[dict]:
+    server, out = textgen_server(model, budgets, env, dtype), []
     try:
         for route in routes:
             m0, cpu0, client0 = scrape(server.url), server.cpu_seconds("textgen-router"), time.process_time()
@@ -281,9 +287,9 @@ def measure_textgen(model: str, routes: list[str], jobs: list[Job], budgets: Bud
     return out
 
 
-def measure_transformers(model: str, jobs: list[Job]) -> dict:
+def measure_transformers(model: str, jobs: list[Job], dtype: str | None) -> dict:
     port = free_port()
-    argv = ["transformers", "serve", model, "--port", str(port), "--host", "127.0.0.1"]
+    argv = ["transformers", "serve", model, "--port", str(port), "--host", "127.0.0.1", *dtype_args(dtype)]
     server = Server("transformers", argv, port, "/health")
     try:
         r = asyncio.run(run_load(server.url, "chat", jobs, model))
@@ -293,11 +299,11 @@ def measure_transformers(model: str, jobs: list[Job]) -> dict:
     return r
 
 
-def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: int) -> dict:
+def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: int, dtype: str | None) -> dict:
     """shard_w1.py's run (W1 over gRPC into one shard, no router) as a row of this script's results."""
     import shard_w1
 
-    report = shard_w1.measure(Path(model), jobs, budgets, threads)
+    report = shard_w1.measure(Path(model), jobs, budgets, threads, dtype or "float32")
     return {"server": "textgen shard-only", "route": "grpc", "requests": report.requests, "errors": 0,
             "first_error": None, "generated_tokens": report.generated_tokens, "wall_s": report.wall_s,
             "throughput_tok_s": report.throughput_tok_s, "decode_steps": report.decode_steps,
@@ -340,6 +346,8 @@ def main() -> None:
     p.add_argument("--threads", type=int,
                    help="OMP_NUM_THREADS of the shard in both runs (default: this environment's; with "
                         "--shard-baseline always set, to this environment's or torch's default)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"),
+                   help="--dtype of every server measured (default: each one's own, float32 on a CPU)")
     Budgets.add_arguments(p)
     args = p.parse_args()
 
@@ -357,15 +365,15 @@ def main() -> None:
     if args.url:
         results = [dict(asyncio.run(run_load(args.url, r, jobs)), server="textgen") for r in routes]
     else:
-        results = measure_textgen(args.model, routes, jobs, budgets, threads_env)
+        results = measure_textgen(args.model, routes, jobs, budgets, threads_env, args.dtype)
     if args.shard_baseline:
-        shard_only = measure_shard_only(args.model, jobs, budgets, threads)
+        shard_only = measure_shard_only(args.model, jobs, budgets, threads, args.dtype)
         for r in results:  # issue 3's target: e2e >= 0.9x shard-only at the same batch
             r["shard_only_ratio"] = r["throughput_tok_s"] / shard_only["throughput_tok_s"]
         results.append(shard_only)
     if args.compare:
         try:
-            results.append(measure_transformers(args.model, jobs))
+            results.append(measure_transformers(args.model, jobs, args.dtype))
         except RuntimeError as err:  # keep textgen's figures when the peer cannot start
             print(f"peer not measured: {err}", file=sys.stderr)
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
@@ -374,7 +382,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(public, indent=2))
         return
-    print(f"W1: {args.requests} requests, {args.arrival} arrival, seed {args.seed}; {budgets}")
+    print(f"W1: {args.requests} requests, {args.arrival} arrival, seed {args.seed}, dtype {args.dtype or 'default'}; "
+          f"{budgets}")
     print("| server | route | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors | router CPU ms/step "
           "| / shard-only |")
     print("|---|---|---|---|---|---|---|---|---|---|")

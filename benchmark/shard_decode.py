@@ -39,15 +39,16 @@ def small_model() -> Path:
     return build_test_model(REPO / "models" / f"small-llama-v{BUILDER_VERSION}", arch="llama", size="small")
 
 
-def start_shard(model_dir: Path, uds_path: str, threads: int, timeout: float = 300.0) -> subprocess.Popen:
-    """A real shard process limited to `threads` cores; returns once Health answers (or raises)."""
+def start_shard(model_dir: Path, uds_path: str, threads: int, timeout: float = 300.0,
+                dtype: str = "float32") -> subprocess.Popen:
+    """A real shard process (`--dtype dtype`) limited to `threads` cores; returns once Health answers (or raises)."""
     import grpc
     from textgen_pb import generate_pb2, generate_pb2_grpc
 
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     log = open(Path(tempfile.gettempdir()) / "textgen-bench-shard.log", "wb")  # noqa: SIM115 - child owns it
     proc = subprocess.Popen([sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path",
-                             uds_path, "--dtype", "float32"], env=env, stdout=log, stderr=subprocess.STDOUT)
+                             uds_path, "--dtype", dtype], env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

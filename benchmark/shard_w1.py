@@ -152,10 +152,10 @@ def default_threads() -> int:
     return torch.get_num_threads()
 
 
-def measure(model_dir: Path, jobs: list[Job], budgets: Budgets, threads: int) -> Report:
-    """Start one shard (fp32, `threads` threads), run W1 through it, stop it."""
+def measure(model_dir: Path, jobs: list[Job], budgets: Budgets, threads: int, dtype: str = "float32") -> Report:
+    """Start one shard (`dtype`, `threads` threads), run W1 through it, stop it."""
     uds = f"/tmp/textgen-w1-{os.getpid()}"
-    proc = start_shard(model_dir, uds, threads)
+    proc = start_shard(model_dir, uds, threads, dtype=dtype)
     try:
         return asyncio.run(drive(f"{uds}-0", proc.pid, model_dir, jobs, budgets, threads))
     finally:
@@ -177,12 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="shard OMP threads (default: as the launcher's)")
     p.add_argument("--json", type=Path, help="also write the report as JSON here (with every request's end)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="the shard's --dtype")
     Budgets.add_arguments(p)
     args = p.parse_args(argv)
     model_dir = args.model_dir or small_model()
     jobs = make_workload(str(model_dir), args.requests, args.seed, "burst", 0.0)
     budgets = workload_budgets(str(model_dir), jobs, args)
-    report = measure(model_dir, jobs, budgets, args.threads or default_threads())
+    report = measure(model_dir, jobs, budgets, args.threads or default_threads(), args.dtype)
     print(summary(report), flush=True)
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2))

@@ -50,11 +50,11 @@ def make_batch(batch_id: int, requests: list[pb.Request]) -> pb.Batch:
 class HFOracle:
     """transformers itself, in this process, on the same model directory: the correctness reference."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, dtype: str = "float32", attention: str = "sdpa") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention).eval()
 
     def greedy(self, text: str, max_new_tokens: int) -> list[int]:
         import torch

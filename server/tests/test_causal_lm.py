@@ -136,16 +136,37 @@ def test_concatenate_keeps_each_rows_kv_right_aligned(gpt2: CausalLM) -> None:
     assert live.sum(1).tolist() == merged.input_lengths
 
 
-def test_llama_batch_of_ten_uneven_prompts_matches_transformers(tiny_llama: Path, llama_oracle: HFOracle) -> None:
-    """Ten rows (enough for grouped decode attention), prompts of 1-30 words, uneven lengths to generate."""
-    model = get_model(str(tiny_llama))
-    assert isinstance(model, CausalLM)
-    prompts = [" ".join(["word"] * (1 + 3 * i)) + PROMPTS[i % 4] for i in range(10)]
-    new_tokens = [3 + i % 5 for i in range(10)]
-    batch = CausalLMBatch.from_pb(make_batch(1, [make_request(i, p, n) for i, (p, n) in
-                                               enumerate(zip(prompts, new_tokens))]), model)
+def check_uneven_batch(model: CausalLM, oracle: HFOracle) -> None:
+    """Ten rows (enough for grouped decode attention), prompts of 1-30 words, uneven lengths to generate; a
+    second batch of three joins after two steps, so the cache is filtered and concatenated."""
+    prompts = [" ".join(["word"] * (1 + 3 * i)) + PROMPTS[i % 4] for i in range(13)]
+    new_tokens = [3 + i % 5 for i in range(10)] + [4, 12, 9]
+    requests = [make_request(i, p, n) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    batch = CausalLMBatch.from_pb(make_batch(1, requests[:10]), model)
     lengths = batch.input_lengths
     assert lengths == sorted(lengths, reverse=True)  # longest first: the attention groups rely on it
-    tokens = generate_all(model, batch)
+    tokens: dict[int, list[int]] = {}
+    for _ in range(2):
+        generations, batch, _ = model.generate_token(batch)
+        for g in generations:
+            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+    generations, joiners, _ = model.generate_token(CausalLMBatch.from_pb(make_batch(2, requests[10:]), model))
+    for g in generations:
+        tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+    for request_id, ids in generate_all(model, CausalLMBatch.concatenate([batch, joiners])).items():
+        tokens[request_id].extend(ids)
     for i, prompt in enumerate(prompts):
-        assert tokens[i] == llama_oracle.greedy(prompt, new_tokens[i]), f"request {i}"
+        assert tokens[i] == oracle.greedy(prompt, new_tokens[i]), f"request {i}"
+
+
+def test_llama_uneven_batch_matches_transformers(tiny_llama: Path, llama_oracle: HFOracle) -> None:
+    model = get_model(str(tiny_llama))
+    assert isinstance(model, CausalLM)
+    check_uneven_batch(model, llama_oracle)
+
+
+def test_bfloat16_llama_uneven_batch_matches_transformers_eager(tiny_llama: Path) -> None:
+    # bf16 on a CPU: matmul attention, decode steps over whole KV buffers (PaddedKVCache.whole_decode).
+    model = get_model(str(tiny_llama), dtype="bfloat16")
+    assert isinstance(model, CausalLM)
+    check_uneven_batch(model, HFOracle(tiny_llama, "bfloat16", "eager"))

@@ -80,3 +80,34 @@ def test_filter_with_any_order_copies_rows() -> None:
     for cache in (padded, dynamic):
         filter_cache(cache, [3, 0], keep_positions=3)  # not a holes-from-tail order: a full reorder
     _same(padded, dynamic)
+
+
+@torch.inference_mode()
+def test_whole_decode_cache_keeps_every_column_finite_and_masks_outside_the_window() -> None:
+    gen = torch.Generator().manual_seed(2)
+    padded, dynamic = PaddedKVCache(LAYERS, reserve=3, whole_decode=True), DynamicCache()
+    _leave_nan_blocks((4, HEADS, 8, DIM), 2 * LAYERS)  # the buffers' spare columns must be zeroed, not NaN
+    _step([padded, dynamic], 4, 5, gen)
+    for _ in range(5):  # past the reserve: one growth
+        _step([padded, dynamic], 4, 1, gen)
+    filter_cache(padded, [0, 3, 2], keep_positions=7)  # the window slides right (offset 3)
+    filter_cache(dynamic, [0, 3, 2], keep_positions=7)
+    _same(padded, dynamic)
+    for layer in range(LAYERS):
+        assert padded.keys[layer].isfinite().all() and padded.values[layer].isfinite().all()
+
+    window_mask = torch.tensor([[True] * 7, [False] * 2 + [True] * 5, [True] * 7])[:, None, None, :]
+    keys, values, mask = padded.whole(0, window_mask, 7)
+    assert keys is padded.keys[0] and values is padded.values[0]
+    assert mask.shape == (3, 1, 1, padded.capacity)
+    assert not mask[..., : padded.offset].any() and not mask[..., padded.offset + 7 :].any()
+    assert torch.equal(mask[..., padded.offset : padded.offset + 7], window_mask)
+    _, _, all_visible = padded.whole(0, None, 7)
+    assert all_visible.shape == (1, 1, 1, padded.capacity) and int(all_visible.sum()) == 7
+
+    joiner = PaddedKVCache(LAYERS, whole_decode=True)
+    _step([joiner], 2, 4, gen)
+    _leave_nan_blocks((5, HEADS, 11, DIM), 2 * LAYERS)
+    merged = concatenate_caches([(padded, 7), (joiner, 4)], kv_length=7, reserve=4)
+    for layer in range(LAYERS):
+        assert merged.keys[layer].isfinite().all() and merged.values[layer].isfinite().all()

@@ -53,9 +53,10 @@ def padded_greedy(model: torch.nn.Module, prompts: list[list[int]], steps: int,
     return tokens, prefill_logits
 
 
-def reference(model_dir: Path, steps: int = STEPS) -> tuple[list[list[int]], torch.Tensor]:
+def reference(model_dir: Path, steps: int = STEPS, dtype: torch.dtype = torch.float32,
+              attention: str = "sdpa") -> tuple[list[list[int]], torch.Tensor]:
     """transformers' greedy `generate` per unpadded prompt, and its prefill logits on the padded batch."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention).eval()
     greedy = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -71,12 +72,14 @@ def real_positions() -> torch.Tensor:
     return torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in PROMPTS])
 
 
-def check_against_reference(model_dir: Path, dist: DistInfo, ref: tuple[list[list[int]], torch.Tensor]) -> None:
+def check_against_reference(model_dir: Path, dist: DistInfo, ref: tuple[list[list[int]], torch.Tensor],
+                            dtype: torch.dtype = torch.float32, steps: int = STEPS) -> None:
     config = AutoConfig.from_pretrained(model_dir)
-    model = load_tp_model(model_dir, config, torch.float32, CPU, dist)
-    tokens, logits = padded_greedy(model, PROMPTS, STEPS)
+    model = load_tp_model(model_dir, config, dtype, CPU, dist)
+    tokens, logits = padded_greedy(model, PROMPTS, steps)
     keep = real_positions()
-    torch.testing.assert_close(logits[keep], ref[1][keep], atol=1e-4, rtol=1e-4)
+    tolerance = {} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}  # bf16: torch's own defaults
+    torch.testing.assert_close(logits[keep], ref[1][keep], **tolerance)
     assert tokens == ref[0]
 
 
@@ -118,6 +121,13 @@ def built(tiny_llama: Path, tiny_mistral: Path, tiny_qwen2: Path) -> dict[str, P
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_one_shard_matches_transformers(arch: str, built: dict[str, Path]) -> None:
     check_against_reference(built[arch], ONE, reference(built[arch]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_bfloat16_matches_transformers_eager(arch: str, built: dict[str, Path]) -> None:
+    # On a CPU the bf16 model attends with two bf16 matmuls and an fp32 softmax, as transformers' eager
+    # attention does: the same logits, and the same greedy tokens over a longer run.
+    check_against_reference(built[arch], ONE, reference(built[arch], 16, torch.bfloat16, "eager"), torch.bfloat16, 16)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -19,6 +19,7 @@ semantics, which is what `CausalLMBatch` relies on:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 # Columns a full buffer grows by beyond what the current step needs: one regrowth every GROW decode steps.
@@ -32,11 +33,19 @@ def spare_columns(decode_steps: int) -> int:
 
 
 class PaddedKVCache:
-    """Preallocated K/V buffers with a sliding live window; `update` matches transformers' Cache.update."""
+    """Preallocated K/V buffers with a sliding live window; `update` matches transformers' Cache.update.
 
-    def __init__(self, num_layers: int, reserve: int = 0) -> None:
+    `whole_decode`: decode steps attend over every column of a buffer (`whole`), the ones outside the window
+    masked. A window is a strided view, and the CPU's half-precision matmul copies such an operand whole into
+    a contiguous tensor before every product: reading the dead and spare columns costs less than that copy
+    (a batch-64 W1 step: 2.5x faster attention). Such a cache keeps every column finite (spare columns are
+    zeroed when allocated), since a masked column's zero weight times NaN would still be NaN.
+    """
+
+    def __init__(self, num_layers: int, reserve: int = 0, whole_decode: bool = False) -> None:
         self.num_layers = num_layers
         self.reserve = reserve  # spare columns to allocate up front beyond the prefill (the decode steps to come)
+        self.whole_decode = whole_decode
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.offset = 0
@@ -65,19 +74,36 @@ class PaddedKVCache:
             self.length += seq
         return keys[:, :, self.offset : end + seq], values[:, :, self.offset : end + seq]
 
+    def whole(self, layer_idx: int, mask: torch.Tensor | None, window: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's whole buffers and `mask` [B or 1, 1, S, window] (None: all visible) widened onto their
+        columns, False outside the `window` columns `update` just returned."""
+        keys = self.keys[layer_idx]
+        if mask is None:
+            mask = torch.ones((1, 1, 1, window), dtype=torch.bool, device=keys.device)
+        return keys, self.values[layer_idx], F.pad(mask, (self.offset, keys.shape[2] - self.offset - window),
+                                                       value=False)
+
+    def spare_zeroed(self, buffer: torch.Tensor, written: int) -> torch.Tensor:
+        """`buffer` with its columns from `written` on zeroed if decode reads whole buffers (else unwritten)."""
+        if self.whole_decode:
+            buffer[:, :, written:] = 0.0
+        return buffer
+
     def _make_room(self, key: torch.Tensor, value: torch.Tensor, seq: int) -> None:
         if not self.keys:
             columns = seq + self.reserve
             # Uninitialised: a column is written (padding as zeros) before the window ever covers it.
-            self.keys = [key.new_empty(_shape(key, columns)) for _ in range(self.num_layers)]
-            self.values = [value.new_empty(_shape(value, columns)) for _ in range(self.num_layers)]
+            self.keys = [self.spare_zeroed(key.new_empty(_shape(key, columns)), seq) for _ in range(self.num_layers)]
+            self.values = [self.spare_zeroed(value.new_empty(_shape(value, columns)), seq)
+                           for _ in range(self.num_layers)]
             return
         if self.offset + self.length + seq <= self.capacity:
             return
         columns = self.length + seq + GROW
         for layers in (self.keys, self.values):
             for i, old in enumerate(layers):
-                new = old.new_empty(_shape(old, columns))
+                new = self.spare_zeroed(old.new_empty(_shape(old, columns)), self.length)
                 new[:, :, : self.length] = old[:, :, self.offset : self.offset + self.length]
                 layers[i] = new
         self.offset = 0
@@ -180,6 +206,8 @@ def concatenate_caches(parts: list[tuple[KVCache, int]], kv_length: int, reserve
             del k, v
             part[layer_idx] = None
             _set_layer(cache, layer_idx, None, None)
+        if padded:
+            keys, values = (first.spare_zeroed(x, kv_length) for x in (keys, values))  # type: ignore[union-attr]
         _set_layer(first, layer_idx, keys, values)
     if isinstance(first, PaddedKVCache):
         first.offset, first.length = 0, kv_length

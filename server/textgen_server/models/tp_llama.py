@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from textgen_server.layers.attention import attention_for, uses_matmul
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary
 from textgen_server.layers.tensor_parallel import (
@@ -148,7 +148,7 @@ def _row_groups(attention_mask: torch.Tensor) -> list[tuple[int, int, int]] | No
 
 
 class Attention(nn.Module):
-    """This rank's heads: fused q/k/v column projection, RoPE, SDPA, row-parallel o_proj (one all_reduce)."""
+    """This rank's heads: fused q/k/v column projection, RoPE, attention, row-parallel o_proj (one all_reduce)."""
 
     def __init__(self, config: PretrainedConfig, weights: Weights, prefix: str, layer_idx: int,
                  dist: DistInfo) -> None:
@@ -166,6 +166,7 @@ class Attention(nn.Module):
             weights, [f"{prefix}.{p}_proj" for p in "qkv"], bias=f"{prefix}.q_proj.bias" in weights
         )
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", f"{prefix}.o_proj.bias" in weights, dist)
+        self.attention = attention_for(weights.dtype, weights.device)
 
     def forward(self, hidden: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
@@ -178,25 +179,29 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         q, k, v = (layout.pad(x.reshape(tokens, -1)).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
                    for x in (q, k, v))
+        groups = layout.row_groups
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+            if seq_len == 1 and isinstance(cache, PaddedKVCache) and cache.whole_decode:
+                # Every column, the ones outside the window masked (see PaddedKVCache): cutting row groups'
+                # padding columns would make the operands strided again.
+                k, v, mask = cache.whole(self.layer_idx, mask, k.shape[2])
+                groups = None
         shift = 0
         if mask is not None:
             # A sliding-window cache layer may return fewer keys than the mask has columns: they are the
             # most recent ones, so align right.
             shift = max(mask.shape[-1] - k.shape[2], 0)
             mask = mask[..., shift:]
-        out = self._attend(q, k, v, mask, layout.row_groups, shift)
+        out = self._attend(q, k, v, mask, groups, shift)
         return self.o_proj(layout.pack(out.transpose(1, 2).reshape(batch * seq_len, -1)))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 groups: list[tuple[int, int, int]] | None, shift: int) -> torch.Tensor:
-        """SDPA, per row group when given (group columns count from the mask's first column, `shift`
+        """Attention, per row group when given (group columns count from the mask's first column, `shift`
         columns left of the first key)."""
-        gqa = self.num_kv_heads != self.num_heads
         if groups is None or mask is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa,
-                                                  is_causal=mask is None and q.shape[2] > 1)
+            return self.attention(q, k, v, mask, self.scaling)
         # Columns left of a group's start are padding for all its rows, as keys and as queries: both are cut,
         # and those query rows of `out` stay unwritten, since the packed layout drops them (a group's start
         # can only lie past the first query column in a padded prefill, where the layout has an index).
@@ -205,10 +210,8 @@ class Attention(nn.Module):
         for lo, hi, start in groups:
             col = max(start - shift, 0)
             q_col = max(start - shift - first_query_col, 0)
-            out[lo:hi, :, q_col:] = F.scaled_dot_product_attention(
-                q[lo:hi, :, q_col:], k[lo:hi, :, col:], v[lo:hi, :, col:], attn_mask=mask[lo:hi, :, q_col:, col:],
-                scale=self.scaling, enable_gqa=gqa,
-            )
+            out[lo:hi, :, q_col:] = self.attention(q[lo:hi, :, q_col:], k[lo:hi, :, col:], v[lo:hi, :, col:],
+                                                   mask[lo:hi, :, q_col:, col:], self.scaling)
         return out
 
 
@@ -258,10 +261,11 @@ class TPCausalLM(nn.Module):
         self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", dist, embedding=tied)
         self.rotary = RotaryEmbedding(config, device)
         self.windows = _layer_windows(config)
+        self.whole_decode = uses_matmul(weights.dtype, device)
 
     def new_cache(self, reserve: int = 0) -> PaddedKVCache:
         """An empty preallocating cache with `reserve` spare columns after the prefill (see kv_cache.py)."""
-        return PaddedKVCache(self.config.num_hidden_layers, reserve)
+        return PaddedKVCache(self.config.num_hidden_layers, reserve, self.whole_decode)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
