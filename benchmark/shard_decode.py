@@ -126,7 +126,8 @@ async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int]
 
 
 @torch.inference_mode()
-def inprocess_steps(model_dir: Path, batches: list[int], runs: int, threads: int) -> dict[int, Step]:
+def inprocess_steps(model_dir: Path, batches: list[int], runs: int, threads: int,
+                    dtype: torch.dtype = torch.float32) -> dict[int, Step]:
     """The same decode in transformers in this process: a bare greedy loop over a DynamicCache."""
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -134,7 +135,7 @@ def inprocess_steps(model_dir: Path, batches: list[int], runs: int, threads: int
     from textgen_benchmark.generation import prompt_of_length
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     text = prompt_of_length(Tokenizer.from_file(str(model_dir / "tokenizer.json")), PROMPT_LEN)
     # The shard tokenizes with special tokens and keeps the last `truncate` ids: do exactly the same.
     prompt = AutoTokenizer.from_pretrained(model_dir)(text).input_ids[-PROMPT_LEN:]
@@ -172,17 +173,18 @@ def copy_bandwidth_gbs(threads: int, mib: int = 512) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def bytes_per_step(model_dir: Path, batch: int) -> float:
-    """Weights read once per step (the embedding table is only gathered) + K and V of the whole batch."""
+def bytes_per_step(model_dir: Path, batch: int, itemsize: int = 4) -> float:
+    """Weights read once per step (the embedding table is only gathered) + K and V of the whole batch, at
+    `itemsize` bytes per value."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "embed_tokens" not in k) * 4
+        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "embed_tokens" not in k) * itemsize
     head_dim = config.hidden_size // config.num_attention_heads
     mean_context = PROMPT_LEN + NEW_TOKENS / 2
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_context * batch * 4
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_context * batch * itemsize
     return weights + kv
 
 
@@ -194,18 +196,21 @@ def main(argv: list[str] | None = None) -> None:
     # descheduled sibling spin, so --threads 1 gives the more stable figures there.
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, help="a built model (default: build/cached small Llama)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the shard's --dtype, and the in-process model's")
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     batches = args.batch or [1, 8, 32]
     model_dir = args.model_dir or small_model()
     uds = f"/tmp/textgen-bench-{os.getpid()}"
-    print(f"model {model_dir}, fp32, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
+    print(f"model {model_dir}, {args.dtype}, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
           f"runs {args.runs}", flush=True)
-    proc = start_shard(model_dir, uds, args.threads)
+    proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype)
     try:
         shard = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, args.runs))
     finally:
         stop(proc)
-    local = inprocess_steps(model_dir, batches, args.runs, args.threads)
+    local = inprocess_steps(model_dir, batches, args.runs, args.threads, dtype)
     bandwidth = copy_bandwidth_gbs(args.threads)
     print(f"copy bandwidth ({args.threads} threads): {bandwidth:.1f} GB/s\n")
     # ratio = shard tokens/s over in-process tokens/s (target >= 0.9); "CPU" columns use CPU seconds per step,
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| batch | shard tok/s | in-process tok/s | ratio | ratio (CPU) | shard GB/s | roofline fraction |")
     print("|------:|------------:|-----------------:|------:|------------:|-----------:|------------------:|")
     for b in batches:
-        gbs = bytes_per_step(model_dir, b) / shard[b].wall / 1e9
+        gbs = bytes_per_step(model_dir, b, dtype.itemsize) / shard[b].wall / 1e9
         print(f"| {b} | {b / shard[b].wall:.1f} | {b / local[b].wall:.1f} | {local[b].wall / shard[b].wall:.2f} | "
               f"{local[b].cpu / shard[b].cpu:.2f} | {gbs:.1f} | {gbs / bandwidth:.2f} |")
 
