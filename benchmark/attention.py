@@ -24,21 +24,10 @@ from collections.abc import Callable
 
 import torch
 
+from shard_decode import copy_bandwidth_gbs
 from textgen_server.layers.attention import matmul_attention, sdpa
 
 LAYERS, HEADS, HEAD_DIM = 12, 12, 64
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB tensor copy (bytes read + written)."""
-    src = torch.empty(1 << 28, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / min(times) / 1e9
 
 
 def step(attend: Callable, q: torch.Tensor, buffers: list[tuple[torch.Tensor, torch.Tensor]],
@@ -61,13 +50,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=7)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    bandwidth = copy_bandwidth_gbs(args.threads)  # also sets the thread count
     start = (args.capacity - args.window) // 2
     window = slice(start, start + args.window)
     mask = torch.zeros(args.batch, 1, 1, args.capacity, dtype=torch.bool)
     mask[..., window] = True
     print(f"batch {args.batch}, window {args.window} of {args.capacity} columns, {LAYERS} layers, "
-          f"{args.threads} threads; copy bandwidth {copy_bandwidth():.1f} GB/s")
+          f"{args.threads} threads; copy bandwidth {bandwidth:.1f} GB/s")
     print("| dtype | kernel | ms/step | GB/s read |")
     print("|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):

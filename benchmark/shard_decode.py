@@ -39,6 +39,9 @@ def small_model() -> Path:
     return build_test_model(REPO / "models" / f"small-llama-v{BUILDER_VERSION}", arch="llama", size="small")
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # a shard's --dtype choices
+
+
 def start_shard(model_dir: Path, uds_path: str, threads: int, timeout: float = 300.0,
                 dtype: str = "float32") -> subprocess.Popen:
     """A real shard process (`--dtype dtype`) limited to `threads` cores; returns once Health answers (or raises)."""
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     # descheduled sibling spin, so --threads 1 gives the more stable figures there.
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, help="a built model (default: build/cached small Llama)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="the shard's --dtype, and the in-process model's")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)

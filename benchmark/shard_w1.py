@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 import torch
 from http_load import Budgets, Job, make_workload, request_body, workload_budgets
-from shard_decode import cpu_seconds, small_model, start_shard, stop
+from shard_decode import DTYPES, cpu_seconds, small_model, start_shard, stop
 
 @dataclass
 class Outcome:
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="shard OMP threads (default: as the launcher's)")
     p.add_argument("--json", type=Path, help="also write the report as JSON here (with every request's end)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="the shard's --dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the shard's --dtype")
     Budgets.add_arguments(p)
     args = p.parse_args(argv)
     model_dir = args.model_dir or small_model()

@@ -26,13 +26,18 @@ def gpt2_oracle(tiny_gpt2: Path) -> HFOracle:
     return HFOracle(tiny_gpt2)
 
 
+def record(tokens: dict[int, list[int]], generations: list[pb.Generation]) -> None:
+    """Append each generation's token ids to its request's list."""
+    for g in generations:
+        tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+
+
 def generate_all(model: CausalLM, batch: CausalLMBatch | None) -> dict[int, list[int]]:
     """Run to the end, filtering finished requests out as the router would."""
     tokens: dict[int, list[int]] = {}
     while batch is not None:
         generations, batch, _ = model.generate_token(batch)
-        for g in generations:
-            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+        record(tokens, generations)
         done = {g.request_id for g in generations if g.HasField("generated_text")}
         if batch is not None and done:
             live = [r.id for r in batch.requests if r.id not in done]
@@ -148,11 +153,9 @@ def check_uneven_batch(model: CausalLM, oracle: HFOracle) -> None:
     tokens: dict[int, list[int]] = {}
     for _ in range(2):
         generations, batch, _ = model.generate_token(batch)
-        for g in generations:
-            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+        record(tokens, generations)
     generations, joiners, _ = model.generate_token(CausalLMBatch.from_pb(make_batch(2, requests[10:]), model))
-    for g in generations:
-        tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+    record(tokens, generations)
     for request_id, ids in generate_all(model, CausalLMBatch.concatenate([batch, joiners])).items():
         tokens[request_id].extend(ids)
     for i, prompt in enumerate(prompts):
