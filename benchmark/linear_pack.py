@@ -1,4 +1,5 @@
-"""The shard's fp32 CPU linear (MKL-packed weight) against plain `F.linear`, side by side.
+"""The shard's CPU linear (MKL-packed weight in float32, oneDNN-reordered in bfloat16) against plain
+`F.linear`, side by side.
 
 For each of the small model's projection shapes (fused q/k/v, o, fused gate/up, down, LM head) and each row
 count (1 = one decode row; 8-64 = decode batches; 256-2048 = prefills) both products run alternately,
@@ -7,7 +8,7 @@ count (1 = one decode row; 8-64 = decode batches; 256-2048 = prefills) both prod
 weight for little arithmetic, the achieved GB/s of both against a measured copy bandwidth (the memory
 roofline).
 
-    python benchmark/linear_pack.py [--rows 1 8 32 64 256 2048] [--runs 30] [--threads 2]
+    python benchmark/linear_pack.py [--rows 1 8 32 64 256 2048] [--runs 30] [--threads 2] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from shard_decode import copy_bandwidth_gbs
+from shard_decode import DTYPES, copy_bandwidth_gbs
 
 from textgen_server.layers.tensor_parallel import Linear
 
@@ -45,25 +46,27 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 256, 2048])
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     args = parser.parse_args()
     bandwidth = copy_bandwidth_gbs(args.threads)
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}; copy bandwidth {bandwidth:.1f} GB/s (read + write)")
+    dtype = getattr(torch, args.dtype)
+    print(f"{args.dtype}, threads {args.threads}; copy bandwidth {bandwidth:.1f} GB/s (read + write)")
     print(f"{'shape':<9}{'rows':>6}{'F.linear ms':>13}{'packed ms':>11}{'F.linear GF/s':>15}{'packed GF/s':>13}"
           f"{'ratio':>7}  roofline (1 row)")
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name, out_f, in_f in SHAPES:
-            weight = torch.randn(out_f, in_f, generator=g)
+            weight = torch.randn(out_f, in_f, generator=g).to(dtype)
             layer = Linear(weight.clone(), None)
             for rows in args.rows:
-                x = torch.randn(rows, in_f, generator=g)
+                x = torch.randn(rows, in_f, generator=g).to(dtype)
                 plain, packed = alternate([lambda: F.linear(x, weight), lambda: layer(x)], args.runs)
                 flops = 2 * rows * in_f * out_f
                 line = (f"{name:<9}{rows:>6}{plain * 1e3:>13.3f}{packed * 1e3:>11.3f}{flops / plain / 1e9:>15.1f}"
                         f"{flops / packed / 1e9:>13.1f}{plain / packed:>7.2f}")
                 if rows == 1:
-                    gbs = [weight.numel() * 4 / t / 1e9 for t in (plain, packed)]
+                    gbs = [weight.numel() * weight.element_size() / t / 1e9 for t in (plain, packed)]
                     line += f"  {gbs[0]:.1f} / {gbs[1]:.1f} GB/s = {gbs[0] / bandwidth:.0%} / {gbs[1] / bandwidth:.0%}"
                 print(line, flush=True)
 
