@@ -1,5 +1,4 @@
-"""The shard's CPU linear (MKL-packed weight in float32, oneDNN-reordered in bfloat16) against plain
-`F.linear`, side by side.
+"""The shard's CPU linear (weight reordered once into oneDNN's layout) against plain `F.linear`, side by side.
 
 For each of the small model's projection shapes (fused q/k/v, o, fused gate/up, down, LM head) and each row
 count (1 = one decode row; 8-64 = decode batches; 256-2048 = prefills) both products run alternately,

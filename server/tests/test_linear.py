@@ -1,4 +1,4 @@
-"""The shard's Linear: MKL-packed on CPU float32, oneDNN-reordered on CPU bfloat16, plain `F.linear` otherwise.
+"""The shard's Linear: oneDNN-reordered weight on a CPU in float32 and bfloat16, plain `F.linear` otherwise.
 
 Oracles: for float32 the product in float64. The packed path must be as accurate as `F.linear` for every row
 count the shard produces (1-row decode, small and large batches, 3-D prefill input, no rows at all), and must
@@ -19,7 +19,7 @@ from textgen_server.layers.tensor_parallel import Linear
 SHAPES = [(2304, 768), (768, 768), (4096, 768), (768, 2048), (16000, 768), (320, 64), (8, 6)]
 ROWS = [0, 1, 2, 3, 7, 8, 63, 64, 65, 300]
 
-needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 needs_onednn_bf16 = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
     reason="no native oneDNN bfloat16 kernels on this CPU / torch build",
@@ -39,7 +39,7 @@ def assert_fp32_accurate(out: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     assert excess.max().item() <= 0, f"{x.shape[0]} rows: error above the fp32 bound by {excess.max().item()}"
 
 
-@needs_mkl
+@needs_onednn
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_packed_is_as_accurate_as_f_linear_at_every_row_count(shape: tuple[int, int]) -> None:
     g = torch.Generator().manual_seed(0)
@@ -55,16 +55,16 @@ def test_packed_is_as_accurate_as_f_linear_at_every_row_count(shape: tuple[int, 
                 assert_fp32_accurate(out, x, weight, b)
 
 
-@needs_mkl
+@needs_onednn
 def test_packed_result_does_not_depend_on_the_row_count_it_was_packed_for() -> None:
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(768, 2048, generator=g)
     layer = Linear(weight.clone(), None)
     for pack_rows in (2, 16, 1000):
-        other = torch.ops.mkl._mkl_reorder_linear_weight(weight, pack_rows)
+        other = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows)
         for rows in (2, 5, 64, 257):
             x = torch.randn(rows, 2048, generator=g)
-            assert torch.equal(layer(x), torch.ops.mkl._mkl_linear(x, other, layer._shape_only, None, rows))
+            assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, other, None, "none", [], ""))
 
 
 def test_three_dimensional_input_keeps_its_leading_dims() -> None:
@@ -83,7 +83,7 @@ def test_bfloat16_reordered_weight_gives_f_linears_bits_at_every_row_count(shape
     bias = torch.randn(shape[0], generator=g).bfloat16()
     for b in (None, bias):
         layer = Linear(weight.clone(), b)
-        assert layer.onednn is not None and layer.weight is None and layer.packed is None
+        assert layer.packed is not None and layer.weight is None
         for rows in ROWS:
             x = torch.randn(rows, shape[1], generator=g).bfloat16()
             out = layer(x)
@@ -98,6 +98,6 @@ def test_bfloat16_reordered_weight_gives_f_linears_bits_at_every_row_count(shape
 def test_other_dtypes_keep_the_plain_weight_and_f_linear() -> None:
     weight = torch.randn(40, 24, dtype=torch.float16)
     layer = Linear(weight, None)
-    assert layer.packed is None and layer.onednn is None and layer.weight is not None
+    assert layer.packed is None and layer.weight is not None
     x = torch.randn(7, 24, dtype=torch.float16)
     assert torch.equal(layer(x), F.linear(x, weight))

@@ -14,40 +14,36 @@ from torch import nn
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 
-# MKL packs a weight for a nominal row count. Measured on torch 2.13's MKL, the packed layout gives the same
-# results for every row count >= 2 whatever count it was packed for, and fp32-close ones at 1 row
-# (test_linear.py checks both). oneDNN takes the same hint to choose its blocked layout.
+# oneDNN reorders a weight into a blocked layout chosen for a nominal row count. Measured on torch 2.13, the
+# float32 layout gives the same results for every row count >= 2 whatever count it was chosen for, and
+# fp32-close ones at 1 row; bfloat16 gives F.linear's bits (test_linear.py checks both).
 _PACK_ROWS = 64
 
 
-def mkl_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` (out, in) in MKL's packed GEMM layout, or None where that path does not exist (not float32,
-    not on the CPU, or a torch built without MKL)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
-        return None
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
-
-
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` (out, in) as a oneDNN tensor in its blocked bf16 GEMM layout, or None where that path does not
-    exist (not bfloat16, not on the CPU, or no native oneDNN bf16 kernels on this CPU / torch build)."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
-            or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    """`weight` (out, in) as a oneDNN tensor in its blocked GEMM layout, or None where that path does not
+    exist: not on the CPU, not float32 / bfloat16, a torch without oneDNN, or (bfloat16) a CPU without native
+    bf16 kernels."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    if weight.dtype != torch.float32 and not (
+        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
 
 
 class Linear(nn.Module):
-    """y = x @ W^T + b; on a CPU W lives only in a packed layout: MKL's in float32, oneDNN's in bfloat16.
+    """y = x @ W^T + b; on a CPU in float32 or bfloat16, W lives only in oneDNN's blocked layout.
 
-    Why packed: unpacked, the GEMM library reorders W into its own layout on every call.
-    - float32: MKL repacks W's panels, which at decode batches (8 to 64 rows) costs about a third of the
-      product; packed is 1.3-1.6x faster there and within noise at 1 row and in prefills on an Intel CPU
-      (benchmark/linear_pack.py). The packed product sums in a different order than `F.linear`: the same
-      fp32 accuracy, not the same bits.
-    - bfloat16: oneDNN reorders W on every call; the pre-reordered weight gives bit-identical results and is
-      2.1-2.7x faster at 1 row, 1.4-1.8x at 8, 1.1-1.2x at 64 and 1.05-1.1x in prefills (torch 2.13, Zen 5
-      with AVX512-BF16; `python benchmark/linear_pack.py --dtype bfloat16`).
+    Why: unpacked, the GEMM library reorders W into its own layout on every call; reordered once at load the
+    products are faster at every row count (torch 2.13, 2-core Zen 5, `benchmark/linear_pack.py`):
+    - float32: 2.2-2.8x faster than `F.linear` from 8 rows up, 1.0-3.0x at 1 row (F.linear goes through MKL,
+      whose fp32 kernels are slow on this AMD CPU; MKL's own packed layout, used here before, was no faster
+      than F.linear there). The product sums in a different order than `F.linear`: the same fp32 accuracy,
+      not the same bits.
+    - bfloat16: the same bits as `F.linear` (itself oneDNN), 2.1-2.7x faster at 1 row, 1.4-1.8x at 8,
+      1.1-1.2x at 64 and ~1.05x in prefills.
     The unpacked copy is dropped so the model's memory does not double.
     """
 
@@ -55,24 +51,13 @@ class Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.packed = mkl_packed(weight)
-        self.onednn = onednn_packed(weight) if self.packed is None else None
-        self.weight: torch.Tensor | None = None
-        self._shape_only: torch.Tensor | None = None
-        if self.packed is not None:
-            # The MKL op reads only the dtype and shape of the original weight (it would fall back to it if
-            # its row-count argument did not match x, and it always does here): a zero-stride stand-in.
-            self._shape_only = weight.new_empty(()).expand(weight.shape)
-        elif self.onednn is None:
-            self.weight = nn.Parameter(weight, requires_grad=False)
+        self.packed = onednn_packed(weight)
+        self.weight = nn.Parameter(weight, requires_grad=False) if self.packed is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // self.in_features
-        return torch.ops.mkl._mkl_linear(x, self.packed, self._shape_only, self.bias, rows)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class ColumnParallelLinear(Linear):

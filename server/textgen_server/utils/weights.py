@@ -19,7 +19,7 @@ class Weights:
     `aliases` maps a wanted name to other names that may hold it (e.g. a tied `lm_head.weight` stored only
     as `model.embed_tokens.weight`). Floating tensors are converted to `dtype`, and every tensor is copied to
     `device` as memory of its own: a view into the memory-mapped file would keep the whole file mapped, and
-    with it the pages read to build what replaced a weight (a fused or MKL-packed copy), for as long as any
+    with it the pages read to build what replaced a weight (a fused or reordered copy), for as long as any
     view lives.
     """
 
