@@ -24,11 +24,9 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` (out, in) as a oneDNN tensor in its blocked GEMM layout, or None where that path does not
     exist: not on the CPU, not float32 / bfloat16, a torch without oneDNN, or (bfloat16) a CPU without native
     bf16 kernels."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    if weight.dtype != torch.float32 and not (
-        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ):
+    dtype_ok = weight.dtype == torch.float32 or (
+        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not dtype_ok:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
 
