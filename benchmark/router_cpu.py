@@ -17,6 +17,7 @@ then `--rounds` rounds of `--streams` concurrent requests of `--max-new-tokens` 
   i.e. the time a step spends outside the shard's forward (gRPC, router loop, filtering) as the router sees it.
 
     python benchmark/router_cpu.py [--streams 64] [--max-new-tokens 64] [--rounds 2] [--routes generate,chat]
+    python benchmark/router_cpu.py --model-dir models/small-llama-v1 --size small   # W1's ~80 ms steps
 """
 from __future__ import annotations
 
@@ -113,14 +114,16 @@ def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, r
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", default="models/tiny-llama", help="built here (tiny llama) when missing")
+    parser.add_argument("--model-dir", default="models/tiny-llama", help="built here when missing")
+    parser.add_argument("--size", default="tiny", help="the builder size of --model-dir (a model of another size "
+                        "there is rebuilt): tiny, or small for the W1 model's step times")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--routes", default="generate,chat")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
-    model = build_test_model(args.model_dir, arch="llama", size="tiny")
+    model = build_test_model(args.model_dir, arch="llama", size=args.size)
     launcher = Launcher(model, args.streams)
     # The driver shares the box with the router (a real client is elsewhere): as SCHED_BATCH its wake-ups,
     # one per event read, no longer preempt the router, whose CPU time then stops paying for the cache
