@@ -9,9 +9,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
 
-# make runs the proto generation; a CUDA base image brings no Python, the slim one does.
+# make runs the proto generation; a CUDA base image brings no Python, the slim one does. g++ builds the bf16
+# CPU decode attention op on the machine that runs it (server/textgen_server/layers/decode_attention.py).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make \
+    && apt-get install -y --no-install-recommends make g++ \
     && if ! command -v python3 >/dev/null; then \
          apt-get install -y --no-install-recommends python3 python3-venv; fi \
     && rm -rf /var/lib/apt/lists/*

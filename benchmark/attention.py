@@ -2,18 +2,23 @@
 
 One decode step of the small Llama's 12 layers at batch 64 (12 heads of 64), over per-layer KV buffers
 [B, H, capacity, D] of which a window of `--window` columns is live (the rest: dead columns left of it and the
-spare reserve right of it), as `PaddedKVCache` holds them. Per dtype it times, in one process and alternately:
+spare reserve right of it), as `PaddedKVCache` holds them. Rows attend to the last 100% down to `--shortest`
+(default 35%) of the window, longest first, as W1's left-padded prompts of 32-256 tokens do at their first
+decode step. Per dtype it times, in one process and alternately:
 
 - `sdpa window`: torch's SDPA on the window views (the float32 shard's path);
 - `matmul window`: the shard's `matmul_attention` on the same views (strided: the half-precision matmul copies
   the K operand whole before every product);
 - `matmul whole`: `matmul_attention` on the whole buffers with the outside columns masked (the half-precision
-  shard's decode path, `PaddedKVCache.whole`).
+  shard's decode path where the decode op cannot be built, `PaddedKVCache.whole`);
+- `decode op` (bfloat16): the op of layers/decode_attention.py on the whole buffers, reading each row's live
+  columns only (the bf16 shard's decode path).
 
 It prints the median ms per step and GB/s of KV bytes the kernel reads (the window's for the window rows, the
-whole buffer's for the last) against a measured copy bandwidth.
+whole buffer's for `matmul whole`, the rows' live columns for the op) against a measured copy bandwidth.
 
-    python benchmark/attention.py [--batch 64] [--window 300] [--capacity 413] [--threads 2] [--runs 7]
+    python benchmark/attention.py [--batch 64] [--window 300] [--capacity 413] [--shortest 0.35] [--threads 2]
+                                  [--runs 7]
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 
 from shard_decode import copy_bandwidth_gbs
 from textgen_server.layers.attention import matmul_attention, sdpa
+from textgen_server.layers.decode_attention import decode_attention, first_visible, kernel_available
 
 LAYERS, HEADS, HEAD_DIM = 12, 12, 64
 
@@ -47,14 +53,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--window", type=int, default=300)
     p.add_argument("--capacity", type=int, default=413)
+    p.add_argument("--shortest", type=float, default=0.35, help="live share of the window for the last row")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=7)
     args = p.parse_args()
     bandwidth = copy_bandwidth_gbs(args.threads)  # also sets the thread count
     start = (args.capacity - args.window) // 2
     window = slice(start, start + args.window)
+    lengths = [round(args.window * (1 - (1 - args.shortest) * b / max(args.batch - 1, 1))) for b in range(args.batch)]
     mask = torch.zeros(args.batch, 1, 1, args.capacity, dtype=torch.bool)
-    mask[..., window] = True
+    for b, n in enumerate(lengths):
+        mask[b, ..., window.stop - n : window.stop] = True
+    first = first_visible(mask[..., window], args.batch, torch.device("cpu"))
     print(f"batch {args.batch}, window {args.window} of {args.capacity} columns, {LAYERS} layers, "
           f"{args.threads} threads; copy bandwidth {bandwidth:.1f} GB/s")
     print("| dtype | kernel | ms/step | GB/s read |")
@@ -66,6 +76,9 @@ def main() -> None:
         cases = {"sdpa window": (step(sdpa, q, buffers, mask, window), args.window),
                  "matmul window": (step(matmul_attention, q, buffers, mask, window), args.window),
                  "matmul whole": (step(matmul_attention, q, buffers, mask, None), args.capacity)}
+        if dtype == torch.bfloat16 and kernel_available():
+            op = lambda q, k, v, mask, scale: decode_attention(q, k, v, first, start, args.window, scale)  # noqa: E731
+            cases["decode op"] = (step(op, q, buffers, mask, None), sum(lengths) / args.batch)
         times: dict[str, list[float]] = {name: [] for name in cases}
         for run, _ in cases.values():
             run()  # warm-up

@@ -8,6 +8,7 @@ import torch
 
 from shard_helpers import HFOracle, make_batch, make_request
 from textgen_pb import generate_pb2 as pb
+from textgen_server.layers.decode_attention import kernel_available
 from textgen_server.models import get_model
 from textgen_server.models.causal_lm import CausalLM, CausalLMBatch
 
@@ -168,8 +169,13 @@ def test_llama_uneven_batch_matches_transformers(tiny_llama: Path, llama_oracle:
     check_uneven_batch(model, llama_oracle)
 
 
-def test_bfloat16_llama_uneven_batch_matches_transformers_eager(tiny_llama: Path) -> None:
-    # bf16 on a CPU: matmul attention, decode steps over whole KV buffers (PaddedKVCache.whole_decode).
+@pytest.mark.parametrize("decode_kernel", ["1", "0"])
+def test_bfloat16_llama_uneven_batch_matches_transformers_eager(tiny_llama: Path, decode_kernel: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 on a CPU: matmul attention; decode steps with the decode attention op over each row's live keys, or
+    # (switched off, or where it cannot be built) the matmul over whole KV buffers (PaddedKVCache.whole_decode).
+    monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", decode_kernel)
     model = get_model(str(tiny_llama), dtype="bfloat16")
     assert isinstance(model, CausalLM)
+    assert model.module.decode_kernel == (decode_kernel == "1" and kernel_available())
     check_uneven_batch(model, HFOracle(tiny_llama, "bfloat16", "eager"))

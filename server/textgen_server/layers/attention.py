@@ -5,6 +5,7 @@ torch's CPU `scaled_dot_product_attention` is fast in float32, but in bfloat16 i
 softmax between them beat the float32 SDPA, provided their operands are whole KV buffers rather than strided
 windows of them (`PaddedKVCache.whole`; `python benchmark/attention.py` measures all four). That is the
 computation transformers' own "eager" attention does, so it also rounds the way the reference model does.
+bf16 decode steps of the padded cache go to the op of decode_attention.py instead, which reads only live keys.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from textgen_server.layers.attention import attention_for, uses_matmul
+from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary
 from textgen_server.layers.tensor_parallel import (
@@ -169,9 +170,10 @@ class Attention(nn.Module):
         self.attention = attention_for(weights.dtype, weights.device)
 
     def forward(self, hidden: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+                mask: torch.Tensor | None, cache: KVCache | None, first: torch.Tensor | None) -> torch.Tensor:
         """`hidden` [T, hidden] holds the layout's real tokens, `cos`/`sin` [T, 1, head_dim] their angles;
-        attention itself runs on the padded [B, S] grid."""
+        attention itself runs on the padded [B, S] grid. `first` (a decode step of a PaddedKVCache with the
+        decode op, see decode_attention.py): each row's first visible column of the cache window."""
         batch, seq_len, tokens = layout.batch, layout.seq_len, hidden.shape[0]
         q, k, v = self.qkv(hidden).split(self.split, dim=-1)
         # RoPE on the real tokens only, before padding: a W1 prefill grid is ~40% padding.
@@ -182,6 +184,10 @@ class Attention(nn.Module):
         groups = layout.row_groups
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+            if first is not None and isinstance(cache, PaddedKVCache):
+                out = decode_attention(q, cache.keys[self.layer_idx], cache.values[self.layer_idx], first,
+                                       cache.offset, k.shape[2], self.scaling)
+                return self.o_proj(out.reshape(batch, -1))
             if seq_len == 1 and isinstance(cache, PaddedKVCache) and cache.whole_decode:
                 # Every column, the ones outside the window masked (see PaddedKVCache): cutting row groups'
                 # padding columns would make the operands strided again.
@@ -243,8 +249,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, weights, f"{prefix}.mlp", dist)
 
     def forward(self, hidden: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), layout, cos, sin, mask, cache)
+                mask: torch.Tensor | None, cache: KVCache | None, first: torch.Tensor | None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), layout, cos, sin, mask, cache, first)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -261,7 +267,10 @@ class TPCausalLM(nn.Module):
         self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", dist, embedding=tied)
         self.rotary = RotaryEmbedding(config, device)
         self.windows = _layer_windows(config)
-        self.whole_decode = uses_matmul(weights.dtype, device)
+        # bf16 on a CPU decodes with the op that reads only live keys; the matmul path, where it cannot be
+        # built, reads whole buffers.
+        self.decode_kernel = use_decode_kernel(weights.dtype, device)
+        self.whole_decode = uses_matmul(weights.dtype, device) and not self.decode_kernel
 
     def new_cache(self, reserve: int = 0) -> PaddedKVCache:
         """An empty preallocating cache with `reserve` spare columns after the prefill (see kv_cache.py)."""
@@ -285,8 +294,11 @@ class TPCausalLM(nn.Module):
         hidden = self.embed_tokens(layout.pack(input_ids.reshape(-1)))
         cos, sin = (x.unsqueeze(1) for x in self.rotary(hidden, layout.pack(position_ids.reshape(-1))))
         masks = self._masks(attention_mask, seq_len)
+        firsts: dict[int | None, torch.Tensor | None] = {}
+        if seq_len == 1 and self.decode_kernel and isinstance(cache, PaddedKVCache):
+            firsts = {window: first_visible(mask, batch, input_ids.device) for window, mask in masks.items()}
         for layer, window in zip(self.layers, self.windows):
-            hidden = layer(hidden, layout, cos, sin, masks[window], cache)
+            hidden = layer(hidden, layout, cos, sin, masks[window], cache, firsts.get(window))
         if logits_to_keep:
             # Left padding: every row's newest positions are real tokens, the last ones of its packed run.
             hidden = hidden[layout.last_positions(logits_to_keep)].view(batch, logits_to_keep, -1)
