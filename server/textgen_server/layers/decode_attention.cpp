@@ -25,6 +25,12 @@
 
 namespace {
 
+// A core's own stream of misses bounds the op (13.5 GB/s on one Zen 5 core, 24 on two): asking for the 128-byte
+// row AHEAD rows on, besides the hardware prefetcher, made a W1-like step ~7% faster (benchmark/attention.py).
+// Prefetches past the end of a buffer are harmless: they never fault.
+#define AHEAD 32
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3); __builtin_prefetch((p) + 32, 0, 3)
+
 inline float bf16_to_float(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
@@ -71,6 +77,7 @@ inline void weighted_sum(const float* p, const uint16_t* values, int64_t rows, i
     for (int64_t t = 0; t < rows; ++t) {
       const __m512 w = _mm512_set1_ps(p[t]);
       const uint16_t* row = values + t * dim;
+      PREFETCH(row + AHEAD * dim);
       a0 = _mm512_fmadd_ps(w, load16(row), a0);
       a1 = _mm512_fmadd_ps(w, load16(row + 16), a1);
       a2 = _mm512_fmadd_ps(w, load16(row + 32), a2);
@@ -131,6 +138,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const uint16_t* qs = Q + bh * group * dim;
       for (int64_t i = 0; i < group * dim; ++i) queries[i] = bf16_to_float(qs[i]);
       for (int64_t t = 0; t < rows; ++t) {
+        PREFETCH(keys + (t + AHEAD) * dim);
         for (int64_t g = 0; g < group; ++g) {
           scores[g * window + t] = round_bf16(dot(queries.data() + g * dim, keys + t * dim, dim));
         }
