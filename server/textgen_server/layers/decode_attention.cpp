@@ -29,7 +29,11 @@ namespace {
 // row AHEAD rows on, besides the hardware prefetcher, made a W1-like step ~7% faster (benchmark/attention.py).
 // Prefetches past the end of a buffer are harmless: they never fault.
 #define AHEAD 32
-#define PREFETCH(p) __builtin_prefetch((p), 0, 3); __builtin_prefetch((p) + 32, 0, 3)
+#define PREFETCH(p)                 \
+  do {                              \
+    __builtin_prefetch((p), 0, 3);      \
+    __builtin_prefetch((p) + 32, 0, 3); \
+  } while (0)
 
 inline float bf16_to_float(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;

@@ -37,10 +37,11 @@ class PaddedKVCache:
 
     `whole_decode` (half precision on a CPU without the bf16 decode op of layers/decode_attention.py, which
     reads each row's live columns straight from the buffers): decode steps attend over every column of a
-    buffer (`whole`), the ones outside the window masked. A window is a strided view, and the CPU's half-precision matmul copies such an operand whole into
-    a contiguous tensor before every product: reading the dead and spare columns costs less than that copy
-    (bf16 decode attention at batch 64 2.7x faster in benchmark/attention.py). Such a cache keeps every column
-    finite (spare columns are zeroed when allocated), since a masked column's zero weight times NaN is NaN.
+    buffer (`whole`), the ones outside the window masked. A window is a strided view, and the CPU's
+    half-precision matmul copies such an operand whole into a contiguous tensor before every product: reading
+    the dead and spare columns costs less than that copy (bf16 decode attention at batch 64 2.7x faster in
+    benchmark/attention.py). Such a cache keeps every column finite (spare columns are zeroed when allocated),
+    since a masked column's zero weight times NaN is NaN.
     """
 
     def __init__(self, num_layers: int, reserve: int = 0, whole_decode: bool = False) -> None:
