@@ -15,7 +15,14 @@ import pytest
 from textgen_router import metrics
 from textgen_router.backend import Backend, connect_backend
 from textgen_router.infer import Infer
-from textgen_router.types import GenerationError, OverloadedError, ValidRequest
+from textgen_router.types import (
+    EndEvent,
+    GenerationError,
+    IntermediateEvent,
+    OverloadedError,
+    StreamEvent,
+    ValidRequest,
+)
 
 from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
 
@@ -157,6 +164,31 @@ def test_dropped_consumer_leaves_the_batch_within_one_step(infer: Infer, oracle:
         assert await task == oracle(kept.inputs, 40)
 
     run(scenario())
+
+
+def test_sink_takes_tokens_until_it_declines_then_the_stream_gets_the_rest(
+    infer: Infer, oracle: Any, run: Any
+) -> None:
+    """A TokenSink's tokens never reach the stream; once it declines (and keeps declining), every later
+    IntermediateEvent comes through the stream, in order, then the EndEvent."""
+    request = valid(oracle, prompt(12), 12)
+    taken: list[int] = []
+    offered: list[int] = []
+
+    def sink(event: IntermediateEvent) -> bool:
+        offered.append(event.token.id)
+        if len(taken) < 5:
+            taken.append(event.token.id)
+            return True
+        return False
+
+    async def scenario() -> list[StreamEvent]:
+        return [event async for event in infer.generate_stream(request, sink)]
+
+    streamed = run(scenario())
+    assert [type(e) for e in streamed] == [IntermediateEvent] * 6 + [EndEvent]
+    assert taken + [e.token.id for e in streamed] == oracle(request.inputs, 12)
+    assert offered == oracle(request.inputs, 12)[:6] + [e.token.id for e in streamed[1:-1]]
 
 
 def test_prefill_error_fails_only_the_new_requests(infer: Infer, oracle: Any, run: Any) -> None:

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from router_fixtures import MAX_CONCURRENT_REQUESTS
-from textgen_router.sse import KEEP_ALIVE, EventStream, event
+from router_fixtures import MAX_CONCURRENT_REQUESTS, MAX_TOTAL_TOKENS
+from textgen_router.sse import DIRECT_SEND, KEEP_ALIVE, ChunkWriter, EventStream, event
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -208,6 +208,72 @@ def test_cancel_from_outside_propagates() -> None:
             await task
 
     asyncio.run(main())
+
+
+def test_chunk_writer_sends_at_once_and_declines_what_would_wait() -> None:
+    """The ChunkWriter sends through the server's own send without awaiting; a send that would wait (flow
+    control) is dropped unsent, and so is every chunk once the stream is over or without DIRECT_SEND."""
+    results: list[bool] = []
+    writers: list[ChunkWriter] = []
+
+    async def main() -> None:
+        peer = AsgiPeer()
+        readable = asyncio.Event()
+
+        async def server_send(message: dict) -> None:  # waits for the client to read, like uvicorn's
+            if message["type"] == "http.response.body" and message.get("more_body") and not readable.is_set():
+                await readable.wait()
+            await peer.send(message)
+
+        def source(write: ChunkWriter) -> AsyncIterator[bytes]:
+            async def events() -> AsyncIterator[bytes]:
+                writers.append(write)
+                readable.set()
+                results.append(write(b"a"))
+                readable.clear()
+                results.append(write(b"b"))  # would wait: declined, so the source sends it
+                readable.set()
+                yield b"b"
+                results.append(write(b"c"))
+            return events()
+
+        scope = {"type": "http", DIRECT_SEND: server_send}
+        await asyncio.wait_for(EventStream(source, {})(scope, peer.receive, peer.send), 5)
+        assert peer.bodies() == [b"a", b"b", b"c"]
+        results.append(writers[0](b"late"))  # the response is complete
+        plain = AsgiPeer()
+        await asyncio.wait_for(EventStream(source, {})({"type": "http"}, plain.receive, plain.send), 5)
+        assert plain.bodies() == [b"b"]
+
+    asyncio.run(main())
+    assert results == [True, False, True, False, False, False, False]
+
+
+def test_a_client_that_reads_late_gets_every_event_in_order(client: httpx.Client) -> None:
+    """A client that reads nothing until its generation is over (the tokens written from the batching loop pile
+    up in the socket buffers) still gets every event, in order."""
+    n = MAX_TOTAL_TOKENS - 16
+    body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": n, "top_n_tokens": 5}}).encode()
+    head = (f"POST /generate_stream HTTP/1.1\r\nHost: x\r\nAuthorization: {client.headers['authorization']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connecting: a small window
+        sock.settimeout(60)
+        sock.connect((client.base_url.host, client.base_url.port))
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and metric(client, "tgi_batch_current_size") < 1:
+            time.sleep(0.01)
+        while time.monotonic() < deadline and metric(client, "tgi_batch_current_size") > 0:
+            time.sleep(0.05)  # every token generated, the stream mostly unread
+        raw = b""
+        while chunk := sock.recv(1 << 16):
+            raw += chunk
+    payload = raw.split(b"\r\n\r\n", 1)[1]
+    events = [json.loads(line[5:]) for line in re.findall(rb"data:[^\n]*", payload)]
+    assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+    assert events[-1]["generated_text"] is not None and events[-1]["details"] is None
+    assert len(events) == n or events[-1]["token"]["special"]  # max_new_tokens, or an EOS token
 
 
 def test_non_streaming_client_that_leaves_stops_generating(client: httpx.Client) -> None:

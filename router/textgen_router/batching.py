@@ -5,10 +5,12 @@ running batch step by step. Before each step, waiting requests may join: the que
 `waiting_served_ratio` x the running batch size (backpressure), or anything that fits once
 `max_waiting_tokens` steps passed without onboarding. The joiners are prefilled alone (the running batch pauses
 one step) and then decoded together with it (a Decode with two batches, concatenated by the shards).
-After every Prefill/Decode the generations go to their entries' streams, and finished or dropped requests are
+After every Prefill/Decode the generations become their entries' events, and finished or dropped requests are
 filtered out of the shard batch in the same step (FilterBatch, or ClearCache when none is left).
-The streams are woken only once the next Prefill/Decode is sent (or the loop goes idle): their HTTP work
-(JSON, SSE, socket writes) then overlaps the shards' step instead of delaying it.
+The events are delivered only once the next Prefill/Decode is sent (or the loop goes idle): their HTTP work
+(JSON, SSE, socket writes) then overlaps the shards' step instead of delaying it. An entry's sink (a stream's
+writer, see types.TokenSink) takes its IntermediateEvents right there, in this task; the other events wake the
+request's task.
 A failing Prefill fails only its new requests; a failing Decode fails the whole running batch; either way the
 shard caches of the failed batches are cleared.
 TGI's chunked-prefill branch is not implemented: our shards never report `support_chunking`.
@@ -26,8 +28,8 @@ from textgen_pb import generate_pb2
 
 from . import metrics
 from .client import ShardedClient, ShardError, StepResult
-from .queue import Channel, Entry, Queue
-from .types import EndEvent, GeneratedText, GenerationError, IntermediateEvent, PrefillEvent, Token
+from .queue import Entry, Queue
+from .types import EndEvent, GeneratedText, GenerationError, IntermediateEvent, PrefillEvent, StreamEvent, Token
 
 logger = logging.getLogger("textgen_router.batching")
 tracer = trace.get_tracer("textgen_router")
@@ -80,7 +82,7 @@ class Batcher:
         self.max_waiting_tokens = max_waiting_tokens
         self.running: dict[int, Entry] = {}  # every entry of the running (shard-cached) batch
         self._wakeup = asyncio.Event()
-        self._unwoken: list[Channel] = []  # streams given events since the last shard call was sent
+        self._undelivered: list[tuple[Entry, StreamEvent]] = []  # events made since the last shard call was sent
 
     def notify(self) -> None:
         self._wakeup.set()
@@ -101,7 +103,7 @@ class Batcher:
                     logger.exception("Unable to clear the Python model shards cache")
                 self.notify()
             finally:
-                self._wake_streams()
+                self._deliver()
                 metrics.BATCH_CURRENT_SIZE.set(0)
                 metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
 
@@ -148,7 +150,7 @@ class Batcher:
         links = [trace.Link(e.span.get_span_context()) for e in entries.values() if e.span is not None]
         with tracer.start_as_current_span("batch", links=links, attributes={"batch_size": len(entries)}):
             try:
-                result = await self.client.prefill(batch, sent=self._wake_streams)
+                result = await self.client.prefill(batch, sent=self._deliver)
             except ShardError as err:
                 await self._fail([batch.id], entries, err)
                 metrics.BATCH_INFERENCE_FAILURE.labels(PREFILL).inc()
@@ -161,7 +163,7 @@ class Batcher:
         metrics.BATCH_INFERENCE_COUNT.labels(DECODE).inc()
         with tracer.start_as_current_span("batch", attributes={"batch_size": len(entries)}):
             try:
-                result = await self.client.decode(batches, sent=self._wake_streams)
+                result = await self.client.decode(batches, sent=self._deliver)
             except ShardError as err:
                 await self._fail([b.id for b in batches], entries, err)
                 metrics.BATCH_INFERENCE_FAILURE.labels(DECODE).inc()
@@ -190,14 +192,17 @@ class Batcher:
         metrics.BATCH_INFERENCE_SUCCESS.labels(method).inc()
         return next_batch
 
-    def _wake_streams(self) -> None:
-        for channel in self._unwoken:
-            channel.wake()
-        self._unwoken.clear()
+    def _deliver(self) -> None:
+        """Hand the events made since the last shard call to their sinks or streams, in order."""
+        for entry, event in self._undelivered:
+            sink = entry.sink
+            if sink is None or type(event) is not IntermediateEvent or not sink(event):
+                entry.events.put_nowait(event)
+        self._undelivered.clear()
 
     def _send(self, generations: Sequence[generate_pb2.Generation], entries: dict[int, Entry]) -> None:
-        """Push each generation's events on its entry's stream (woken later, see `_wake_streams`); forget
-        entries that ended or were dropped.
+        """Turn each generation into its entry's events (delivered later, see `_deliver`); forget entries that
+        ended or were dropped.
 
         Hot path (once per request per step): every protobuf field access costs, so optional fields are
         only read when the request asked for them.
@@ -211,11 +216,10 @@ class Batcher:
                 entry.finish_span()
                 del entries[rid]
                 continue
-            put = entry.events.push
-            self._unwoken.append(entry.events)
+            put = self._undelivered.append
             request = entry.request
             if request.decoder_input_details and g.HasField("prefill_tokens"):
-                put(PrefillEvent(_tokens(g.prefill_tokens)))
+                put((entry, PrefillEvent(_tokens(g.prefill_tokens))))
             toks = g.tokens
             ids, texts, logprobs, special = toks.ids, toks.texts, toks.logprobs, toks.is_special
             last = len(ids) - 1
@@ -227,20 +231,21 @@ class Batcher:
                 top = _tokens(top_tokens[i]) if i < len(top_tokens) else []
                 if done and i == last:
                     gt = g.generated_text
-                    put(EndEvent(
+                    put((entry, EndEvent(
                         token, top,
                         GeneratedText(gt.text, gt.generated_tokens, FINISH_REASONS[gt.finish_reason],
                                       gt.seed if gt.HasField("seed") else None),
                         entry.queue_time, entry.batch_time or entry.queue_time,
-                    ))
+                    )))
                 else:
-                    put(IntermediateEvent(token, top))
+                    put((entry, IntermediateEvent(token, top)))
             if done:
                 entry.finish_span()
                 del entries[rid]
 
     async def _fail(self, batch_ids: list[int], entries: dict[int, Entry], err: ShardError) -> None:
         """Fail every entry of the failed batch(es) and drop their shard caches."""
+        self._deliver()  # the events of the step before the failure come first
         for batch_id in batch_ids:
             try:
                 await self.client.clear_cache(batch_id)
@@ -257,6 +262,7 @@ class Batcher:
 
     def fail_all(self, message: str, queued: bool = True) -> None:
         """End every running request (and every queued one if `queued`) with GenerationError(message)."""
+        self._deliver()
         pending = list(self.running.values())
         self.running = {}
         if queued:

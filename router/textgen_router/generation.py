@@ -2,8 +2,10 @@
 
 - `generate(state, inputs, parameters)` -> `Generation`: one finished sequence (permit, validation, queue).
 - `generate_best_of(state, inputs, parameters, best_of)` -> (winner, others).
-- `stream(state, inputs, parameters)` -> async iterator of (ValidRequest, StreamEvent); closing it tells the
-  inference side that the client went away.
+- `stream(state, inputs, parameters, sink=None)` -> async iterator of (ValidRequest, StreamEvent), without the
+  IntermediateEvents `sink` took (types.TokenSink); closing it tells the inference side that the client went
+  away.
+- `StreamSink(write, encode)`: the TokenSink of an SSE route, writing its tokens' chunks from the batching loop.
 - `Timings`, `record_success`, `timing_headers`: TGI's request metrics and x-* headers.
 
 Like TGI, a concurrency permit is taken (without waiting) *before* validation and held until the request
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -22,14 +24,17 @@ from opentelemetry import trace
 
 from textgen_router import metrics
 from textgen_router.schemas import GenerateParameters
+from textgen_router.sse import ChunkWriter
 from textgen_router.state import RouterState
 from textgen_router.types import (
     EndEvent,
     GeneratedText,
     IncompleteGenerationError,
+    IntermediateEvent,
     PrefillEvent,
     StreamEvent,
     Token,
+    TokenSink,
     ValidationError,
     ValidRequest,
 )
@@ -54,6 +59,34 @@ class Generation:
         return sum(t.logprob for t in self.tokens) / len(self.tokens) if self.tokens else float("-inf")
 
 
+class StreamSink:
+    """An SSE route's TokenSink: writes each streamed token's chunk to the client from the batching loop.
+
+    `encode(index, event)` makes the chunk of the index-th token (from 1). Once `write` declined a chunk, the
+    events come through the route's stream instead, to be encoded with the same function and numbered with
+    `next_index()`, which also numbers the last event.
+    """
+
+    __slots__ = ("_write", "_encode", "_direct", "index")
+
+    def __init__(self, write: ChunkWriter, encode: Callable[[int, IntermediateEvent], bytes]) -> None:
+        self._write = write
+        self._encode = encode
+        self._direct = True
+        self.index = 0  # tokens sent or handed to the stream so far
+
+    def __call__(self, event: IntermediateEvent) -> bool:
+        if self._direct and self._write(self._encode(self.index + 1, event)):
+            self.index += 1
+            return True
+        self._direct = False
+        return False
+
+    def next_index(self) -> int:
+        self.index += 1
+        return self.index
+
+
 async def validate(
     state: RouterState, inputs: str, parameters: GenerateParameters, add_special_tokens: bool = True
 ) -> ValidRequest:
@@ -67,7 +100,8 @@ async def validate(
 
 
 async def stream(
-    state: RouterState, inputs: str, parameters: GenerateParameters, add_special_tokens: bool = True
+    state: RouterState, inputs: str, parameters: GenerateParameters, add_special_tokens: bool = True,
+    sink: TokenSink | None = None,
 ) -> AsyncIterator[tuple[ValidRequest, StreamEvent]]:
     """Take a permit, validate, enqueue; yield each event of the request until its EndEvent.
 
@@ -78,7 +112,7 @@ async def stream(
     with state.infer.acquire_permit():
         request = await validate(state, inputs, parameters, add_special_tokens)
         # Read the inference stream to its own end: closing it early means "the client went away".
-        async with aclosing(state.infer.generate_stream(request)) as events:
+        async with aclosing(state.infer.generate_stream(request, sink)) as events:
             async for event in events:
                 ended = ended or isinstance(event, EndEvent)
                 yield request, event
@@ -95,7 +129,14 @@ async def generate(
     tokens: list[Token] = []
     top_tokens: list[list[Token]] = []
     end: EndEvent | None = None
-    async with aclosing(stream(state, inputs, parameters, add_special_tokens)) as events:
+
+    def collect(event: IntermediateEvent) -> bool:
+        tokens.append(event.token)
+        top_tokens.append(event.top_tokens)
+        return True
+
+    # The tokens before the last are collected by the batching loop itself: the task wakes up once, at the end.
+    async with aclosing(stream(state, inputs, parameters, add_special_tokens, collect)) as events:
         async for request, event in events:
             if isinstance(event, PrefillEvent):
                 prefill = event.tokens

@@ -21,12 +21,13 @@ from opentelemetry.trace import Span
 from textgen_router import generation, jsonenc, metrics, responses, schemas
 from textgen_router.generation import Timings
 from textgen_router.responses import error_response, json_response
-from textgen_router.sse import EventStream, client_disconnected, event
+from textgen_router.sse import ChunkWriter, EventStream, client_disconnected, event
 from textgen_router.state import RouterState
 from textgen_router.types import (
     EndEvent,
     IncompleteGenerationError,
     InferError,
+    IntermediateEvent,
     PrefillEvent,
     ValidationError,
     ValidRequest,
@@ -85,28 +86,33 @@ def generate_stream_internal(
 ) -> Response:
     """A 200 SSE stream of TGI's StreamResponse events; every error is an event on it. Ends `span`."""
     headers = {"x-compute-type": state.compute_type, "x-compute-characters": str(len(req.inputs))}
-    return EventStream(_stream_events(state, req, start_time, span), headers)
+    return EventStream(lambda write: _stream_events(state, req, start_time, span, write), headers)
+
+
+def _token_event(index: int, ev: IntermediateEvent) -> bytes:
+    if ev.top_tokens:
+        return event(jsonenc.dumps(responses.stream_response(index, ev.token, ev.top_tokens)))
+    return event(responses.stream_token_event(index, ev.token))
 
 
 async def _stream_events(
-    state: RouterState, req: schemas.GenerateRequest, start_time: float, span: Span
+    state: RouterState, req: schemas.GenerateRequest, start_time: float, span: Span, write: ChunkWriter
 ) -> AsyncIterator[bytes]:
+    """The events the batching loop did not write itself (see generation.StreamSink), then the last one."""
     p = req.parameters
     with trace.use_span(span, end_on_exit=True):
         try:
             _check_streamable(p)
-            index = 0
-            async with aclosing(generation.stream(state, req.inputs, p)) as events:
+            sink = generation.StreamSink(write, _token_event)
+            async with aclosing(generation.stream(state, req.inputs, p, sink=sink)) as events:
                 async for request, ev in events:
                     if isinstance(ev, PrefillEvent):
                         continue
-                    index += 1
+                    index = sink.next_index()
                     if isinstance(ev, EndEvent):
                         yield _final_event(req, request, ev, index, start_time, span)
-                    elif ev.top_tokens:
-                        yield event(jsonenc.dumps(responses.stream_response(index, ev.token, ev.top_tokens)))
                     else:
-                        yield event(responses.stream_token_event(index, ev.token))
+                        yield _token_event(index, ev)
         except IncompleteGenerationError:
             # Already counted as err="incomplete"; a stream reports it under its own name.
             yield _error_event(IncompleteGenerationStreamError())

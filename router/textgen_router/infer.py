@@ -4,8 +4,9 @@ Contract with the HTTP layer:
 - `acquire_permit()` first, before validation (TGI): a non-blocking slot among `max_concurrent_requests`;
   raises OverloadedError (and counts tgi_request_failure{err="overloaded"}) when none is free. Hold the
   Permit for the whole request or stream, then `release()` it (idempotent) or use it as a context manager.
-- `generate_stream(valid_request)`: an async iterator of PrefillEvent (only with decoder_input_details),
-  IntermediateEvent..., then exactly one EndEvent; raises GenerationError if the shards fail. Stopping
+- `generate_stream(valid_request, sink=None)`: an async iterator of PrefillEvent (only with
+  decoder_input_details), IntermediateEvent... (those `sink` did not take, see types.TokenSink), then exactly
+  one EndEvent; raises GenerationError if the shards fail. Stopping
   early (break, `aclose()`, client disconnect) drops the request: it leaves the queue or the running batch at
   the next step. Prefer `contextlib.aclosing(...)` so the drop is immediate rather than at garbage collection.
 - `await health()`: TGI's /health check; `healthy` is False after a generation error until a check passes.
@@ -24,7 +25,7 @@ from . import metrics
 from .batching import Batcher
 from .client import ShardedClient, ShardError
 from .queue import Entry, Queue
-from .types import EndEvent, InferError, OverloadedError, StreamEvent, ValidRequest
+from .types import EndEvent, InferError, OverloadedError, StreamEvent, TokenSink, ValidRequest
 
 LIVENESS_ID = 2**64 - 1
 
@@ -84,9 +85,9 @@ class Infer:
         self.available_permits -= 1
         return Permit(self)
 
-    async def generate_stream(self, request: ValidRequest) -> AsyncIterator[StreamEvent]:
+    async def generate_stream(self, request: ValidRequest, sink: TokenSink | None = None) -> AsyncIterator[StreamEvent]:
         """Queue `request` and yield its events as the batching loop produces them (see module docs)."""
-        entry = Entry(request, parent=otel_context.get_current())
+        entry = Entry(request, parent=otel_context.get_current(), sink=sink)
         self.queue.append(entry)
         self.batcher.notify()
         finished = False

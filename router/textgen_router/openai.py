@@ -83,8 +83,8 @@ async def chat_completions(request: Request) -> Response:
     env = bodies.Envelope.now(_model_name(state, body.model))
     if body.stream:
         span = start_request_span("chat_completions", request.headers)
-        events = chat_stream(state, env, body, prompt, start_time, span)
-        return EventStream(events, _stream_headers(state, len(prompt)))
+        return EventStream(lambda write: chat_stream(state, env, body, prompt, start_time, span, write),
+                           _stream_headers(state, len(prompt)))
     with request_span("chat_completions", request.headers):
         return await until_disconnected(request, _chat(state, env, body, prompt, start_time))
 

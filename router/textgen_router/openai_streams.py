@@ -17,9 +17,9 @@ from textgen_router import generation, jsonenc, openai_responses as bodies
 from textgen_router.generation import Timings
 from textgen_router.openai_schemas import ChatRequest
 from textgen_router.schemas import GenerateParameters
-from textgen_router.sse import event
+from textgen_router.sse import ChunkWriter, event
 from textgen_router.state import RouterState
-from textgen_router.types import EndEvent, InferError, PrefillEvent
+from textgen_router.types import EndEvent, InferError, IntermediateEvent, PrefillEvent
 
 DONE = event(b"[DONE]")
 
@@ -35,23 +35,30 @@ def _record(end: EndEvent, start_time: float) -> None:
 
 
 async def chat_stream(
-    state: RouterState, env: bodies.Envelope, body: ChatRequest, prompt: str, start_time: float, span: Span
+    state: RouterState, env: bodies.Envelope, body: ChatRequest, prompt: str, start_time: float, span: Span,
+    write: ChunkWriter,
 ) -> AsyncIterator[bytes]:
-    """One chunk per token (the last with its finish_reason), then the usage chunk if asked for."""
+    """One chunk per token (the last with its finish_reason), then the usage chunk if asked for; the batching
+    loop writes the token chunks itself while it can (see generation.StreamSink)."""
     chunks = bodies.ChatChunks(env)
+
+    def token_chunk(ev: IntermediateEvent | EndEvent, finish_reason: str | None = None) -> bytes:
+        logprobs = bodies.chat_logprobs([ev.token], [ev.top_tokens]) if body.logprobs else None
+        return event(chunks.token(ev.token, logprobs, finish_reason))
+
     with trace.use_span(span, end_on_exit=True):
         try:
-            stream = generation.stream(state, prompt, body.parameters(), add_special_tokens=False)
+            sink = generation.StreamSink(write, lambda _index, ev: token_chunk(ev))
+            stream = generation.stream(state, prompt, body.parameters(), add_special_tokens=False, sink=sink)
             async with aclosing(stream) as events:
                 async for valid, ev in events:
                     if isinstance(ev, PrefillEvent):
                         continue
-                    logprobs = bodies.chat_logprobs([ev.token], [ev.top_tokens]) if body.logprobs else None
                     if not isinstance(ev, EndEvent):
-                        yield event(chunks.token(ev.token, logprobs, None))
+                        yield token_chunk(ev)
                         continue
                     generated = ev.generated_text
-                    yield event(chunks.token(ev.token, logprobs, generated.finish_reason))
+                    yield token_chunk(ev, generated.finish_reason)
                     _record(ev, start_time)
                     if body.stream_options is not None and body.stream_options.include_usage:
                         usage = bodies.chat_usage_chunk(env, valid.input_length, generated.generated_tokens)

@@ -20,7 +20,7 @@ from opentelemetry import trace
 from textgen_pb import generate_pb2
 
 from . import metrics
-from .types import InferError, StreamEvent, ValidRequest
+from .types import InferError, StreamEvent, TokenSink, ValidRequest
 
 tracer = trace.get_tracer("textgen_router")
 
@@ -28,9 +28,7 @@ tracer = trace.get_tracer("textgen_router")
 class Channel:
     """Unbounded single-consumer channel from the batching loop to one request's stream.
 
-    A leaner asyncio.Queue: put_nowait is an append plus, when the consumer sleeps, one wake-up. The
-    batching loop `push`es once per request per step and `wake`s the consumers later, once the next shard
-    call is on its way.
+    A leaner asyncio.Queue: put_nowait is an append plus, when the consumer sleeps, one wake-up.
     """
 
     __slots__ = ("_items", "_waiter")
@@ -44,13 +42,6 @@ class Channel:
 
     def put_nowait(self, item: StreamEvent | InferError) -> None:
         self._items.append(item)
-        self.wake()
-
-    def push(self, item: StreamEvent | InferError) -> None:
-        """Append without waking the consumer; the producer calls `wake()` when the consumer may run."""
-        self._items.append(item)
-
-    def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -68,13 +59,15 @@ class Channel:
 class Entry:
     """One request's life in the router: queued, then batched, until its stream ends or is dropped.
 
-    `events` receives the StreamEvents of the request, or an InferError that ends it; `dropped` is set by
-    the consumer's side when it stops listening, and makes the queue and batching loop let go of it.
+    `events` receives the StreamEvents of the request, or an InferError that ends it; `sink`, when set, takes
+    the IntermediateEvents first (see types.TokenSink); `dropped` is set by the consumer's side when it stops
+    listening, and makes the queue and batching loop let go of it.
     """
 
     request: ValidRequest
     queue_time: float = field(default_factory=time.monotonic)
     events: Channel = field(default_factory=Channel)
+    sink: TokenSink | None = None
     parent: otel_context.Context | None = None
     id: int = -1
     batch_time: float | None = None

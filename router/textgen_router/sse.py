@@ -4,21 +4,27 @@ Each event is `data:<json>\\n\\n` (no space after the colon, no event names, no 
 stream); after 15 s without an event a keep-alive comment `:\\n\\n` is sent. Responses carry
 `content-type: text/event-stream`, `cache-control: no-cache` and `x-accel-buffering: no`.
 Used by the native and OpenAI routes: `EventStream(events, headers)` where events are bytes made with
-`event(...)`.
+`event(...)`, or `EventStream(make_events, headers)` where `make_events(write)` gets the stream's ChunkWriter.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 KEEP_ALIVE = b":\n\n"
 KEEP_ALIVE_INTERVAL = 15.0
-# Scope key under which an app may hand EventStream the ASGI server's own `send` (see EventStream).
+# Scope key under which an app may hand EventStream the ASGI server's own `send` (see EventStream). That
+# `send` must only ever wait (for the client to read: flow control) before it writes anything, as uvicorn's does.
 DIRECT_SEND = "textgen.direct_send"
+
+ChunkWriter = Callable[[bytes], bool]
+"""Sends one chunk of a streaming EventStream's body at once, from any code on the event loop (the batching
+loop writes the streamed tokens with it). False, with nothing sent, when it cannot: the client is not reading
+fast enough, the stream is over, or the app gave no DIRECT_SEND. The chunk must then come from the source."""
 
 
 async def client_disconnected(receive: Receive) -> None:
@@ -39,7 +45,8 @@ class EventStream(Response):
     ASGI contract: the body is sent from the task that runs the response (the request's task), which also
     iterates `source`; so `source` may hold context (an OpenTelemetry span, any contextvar) across its
     awaits, and is always closed in that task. Per chunk this costs one `send`, with no hand-over to another
-    task. Around it, for the whole stream:
+    task. A `source` made by a callable gets the stream's ChunkWriter, with which other code on the loop may
+    send chunks in between, without waking the request's task. Around it, for the whole stream:
     - a watcher task awaits `receive()`: when the client disconnects it cancels the request's task while it
       streams, which closes `source` (the generation leaves its batch at the next step), and the response
       then ends normally;
@@ -53,8 +60,8 @@ class EventStream(Response):
     chain of send wrappers cost ~12% of the router's CPU under 64 streams, once per chunk.
     """
 
-    def __init__(self, source: AsyncIterator[bytes], headers: Mapping[str, str],
-                 keep_alive_interval: float = KEEP_ALIVE_INTERVAL) -> None:
+    def __init__(self, source: AsyncIterator[bytes] | Callable[[ChunkWriter], AsyncIterator[bytes]],
+                 headers: Mapping[str, str], keep_alive_interval: float = KEEP_ALIVE_INTERVAL) -> None:
         self.source = source
         self.keep_alive_interval = keep_alive_interval
         self.status_code = 200
@@ -66,15 +73,17 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await _Body(scope.get(DIRECT_SEND, send), self.keep_alive_interval).stream(self.source, receive)
+        body = _Body(scope.get(DIRECT_SEND), send, self.keep_alive_interval)
+        await body.stream(self.source(body.write_now) if callable(self.source) else self.source, receive)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Body:
     """The body of one EventStream while it streams (see EventStream for the contract)."""
 
-    def __init__(self, send: Send, interval: float) -> None:
-        self._send = send
+    def __init__(self, direct_send: Send | None, send: Send, interval: float) -> None:
+        self._direct = direct_send is not None
+        self._send = direct_send or send
         self._interval = interval
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()  # when a chunk (or keep-alive) was last sent
@@ -108,6 +117,20 @@ class _Body:
                 self._keep_alive.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._keep_alive
+
+    def write_now(self, chunk: bytes) -> bool:
+        """The stream's ChunkWriter: drives the server's `send` coroutine by hand, and drops it unsent if it
+        would wait (see DIRECT_SEND)."""
+        if not (self._direct and self._streaming):
+            return False
+        sending = self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+        try:
+            sending.send(None)
+        except StopIteration:
+            self._last = self._loop.time()
+            return True
+        sending.close()
+        return False
 
     async def _watch(self, receive: Receive, task: asyncio.Task[None]) -> None:
         await client_disconnected(receive)

@@ -6,6 +6,7 @@ Neither side imports the other's internals: this module is the whole contract be
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -94,6 +95,13 @@ class EndEvent:
 
 
 StreamEvent = PrefillEvent | IntermediateEvent | EndEvent
+
+TokenSink = Callable[[IntermediateEvent], bool]
+"""A request's synchronous consumer of its IntermediateEvents, called by the batching loop in place of a wake-up of
+the request's task (the per-token cost of a stream). Returns True when it took the event; False to have it
+delivered through the request's event stream instead, and then False for every later event too, so that the
+events keep their order. It must not block or raise; PrefillEvent, EndEvent and errors always go through the
+event stream."""
 
 
 class InferError(Exception):
