@@ -150,7 +150,7 @@ class Batcher:
         links = [trace.Link(e.span.get_span_context()) for e in entries.values() if e.span is not None]
         with tracer.start_as_current_span("batch", links=links, attributes={"batch_size": len(entries)}):
             try:
-                result = await self.client.prefill(batch, sent=self._deliver)
+                result = await self.client.prefill(batch, sent=self._deliver_soon)
             except ShardError as err:
                 await self._fail([batch.id], entries, err)
                 metrics.BATCH_INFERENCE_FAILURE.labels(PREFILL).inc()
@@ -163,7 +163,7 @@ class Batcher:
         metrics.BATCH_INFERENCE_COUNT.labels(DECODE).inc()
         with tracer.start_as_current_span("batch", attributes={"batch_size": len(entries)}):
             try:
-                result = await self.client.decode(batches, sent=self._deliver)
+                result = await self.client.decode(batches, sent=self._deliver_soon)
             except ShardError as err:
                 await self._fail([b.id for b in batches], entries, err)
                 metrics.BATCH_INFERENCE_FAILURE.labels(DECODE).inc()
@@ -191,6 +191,11 @@ class Batcher:
         metrics.BATCH_INFERENCE_DURATION.labels(method).observe(end - start)
         metrics.BATCH_INFERENCE_SUCCESS.labels(method).inc()
         return next_batch
+
+    def _deliver_soon(self) -> None:
+        # After the shard calls' send tasks, which grpc.aio scheduled already: the sinks' socket writes must
+        # not hold the step's request back.
+        asyncio.get_running_loop().call_soon(self._deliver)
 
     def _deliver(self) -> None:
         """Hand the events made since the last shard call to their sinks or streams, in order."""
