@@ -116,7 +116,11 @@ def workload_budgets(tokenizer_dir: str, jobs: list[Job], args: argparse.Namespa
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    longest = max(len(tok(j.prompt)["input_ids"]) for j in jobs)  # with special tokens, as the router counts
+    # As the router counts: /generate with special tokens, the chat route its templated prompt without.
+    chats = tok.apply_chat_template([[{"role": "user", "content": j.prompt}] for j in jobs],
+                                    add_generation_prompt=True, tokenize=False)
+    longest = max(max(len(tok(j.prompt)["input_ids"]) for j in jobs),
+                  max(len(tok(c, add_special_tokens=False)["input_ids"]) for c in chats))
     max_input = args.max_input_tokens or longest
     prefill = args.max_batch_prefill_tokens or len(jobs) * max_input
     return Budgets(
