@@ -213,6 +213,7 @@ class Batcher:
         only read when the request asked for them.
         """
         skipped_tokens = metrics.REQUEST_SKIPPED_TOKENS.labels()
+        put = self._undelivered.append
         for g in generations:
             rid = g.request_id
             entry = entries[rid]
@@ -221,7 +222,6 @@ class Batcher:
                 entry.finish_span()
                 del entries[rid]
                 continue
-            put = self._undelivered.append
             request = entry.request
             if request.decoder_input_details and g.HasField("prefill_tokens"):
                 put((entry, PrefillEvent(_tokens(g.prefill_tokens))))
