@@ -123,6 +123,7 @@ class _Body:
         would wait (see DIRECT_SEND)."""
         if not (self._direct and self._streaming):
             return False
+        # A coroutine (DIRECT_SEND is uvicorn's `async def send`): one step runs it to the end unless it waits.
         sending = self._send({"type": "http.response.body", "body": chunk, "more_body": True})
         try:
             sending.send(None)
