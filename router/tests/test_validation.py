@@ -126,6 +126,26 @@ def test_truncate_keeps_the_last_tokens(validator: Validator) -> None:
     assert validate(validator, LONG, max_new_tokens=1, truncate=MAX_INPUT_TOKENS).input_length == MAX_INPUT_TOKENS
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_tokenize_equals_the_transformers_tokenizer(
+    arch: str, add_special_tokens: bool, request: pytest.FixtureRequest
+) -> None:
+    # The router calls the `tokenizers` encoder directly; ids and character spans must stay what the model's
+    # transformers tokenizer gives (BOS handling, special tokens written in the text, non-ASCII spans).
+    tokenizer = load_tokenizer(request.getfixturevalue(f"tiny_{arch}"))
+    v = Validator(tokenizer, Limits(1, 4, 5, MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS), workers=1)
+    try:
+        special = " ".join(str(t) for t in tokenizer.all_special_tokens)
+        for text in [PROMPT, f"x {special} y", "  ünïcödé 日本語 🙂\n\ttabs", "a" * 300, ""]:
+            expected = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+            got = asyncio.run(v.tokenize(text, add_special_tokens))
+            assert got.ids == list(expected["input_ids"])
+            assert got.offsets == [tuple(o) for o in expected["offset_mapping"]]
+    finally:
+        v.close()
+
+
 def test_grammar_shape_is_checked_before_support(validator: Validator) -> None:
     assert GrammarParameters(type="regex", value="a+").type == "regex"
     with pytest.raises(Exception):
