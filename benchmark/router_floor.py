@@ -37,10 +37,12 @@ from pathlib import Path
 
 import grpc
 from textgen_pb import generate_pb2, generate_pb2_grpc
+from textgen_router.responses import stream_token_event
+from textgen_router.sse import event
+from textgen_router.types import Token
 
-# A mid-stream /generate_stream event as the router writes it: chunked-encoding frame around the SSE event.
-_EVENT = (b'data:{"index":42,"token":{"id":1234,"text":" hello","logprob":-0.53125,"special":false},'
-          b'"generated_text":null,"details":null}\n\n')
+# A mid-stream /generate_stream event, encoded by the router's own functions, in its chunked-encoding frame.
+_EVENT = event(stream_token_event(42, Token(1234, " hello", -0.53125)))
 CHUNK = b"%x\r\n%s\r\n" % (len(_EVENT), _EVENT)
 
 

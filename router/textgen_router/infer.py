@@ -6,9 +6,9 @@ Contract with the HTTP layer:
   Permit for the whole request or stream, then `release()` it (idempotent) or use it as a context manager.
 - `generate_stream(valid_request, sink=None)`: an async iterator of PrefillEvent (only with
   decoder_input_details), IntermediateEvent... (those `sink` did not take, see types.TokenSink), then exactly
-  one EndEvent; raises GenerationError if the shards fail. Stopping
-  early (break, `aclose()`, client disconnect) drops the request: it leaves the queue or the running batch at
-  the next step. Prefer `contextlib.aclosing(...)` so the drop is immediate rather than at garbage collection.
+  one EndEvent; raises GenerationError if the shards fail. Stopping early (break, `aclose()`, client
+  disconnect) drops the request: it leaves the queue or the running batch at the next step. Prefer
+  `contextlib.aclosing(...)` so the drop is immediate rather than at garbage collection.
 - `await health()`: TGI's /health check; `healthy` is False after a generation error until a check passes.
 """
 from __future__ import annotations
