@@ -36,6 +36,7 @@ Test modules cannot `import conftest` reliably (every test directory has its own
 classes and helpers are also fixtures: `shard_process` (the ShardProcess class, session-scoped so module-
 and session-scoped fixtures can use it) and `shard_stub_factory` (the shard_stub function).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,6 +66,7 @@ MODEL_CACHE_ROOT = Path(os.environ.get("TEXTGEN_TEST_MODELS", Path.home() / ".ca
 def build_model(arch: str, size: str = "tiny") -> Path:
     """Build (or reuse from the on-disk cache) a test model, keyed by everything that changes its bytes."""
     import torch
+
     from textgen_server import builder
 
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -278,8 +280,9 @@ def launcher() -> Iterator[Callable[..., LauncherProcess]]:
     """Factory: `launcher(model_dir, *args, env=None, wait=True) -> LauncherProcess` (see the module docstring)."""
     started: list[LauncherProcess] = []
 
-    def start(model_dir: str | os.PathLike, *args: str, env: dict[str, str] | None = None,
-              wait: bool = True) -> LauncherProcess:
+    def start(
+        model_dir: str | os.PathLike, *args: str, env: dict[str, str] | None = None, wait: bool = True
+    ) -> LauncherProcess:
         handle = LauncherProcess(model_dir, args, env)
         started.append(handle)
         if wait:
@@ -300,7 +303,6 @@ def launcher() -> Iterator[Callable[..., LauncherProcess]]:
 def llama_server(launcher: Callable[..., LauncherProcess], tiny_llama: Path) -> LauncherProcess:
     """The tiny llama behind one default `textgen-launcher`, for every test directory of the session."""
     return launcher(tiny_llama)
-
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ whole buffer's for `matmul whole`, the rows' live columns for the op) against a 
     python benchmark/attention.py [--batch 64] [--window 300] [--capacity 413] [--shortest 0.35] [--threads 2]
                                   [--runs 7]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,23 +29,30 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from shard_decode import copy_bandwidth_gbs
+
 from textgen_server.layers.attention import matmul_attention, sdpa
 from textgen_server.layers.decode_attention import decode_attention, first_visible, kernel_available
 
 LAYERS, HEADS, HEAD_DIM = 12, 12, 64
 
 
-def step(attend: Callable, q: torch.Tensor, buffers: list[tuple[torch.Tensor, torch.Tensor]],
-         mask: torch.Tensor, columns: slice | None) -> Callable[[], None]:
+def step(
+    attend: Callable,
+    q: torch.Tensor,
+    buffers: list[tuple[torch.Tensor, torch.Tensor]],
+    mask: torch.Tensor,
+    columns: slice | None,
+) -> Callable[[], None]:
     """One decode step's attention over every layer, on the `columns` views (None: whole buffers)."""
+
     def run() -> None:
         for k, v in buffers:
             if columns is None:
                 attend(q, k, v, mask, HEAD_DIM**-0.5)
             else:
                 attend(q, k[:, :, columns], v[:, :, columns], mask[..., columns], HEAD_DIM**-0.5)
+
     return run
 
 
@@ -65,17 +73,21 @@ def main() -> None:
     for b, n in enumerate(lengths):
         mask[b, ..., window.stop - n : window.stop] = True
     first = first_visible(mask[..., window], args.batch, torch.device("cpu"))
-    print(f"batch {args.batch}, window {args.window} of {args.capacity} columns, {LAYERS} layers, "
-          f"{args.threads} threads; copy bandwidth {bandwidth:.1f} GB/s")
+    print(
+        f"batch {args.batch}, window {args.window} of {args.capacity} columns, {LAYERS} layers, "
+        f"{args.threads} threads; copy bandwidth {bandwidth:.1f} GB/s"
+    )
     print("| dtype | kernel | ms/step | GB/s read |")
     print("|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
         shape = (args.batch, HEADS, args.capacity, HEAD_DIM)
         buffers = [(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)) for _ in range(LAYERS)]
         q = torch.randn(args.batch, 1, HEADS, HEAD_DIM, dtype=dtype).transpose(1, 2)
-        cases = {"sdpa window": (step(sdpa, q, buffers, mask, window), args.window),
-                 "matmul window": (step(matmul_attention, q, buffers, mask, window), args.window),
-                 "matmul whole": (step(matmul_attention, q, buffers, mask, None), args.capacity)}
+        cases = {
+            "sdpa window": (step(sdpa, q, buffers, mask, window), args.window),
+            "matmul window": (step(matmul_attention, q, buffers, mask, window), args.window),
+            "matmul whole": (step(matmul_attention, q, buffers, mask, None), args.capacity),
+        }
         if dtype == torch.bfloat16 and kernel_available():
             op = lambda q, k, v, mask, scale: decode_attention(q, k, v, first, start, args.window, scale)  # noqa: E731
             cases["decode op"] = (step(op, q, buffers, mask, None), sum(lengths) / args.batch)

@@ -15,6 +15,7 @@ schedules under the same budgets; --threads sets OMP_NUM_THREADS for the shard o
     python benchmark/http_load.py --model models/small-llama-v1 --routes generate,chat
     python benchmark/http_load.py --model models/small-llama-v1 --shard-baseline
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,10 +118,13 @@ def workload_budgets(tokenizer_dir: str, jobs: list[Job], args: argparse.Namespa
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     # As the router counts: /generate with special tokens, the chat route its templated prompt without.
-    chats = tok.apply_chat_template([[{"role": "user", "content": j.prompt}] for j in jobs],
-                                    add_generation_prompt=True, tokenize=False)
-    longest = max(max(len(tok(j.prompt)["input_ids"]) for j in jobs),
-                  max(len(tok(c, add_special_tokens=False)["input_ids"]) for c in chats))
+    chats = tok.apply_chat_template(
+        [[{"role": "user", "content": j.prompt}] for j in jobs], add_generation_prompt=True, tokenize=False
+    )
+    longest = max(
+        max(len(tok(j.prompt)["input_ids"]) for j in jobs),
+        max(len(tok(c, add_special_tokens=False)["input_ids"]) for c in chats),
+    )
     max_input = args.max_input_tokens or longest
     prefill = args.max_batch_prefill_tokens or len(jobs) * max_input
     return Budgets(
@@ -145,8 +149,10 @@ async def _events(host: str, port: int, path: str, body: dict) -> AsyncIterator[
     data = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(b"POST %s HTTP/1.1\r\nhost: w1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                     b"connection: close\r\n\r\n%s" % (path.encode(), len(data), data))
+        writer.write(
+            b"POST %s HTTP/1.1\r\nhost: w1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (path.encode(), len(data), data)
+        )
         head = await reader.readuntil(b"\r\n\r\n")
         status = head.split(b" ", 2)[1].decode()
         if status != "200":
@@ -286,14 +292,27 @@ def dtype_args(dtype: str | None) -> list[str]:
 
 def textgen_server(model: str, budgets: Budgets, env: dict[str, str], dtype: str | None) -> Server:
     port = free_port()
-    argv = ["textgen-launcher", "--model-id", model, "--port", str(port), "--hostname", "127.0.0.1",
-            "--shard-uds-path", f"/tmp/w1-{port}", "--max-concurrent-requests", "256", *budgets.launcher_args(),
-            *dtype_args(dtype)]
+    argv = [
+        "textgen-launcher",
+        "--model-id",
+        model,
+        "--port",
+        str(port),
+        "--hostname",
+        "127.0.0.1",
+        "--shard-uds-path",
+        f"/tmp/w1-{port}",
+        "--max-concurrent-requests",
+        "256",
+        *budgets.launcher_args(),
+        *dtype_args(dtype),
+    ]
     return Server("textgen", argv, port, "/health", env)
 
 
-def measure_textgen(model: str, routes: list[str], jobs: list[Job], budgets: Budgets,
-                    env: dict[str, str], dtype: str | None) -> list[dict]:
+def measure_textgen(
+    model: str, routes: list[str], jobs: list[Job], budgets: Budgets, env: dict[str, str], dtype: str | None
+) -> list[dict]:
     server, out = textgen_server(model, budgets, env, dtype), []
     try:
         for route in routes:
@@ -336,11 +355,20 @@ def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: i
     import shard_w1
 
     report = shard_w1.measure(Path(model), jobs, budgets, threads, dtype or "float32")
-    return {"server": "textgen shard-only", "route": "grpc", "requests": report.requests, "errors": 0,
-            "first_error": None, "generated_tokens": report.generated_tokens, "wall_s": report.wall_s,
-            "throughput_tok_s": report.throughput_tok_s, "decode_steps": report.decode_steps,
-            "decode_step_p50_ms": report.decode_step_p50_ms, "prefill_s": report.prefill_s,
-            "shard_cpu_s": report.shard_cpu_s}
+    return {
+        "server": "textgen shard-only",
+        "route": "grpc",
+        "requests": report.requests,
+        "errors": 0,
+        "first_error": None,
+        "generated_tokens": report.generated_tokens,
+        "wall_s": report.wall_s,
+        "throughput_tok_s": report.throughput_tok_s,
+        "decode_steps": report.decode_steps,
+        "decode_step_p50_ms": report.decode_step_p50_ms,
+        "prefill_s": report.prefill_s,
+        "shard_cpu_s": report.shard_cpu_s,
+    }
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -373,13 +401,22 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="benchmark/results/w1.png")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--shard-baseline", action="store_true",
-                   help="then run shard_w1.py (W1 straight into one shard) and report e2e / shard-only")
-    p.add_argument("--threads", type=int,
-                   help="OMP_NUM_THREADS of the shard in both runs (default: this environment's; with "
-                        "--shard-baseline always set, to this environment's or torch's default)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"),
-                   help="--dtype of every server measured (default: each one's own, float32 on a CPU)")
+    p.add_argument(
+        "--shard-baseline",
+        action="store_true",
+        help="then run shard_w1.py (W1 straight into one shard) and report e2e / shard-only",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="OMP_NUM_THREADS of the shard in both runs (default: this environment's; with "
+        "--shard-baseline always set, to this environment's or torch's default)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16"),
+        help="--dtype of every server measured (default: each one's own, float32 on a CPU)",
+    )
     Budgets.add_arguments(p)
     args = p.parse_args()
 
@@ -414,25 +451,35 @@ def main() -> None:
     if args.json:
         print(json.dumps(public, indent=2))
         return
-    print(f"W1: {args.requests} requests, {args.arrival} arrival, seed {args.seed}, dtype {args.dtype or 'default'}; "
-          f"{budgets}")
-    print("| server | route | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors | router CPU ms/step "
-          "| / shard-only |")
+    print(
+        f"W1: {args.requests} requests, {args.arrival} arrival, seed {args.seed}, dtype {args.dtype or 'default'}; "
+        f"{budgets}"
+    )
+    print(
+        "| server | route | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors | router CPU ms/step "
+        "| / shard-only |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     nan = float("nan")
     for r in public:
-        print(f"| {r['server']} | {r['route']} | {r['throughput_tok_s']:.1f} | {r.get('ttft_p50_ms', nan):.0f} | "
-              f"{r.get('ttft_p99_ms', nan):.0f} | {r.get('itl_p50_ms', nan):.1f} | {r.get('itl_p99_ms', nan):.1f} | "
-              f"{r['errors']} | {r.get('router_cpu_ms_per_decode_step', nan):.2f} | "
-              f"{r.get('shard_only_ratio', nan):.2f} |")
+        print(
+            f"| {r['server']} | {r['route']} | {r['throughput_tok_s']:.1f} | {r.get('ttft_p50_ms', nan):.0f} | "
+            f"{r.get('ttft_p99_ms', nan):.0f} | {r.get('itl_p50_ms', nan):.1f} | {r.get('itl_p99_ms', nan):.1f} | "
+            f"{r['errors']} | {r.get('router_cpu_ms_per_decode_step', nan):.2f} | "
+            f"{r.get('shard_only_ratio', nan):.2f} |"
+        )
     for r in (r for r in public if "forward_ms_per_decode_step" in r):
-        print(f"{r['server']} {r['route']}: {r['decode_steps']:.0f} decode steps, mean step "
-              f"{r['step_ms_per_decode_step']:.1f} ms (shard forward {r['forward_ms_per_decode_step']:.1f}), "
-              f"load client CPU {r['client_cpu_ms_per_decode_step']:.2f} ms/step")
+        print(
+            f"{r['server']} {r['route']}: {r['decode_steps']:.0f} decode steps, mean step "
+            f"{r['step_ms_per_decode_step']:.1f} ms (shard forward {r['forward_ms_per_decode_step']:.1f}), "
+            f"load client CPU {r['client_cpu_ms_per_decode_step']:.2f} ms/step"
+        )
     if args.shard_baseline:
-        print(f"shard-only: {shard_only['decode_steps']} decode steps, median "
-              f"{shard_only['decode_step_p50_ms']:.1f} ms, prefill {shard_only['prefill_s']:.2f} s, "
-              f"shard CPU {shard_only['shard_cpu_s']:.1f} s")
+        print(
+            f"shard-only: {shard_only['decode_steps']} decode steps, median "
+            f"{shard_only['decode_step_p50_ms']:.1f} ms, prefill {shard_only['prefill_s']:.2f} s, "
+            f"shard CPU {shard_only['shard_cpu_s']:.1f} s"
+        )
     for r in public:
         if r["first_error"]:
             print(f"{r['server']} {r['route']}: first error: {r['first_error']}", file=sys.stderr)
@@ -440,8 +487,10 @@ def main() -> None:
     for r in public[1:]:
         if not r["throughput_tok_s"]:
             continue
-        print(f"{public[0]['server']} {public[0]['route']} / {r['server']} {r['route']}: "
-              f"{base / r['throughput_tok_s']:.2f}x")
+        print(
+            f"{public[0]['server']} {public[0]['route']} / {r['server']} {r['route']}: "
+            f"{base / r['throughput_tok_s']:.2f}x"
+        )
     print(f"plot: {args.plot}", file=sys.stderr)
 
 

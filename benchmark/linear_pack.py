@@ -9,6 +9,7 @@ roofline).
 
     python benchmark/linear_pack.py [--rows 1 8 32 64 256 2048] [--runs 30] [--threads 2] [--dtype bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,7 @@ from shard_decode import DTYPES, copy_bandwidth_gbs
 from textgen_server.layers.tensor_parallel import Linear
 
 # (name, out_features, in_features) of the small Llama (hidden 768, intermediate 2048, vocab 16000).
-SHAPES = [("qkv", 2304, 768), ("o", 768, 768), ("gate_up", 4096, 768), ("down", 768, 2048),
-          ("lm_head", 16000, 768)]
+SHAPES = [("qkv", 2304, 768), ("o", 768, 768), ("gate_up", 4096, 768), ("down", 768, 2048), ("lm_head", 16000, 768)]
 
 
 def alternate(fns: list[Callable[[], object]], runs: int) -> list[float]:
@@ -51,8 +51,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"{args.dtype}, threads {args.threads}; copy bandwidth {bandwidth:.1f} GB/s (read + write)")
-    print(f"{'shape':<9}{'rows':>6}{'F.linear ms':>13}{'packed ms':>11}{'F.linear GF/s':>15}{'packed GF/s':>13}"
-          f"{'ratio':>7}  roofline (1 row)")
+    print(
+        f"{'shape':<9}{'rows':>6}{'F.linear ms':>13}{'packed ms':>11}{'F.linear GF/s':>15}{'packed GF/s':>13}"
+        f"{'ratio':>7}  roofline (1 row)"
+    )
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for name, out_f, in_f in SHAPES:
@@ -62,8 +64,10 @@ def main() -> None:
                 x = torch.randn(rows, in_f, generator=g).to(dtype)
                 plain, packed = alternate([lambda: F.linear(x, weight), lambda: layer(x)], args.runs)
                 flops = 2 * rows * in_f * out_f
-                line = (f"{name:<9}{rows:>6}{plain * 1e3:>13.3f}{packed * 1e3:>11.3f}{flops / plain / 1e9:>15.1f}"
-                        f"{flops / packed / 1e9:>13.1f}{plain / packed:>7.2f}")
+                line = (
+                    f"{name:<9}{rows:>6}{plain * 1e3:>13.3f}{packed * 1e3:>11.3f}{flops / plain / 1e9:>15.1f}"
+                    f"{flops / packed / 1e9:>13.1f}{plain / packed:>7.2f}"
+                )
                 if rows == 1:
                     gbs = [weight.numel() * weight.element_size() / t / 1e9 for t in (plain, packed)]
                     line += f"  {gbs[0]:.1f} / {gbs[1]:.1f} GB/s = {gbs[0] / bandwidth:.0%} / {gbs[1] / bandwidth:.0%}"

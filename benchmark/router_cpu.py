@@ -19,6 +19,7 @@ then `--rounds` rounds of `--streams` concurrent requests of `--max-new-tokens` 
     python benchmark/router_cpu.py [--streams 64] [--max-new-tokens 64] [--rounds 2] [--routes generate,chat]
     python benchmark/router_cpu.py --model-dir models/small-llama-v1 --size small   # W1's ~80 ms steps
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,8 @@ import time
 from pathlib import Path
 
 import psutil
-
 from http_load import DECODE, Server, free_port, scrape
+
 from textgen_server.builder import build_test_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"
@@ -40,16 +41,23 @@ def body(route: str, max_new_tokens: int) -> tuple[str, bytes]:
     if route == "generate":
         payload: dict = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens}}
         return "/generate_stream", json.dumps(payload).encode()
-    payload = {"model": "tgi", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_new_tokens,
-               "temperature": 0, "stream": True}
+    payload = {
+        "model": "tgi",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_new_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     return "/v1/chat/completions", json.dumps(payload).encode()
 
 
 async def one_stream(port: int, path: str, data: bytes) -> int:
     """POST and read the whole SSE answer; the number of `data:` events other than [DONE]."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                 b"connection: close\r\n\r\n%s" % (path.encode(), len(data), data))
+    writer.write(
+        b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (path.encode(), len(data), data)
+    )
     raw = await reader.read()
     writer.close()
     if b" 200 " not in raw.split(b"\r\n", 1)[0] or b'"error"' in raw:
@@ -67,13 +75,33 @@ class Launcher(Server):
 
     def __init__(self, model: Path, streams: int) -> None:
         self.port = free_port()
-        argv = ["textgen-launcher", "--model-id", str(model), "--hostname", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-port", str(free_port()), "--master-port", str(free_port()),
-                "--shard-uds-path", f"/tmp/rcpu-{self.port}", "--max-concurrent-requests", str(4 * streams),
-                "--max-batch-size", str(streams)]
+        argv = [
+            "textgen-launcher",
+            "--model-id",
+            str(model),
+            "--hostname",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-port",
+            str(free_port()),
+            "--master-port",
+            str(free_port()),
+            "--shard-uds-path",
+            f"/tmp/rcpu-{self.port}",
+            "--max-concurrent-requests",
+            str(4 * streams),
+            "--max-batch-size",
+            str(streams),
+        ]
         # One OpenMP thread: the box is shared, and a spinning second thread makes shard steps noise.
-        super().__init__("router_cpu", argv, self.port, "/health",
-                         env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "USAGE_STATS": "off"})
+        super().__init__(
+            "router_cpu",
+            argv,
+            self.port,
+            "/health",
+            env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "USAGE_STATS": "off"},
+        )
         children = psutil.Process(self.proc.pid).children(recursive=True)
         self.router = next(p for p in children if "textgen-router" in " ".join(p.cmdline()))
         self.shard = next(p for p in children if "serve" in p.cmdline())
@@ -95,8 +123,9 @@ def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, r
     router_user, router_sys, router_preempted = (b - a for a, b in zip(r0, r1))
     router = router_user + router_sys
     steps = delta["tgi_batch_inference_count" + DECODE]
-    outside_forward = (delta["tgi_batch_inference_duration_sum" + DECODE]
-                       - delta["tgi_batch_forward_duration_sum" + DECODE])
+    outside_forward = (
+        delta["tgi_batch_inference_duration_sum" + DECODE] - delta["tgi_batch_forward_duration_sum" + DECODE]
+    )
     return {
         "decode_steps": steps,
         "tokens": tokens,
@@ -115,8 +144,12 @@ def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, r
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", default="models/tiny-llama", help="built here when missing")
-    parser.add_argument("--size", default="tiny", help="the builder size of --model-dir (a model of another size "
-                        "there is rebuilt): tiny, or small for the W1 model's step times")
+    parser.add_argument(
+        "--size",
+        default="tiny",
+        help="the builder size of --model-dir (a model of another size "
+        "there is rebuilt): tiny, or small for the W1 model's step times",
+    )
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
@@ -133,12 +166,15 @@ def main() -> None:
     try:
         for route in args.routes.split(","):
             results[route] = r = measure(launcher, route, args.streams, args.max_new_tokens, args.rounds)
-            print(f"{route:9s} steps {r['decode_steps']:5.0f}  tokens/s {r['tokens_per_s']:7.0f}  "
-                  f"wall {r['wall_ms_per_step']:6.2f} ms/step  router CPU {r['router_cpu_ms_per_step']:6.2f} "
-                  f"({r['router_cpu_us_per_token']:4.0f} us/token, {r['router_sys_share']:4.0%} sys, "
-                  f"{r['router_preemptions_per_step']:4.1f} preempted/step)  "
-                  f"shard CPU {r['shard_cpu_ms_per_step']:5.2f}  (forward {r['shard_forward_ms_per_step']:5.2f})  "
-                  f"critical path {r['critical_path_ms_per_step']:5.2f} ms/step", flush=True)
+            print(
+                f"{route:9s} steps {r['decode_steps']:5.0f}  tokens/s {r['tokens_per_s']:7.0f}  "
+                f"wall {r['wall_ms_per_step']:6.2f} ms/step  router CPU {r['router_cpu_ms_per_step']:6.2f} "
+                f"({r['router_cpu_us_per_token']:4.0f} us/token, {r['router_sys_share']:4.0%} sys, "
+                f"{r['router_preemptions_per_step']:4.1f} preempted/step)  "
+                f"shard CPU {r['shard_cpu_ms_per_step']:5.2f}  (forward {r['shard_forward_ms_per_step']:5.2f})  "
+                f"critical path {r['critical_path_ms_per_step']:5.2f} ms/step",
+                flush=True,
+            )
     finally:
         launcher.stop()
     if args.json:

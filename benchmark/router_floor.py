@@ -20,6 +20,7 @@ show how much of the floor is that.
 
     python benchmark/router_floor.py [--streams 64] [--steps 300] [--pauses-ms 2,45] [--pm-qos] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 import grpc
+
 from textgen_pb import generate_pb2, generate_pb2_grpc
 from textgen_router.responses import stream_token_event
 from textgen_router.sse import event
@@ -166,13 +168,22 @@ def main() -> None:
     for pause_ms in (float(p) for p in args.pauses_ms.split(",")):
         writes = writes_cpu(args.streams, args.steps, pause_ms / 1e3)
         call = decode_call_cpu(args.streams, args.steps, pause_ms / 1e3)
-        r = {"pause_ms": pause_ms, "pm_qos": args.pm_qos, "streams": args.streams, "writes_ms_per_step": writes * 1e3,
-             "us_per_write": writes / args.streams * 1e6, "decode_call_ms_per_step": call * 1e3,
-             "floor_ms_per_step": (writes + call) * 1e3}
+        r = {
+            "pause_ms": pause_ms,
+            "pm_qos": args.pm_qos,
+            "streams": args.streams,
+            "writes_ms_per_step": writes * 1e3,
+            "us_per_write": writes / args.streams * 1e6,
+            "decode_call_ms_per_step": call * 1e3,
+            "floor_ms_per_step": (writes + call) * 1e3,
+        }
         results.append(r)
-        print(f"pause {pause_ms:4.0f} ms: {args.streams} socket writes {r['writes_ms_per_step']:.2f} ms "
-              f"({r['us_per_write']:.1f} us each) + Decode call {r['decode_call_ms_per_step']:.2f} ms "
-              f"= floor {r['floor_ms_per_step']:.2f} ms of router CPU per decode step", flush=True)
+        print(
+            f"pause {pause_ms:4.0f} ms: {args.streams} socket writes {r['writes_ms_per_step']:.2f} ms "
+            f"({r['us_per_write']:.1f} us each) + Decode call {r['decode_call_ms_per_step']:.2f} ms "
+            f"= floor {r['floor_ms_per_step']:.2f} ms of router CPU per decode step",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -42,16 +42,22 @@ def small_model() -> Path:
 DTYPES = ("float32", "bfloat16", "float16")  # a shard's --dtype choices
 
 
-def start_shard(model_dir: Path, uds_path: str, threads: int, timeout: float = 300.0,
-                dtype: str = "float32") -> subprocess.Popen:
+def start_shard(
+    model_dir: Path, uds_path: str, threads: int, timeout: float = 300.0, dtype: str = "float32"
+) -> subprocess.Popen:
     """A real shard process (`--dtype dtype`) limited to `threads` cores; returns once Health answers (or raises)."""
     import grpc
+
     from textgen_pb import generate_pb2, generate_pb2_grpc
 
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     log = open(Path(tempfile.gettempdir()) / "textgen-bench-shard.log", "wb")  # noqa: SIM115 - child owns it
-    proc = subprocess.Popen([sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path",
-                             uds_path, "--dtype", dtype], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path", uds_path, "--dtype", dtype],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -59,8 +65,7 @@ def start_shard(model_dir: Path, uds_path: str, threads: int, timeout: float = 3
         if os.path.exists(f"{uds_path}-0"):
             with grpc.insecure_channel(f"unix://{uds_path}-0") as channel:
                 try:
-                    generate_pb2_grpc.TextGenerationServiceStub(channel).Health(generate_pb2.HealthRequest(),
-                                                                                timeout=5)
+                    generate_pb2_grpc.TextGenerationServiceStub(channel).Health(generate_pb2.HealthRequest(), timeout=5)
                     return proc
                 except grpc.RpcError:
                     pass
@@ -97,10 +102,10 @@ def _progress(line: str) -> None:
 
 async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int], runs: int) -> dict[int, Step]:
     """Prefill then Decode until done over gRPC; per-step wall time here and CPU time of the shard process."""
-    from textgen_router.client import ShardedClient
     from tokenizers import Tokenizer
 
     from textgen_benchmark.generation import Sampling, make_batch, prompt_of_length
+    from textgen_router.client import ShardedClient
 
     shard = psutil.Process(pid)
     prompt = prompt_of_length(Tokenizer.from_file(str(model_dir / "tokenizer.json")), PROMPT_LEN)
@@ -129,8 +134,9 @@ async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int]
 
 
 @torch.inference_mode()
-def inprocess_steps(model_dir: Path, batches: list[int], runs: int, threads: int,
-                    dtype: torch.dtype = torch.float32) -> dict[int, Step]:
+def inprocess_steps(
+    model_dir: Path, batches: list[int], runs: int, threads: int, dtype: torch.dtype = torch.float32
+) -> dict[int, Step]:
     """The same decode in transformers in this process: a bare greedy loop over a DynamicCache."""
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -199,15 +205,19 @@ def main(argv: list[str] | None = None) -> None:
     # descheduled sibling spin, so --threads 1 gives the more stable figures there.
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, help="a built model (default: build/cached small Llama)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES,
-                        help="the shard's --dtype, and the in-process model's")
+    parser.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="the shard's --dtype, and the in-process model's"
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     batches = args.batch or [1, 8, 32]
     model_dir = args.model_dir or small_model()
     uds = f"/tmp/textgen-bench-{os.getpid()}"
-    print(f"model {model_dir}, {args.dtype}, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
-          f"runs {args.runs}", flush=True)
+    print(
+        f"model {model_dir}, {args.dtype}, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
+        f"runs {args.runs}",
+        flush=True,
+    )
     proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype)
     try:
         shard = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, args.runs))
@@ -222,8 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     print("|------:|------------:|-----------------:|------:|------------:|-----------:|------------------:|")
     for b in batches:
         gbs = bytes_per_step(model_dir, b, dtype.itemsize) / shard[b].wall / 1e9
-        print(f"| {b} | {b / shard[b].wall:.1f} | {b / local[b].wall:.1f} | {local[b].wall / shard[b].wall:.2f} | "
-              f"{local[b].cpu / shard[b].cpu:.2f} | {gbs:.1f} | {gbs / bandwidth:.2f} |")
+        print(
+            f"| {b} | {b / shard[b].wall:.1f} | {b / local[b].wall:.1f} | {local[b].wall / shard[b].wall:.2f} | "
+            f"{local[b].cpu / shard[b].cpu:.2f} | {gbs:.1f} | {gbs / bandwidth:.2f} |"
+        )
 
 
 if __name__ == "__main__":

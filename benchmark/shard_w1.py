@@ -36,6 +36,7 @@ import torch
 from http_load import Budgets, Job, make_workload, request_body, workload_budgets
 from shard_decode import DTYPES, cpu_seconds, small_model, start_shard, stop
 
+
 @dataclass
 class Outcome:
     """One request's end: `generated_tokens` and `finish_reason` as the shard's GeneratedText reports them."""
@@ -77,13 +78,19 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
         await client.clear_cache(None)
         info = await client.info()
         _, max_input, max_total = await client.warmup(
-            warmup_batch(budgets.max_input_tokens, budgets.max_batch_prefill_tokens, budgets.max_total_tokens,
-                         None),
-            budgets.max_input_tokens, budgets.max_batch_prefill_tokens, budgets.max_total_tokens)
+            warmup_batch(budgets.max_input_tokens, budgets.max_batch_prefill_tokens, budgets.max_total_tokens, None),
+            budgets.max_input_tokens,
+            budgets.max_batch_prefill_tokens,
+            budgets.max_total_tokens,
+        )
         # The launcher's defaults for the limits W1 does not touch.
         validator = Validator(load_tokenizer(model_dir), Limits(2, 4, 5, max_input, max_total), workers=2)
-        queue = Queue(info.requires_padding, info.block_size,
-                      info.window_size if info.HasField("window_size") else None, info.speculate)
+        queue = Queue(
+            info.requires_padding,
+            info.block_size,
+            info.window_size if info.HasField("window_size") else None,
+            info.speculate,
+        )
         outcomes: dict[int, Outcome] = {}
         for job in jobs:
             body = GenerateRequest.model_validate(request_body("generate", job, "tgi")[1])
@@ -163,11 +170,13 @@ def measure(model_dir: Path, jobs: list[Job], budgets: Budgets, threads: int, dt
 
 
 def summary(r: Report) -> str:
-    return (f"shard-only W1: {r.requests} requests, {r.threads} threads, prefill budget "
-            f"{r.budgets.max_batch_prefill_tokens}, batch total {r.budgets.max_batch_total_tokens}\n"
-            f"generated tokens {r.generated_tokens} in {r.wall_s:.2f} s: {r.throughput_tok_s:.1f} tok/s\n"
-            f"prefill total {r.prefill_s:.2f} s ({r.prefills} prefills), decode steps {r.decode_steps}, "
-            f"median decode step {r.decode_step_p50_ms:.1f} ms, shard CPU {r.shard_cpu_s:.1f} s")
+    return (
+        f"shard-only W1: {r.requests} requests, {r.threads} threads, prefill budget "
+        f"{r.budgets.max_batch_prefill_tokens}, batch total {r.budgets.max_batch_total_tokens}\n"
+        f"generated tokens {r.generated_tokens} in {r.wall_s:.2f} s: {r.throughput_tok_s:.1f} tok/s\n"
+        f"prefill total {r.prefill_s:.2f} s ({r.prefills} prefills), decode steps {r.decode_steps}, "
+        f"median decode step {r.decode_step_p50_ms:.1f} ms, shard CPU {r.shard_cpu_s:.1f} s"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

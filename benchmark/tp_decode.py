@@ -8,6 +8,7 @@ shard_decode.py.
 
 Usage: python benchmark/tp_decode.py [--shards 1 --shards 2] [--batch 1 --batch 32] [--runs 3] [--model-dir D]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,27 @@ def start_shards(
     port = str(free_port())
     procs = []
     for rank in range(num_shard):
-        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, RANK=str(rank),
-                   WORLD_SIZE=str(num_shard), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=threads,
+            MKL_NUM_THREADS=threads,
+            RANK=str(rank),
+            WORLD_SIZE=str(num_shard),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         log = open(Path(tempfile.gettempdir()) / f"textgen-tp-bench-{rank}.log", "wb")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path", uds_path,
-               "--dtype", "float32"] + (["--sharded"] if num_shard > 1 else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "textgen_server.cli",
+            "serve",
+            str(model_dir),
+            "--uds-path",
+            uds_path,
+            "--dtype",
+            "float32",
+        ] + (["--sharded"] if num_shard > 1 else [])
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     while not all(os.path.exists(f"{uds_path}-{r}") for r in range(num_shard)):
@@ -79,15 +96,20 @@ def main(argv: list[str] | None = None) -> None:
             for p in procs:
                 stop(p)
         rows.append((n, seconds, loaded, peak))
-    print("\n| shards | RSS per shard when loaded (MiB) | peak RSS per shard (MiB) | "
-          + " | ".join(f"batch {b} tok/s" for b in batches) + " | "
-          + " | ".join(f"batch {b} GB/s" for b in batches) + " |")
+    print(
+        "\n| shards | RSS per shard when loaded (MiB) | peak RSS per shard (MiB) | "
+        + " | ".join(f"batch {b} tok/s" for b in batches)
+        + " | "
+        + " | ".join(f"batch {b} GB/s" for b in batches)
+        + " |"
+    )
     print("|---:|---:|---:|" + "---:|" * (2 * len(batches)))
     for n, seconds, loaded, peak in rows:
         tps = " | ".join(f"{b / seconds[b]:.1f}" for b in batches)
         gbs = " | ".join(f"{bytes_per_step(model_dir, b) / seconds[b] / 1e9:.1f}" for b in batches)
-        print(f"| {n} | {', '.join(f'{r:.0f}' for r in loaded)} | {', '.join(f'{r:.0f}' for r in peak)} | "
-              f"{tps} | {gbs} |")
+        print(
+            f"| {n} | {', '.join(f'{r:.0f}' for r in loaded)} | {', '.join(f'{r:.0f}' for r in peak)} | {tps} | {gbs} |"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 - `response_snapshot`: a syrupy JSON snapshot whose comparison is exact for everything but floats (logprobs),
   which match within a tolerance; pydantic models are dumped to JSON first.
 """
+
 from __future__ import annotations
 
 import json

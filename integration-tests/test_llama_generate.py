@@ -1,9 +1,11 @@
 """Native routes through a real launcher on the tiny llama: generate, stream, details, best_of, stop, top_n."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+
 from testing.launcher import LauncherProcess
 from textgen_client import Client
 from textgen_client.types import FinishReason, Response
@@ -33,7 +35,7 @@ def test_generate_equals_transformers(greedy: Response, llama_server: LauncherPr
     inputs = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=10, do_sample=False)
-    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+    expected = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert greedy.details is not None
     assert [t.id for t in greedy.details.tokens] == expected
     assert [t.id for t in greedy.details.prefill] == inputs["input_ids"][0].tolist()

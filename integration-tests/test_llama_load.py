@@ -1,4 +1,5 @@
 """Continuous batching must not change anything: 32 concurrent distinct requests each equal their solo run."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,10 +1,12 @@
 """OpenAI-compatible routes through a real launcher on the tiny llama: chat and completions, plain and streamed."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import httpx
 import pytest
+
 from testing.launcher import LauncherProcess
 from textgen_client import Client
 from textgen_client.types import ChatComplete, Completion
@@ -50,7 +52,7 @@ def test_chat_equals_transformers_on_templated_prompt(chat: ChatComplete, llama_
     model = AutoModelForCausalLM.from_pretrained(llama_server.model_dir, dtype=torch.float32)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)
-    expected = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    expected = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
     assert chat.choices[0].message.content == expected
 
 

@@ -6,6 +6,7 @@ router and shards even when the launcher is stuck), with its output in a log fil
 the device and flag variables a developer's shell could set. `wait_healthy` polls GET /health (bounded); `stop`
 ends the whole group and everything it ever spawned, and removes every socket and the log.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,15 +21,32 @@ from pathlib import Path
 
 import httpx
 import psutil
+
 from textgen_benchmark.ports import free_port
 
 HEALTH_TIMEOUT_S = 240.0
 LOG_TAIL_CHARS = 8000
 DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
 # Env vars of launcher flags that a developer's shell could set and that would change what a test means.
-FLAG_VARS = ("MODEL_ID", "NUM_SHARD", "SHARDED", "PORT", "HOSTNAME", "MAX_INPUT_TOKENS", "MAX_TOTAL_TOKENS",
-             "MAX_INPUT_LENGTH", "MAX_BATCH_PREFILL_TOKENS", "MAX_BATCH_TOTAL_TOKENS", "QUANTIZE", "API_KEY",
-             "SHARD_UDS_PATH", "JSON_OUTPUT", "LOG_LEVEL", "ATTENTION", "PREFIX_CACHING")
+FLAG_VARS = (
+    "MODEL_ID",
+    "NUM_SHARD",
+    "SHARDED",
+    "PORT",
+    "HOSTNAME",
+    "MAX_INPUT_TOKENS",
+    "MAX_TOTAL_TOKENS",
+    "MAX_INPUT_LENGTH",
+    "MAX_BATCH_PREFILL_TOKENS",
+    "MAX_BATCH_TOTAL_TOKENS",
+    "QUANTIZE",
+    "API_KEY",
+    "SHARD_UDS_PATH",
+    "JSON_OUTPUT",
+    "LOG_LEVEL",
+    "ATTENTION",
+    "PREFIX_CACHING",
+)
 
 
 def short_uds_prefix() -> str:
@@ -44,18 +62,21 @@ def launcher_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_launcher(args: Sequence[str], env: Mapping[str, str] | None = None,
-                 timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+def run_launcher(
+    args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
     """Run `textgen-launcher ARGS` to completion (for invocations that must exit on their own)."""
-    return subprocess.run(["textgen-launcher", *args], env=launcher_env(env), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["textgen-launcher", *args], env=launcher_env(env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 class LauncherProcess:
     """One running `textgen-launcher` serving `model_dir` on a loopback port; see the module docstring."""
 
-    def __init__(self, model_dir: str | os.PathLike, args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, model_dir: str | os.PathLike, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -63,13 +84,27 @@ class LauncherProcess:
         fd, log_name = tempfile.mkstemp(prefix="tgl-launcher-", suffix=".log")
         self.log_path = Path(log_name)
         self.known: list[psutil.Process] = []
-        cmd = ["textgen-launcher", "--model-id", str(model_dir), "--hostname", "127.0.0.1", "--port", str(self.port),
-               "--prometheus-port", str(free_port()), "--master-port", str(free_port()),
-               "--shard-uds-path", self.uds, *args]
+        cmd = [
+            "textgen-launcher",
+            "--model-id",
+            str(model_dir),
+            "--hostname",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-port",
+            str(free_port()),
+            "--master-port",
+            str(free_port()),
+            "--shard-uds-path",
+            self.uds,
+            *args,
+        ]
         self.started = time.monotonic()
         with os.fdopen(fd, "wb") as log_file:
-            self.process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=launcher_env(env),
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=launcher_env(env), start_new_session=True
+            )
 
     @property
     def log(self) -> str:

@@ -15,9 +15,21 @@ SCRIPT = Path(__file__).resolve().parent.parent / "router_floor.py"
 def test_floor_is_the_writes_plus_the_decode_call(tmp_path: Path) -> None:
     report_path = tmp_path / "floor.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--streams", "4", "--steps", "5", "--pauses-ms", "0,1", "--json",
-         str(report_path)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--streams",
+            "4",
+            "--steps",
+            "5",
+            "--pauses-ms",
+            "0,1",
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("of router CPU per decode step") == 2

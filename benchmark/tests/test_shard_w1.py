@@ -15,9 +15,25 @@ def test_every_request_ends_and_figures_are_printed(tiny_llama: Path, tmp_path: 
     # A prefill budget of two longest prompts: chunks join the running batch (Decode of two batches) and
     # finished requests are filtered out while others still run.
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model-dir", str(tiny_llama), "-n", "4", "--threads", "1",
-         "--max-input-tokens", "300", "--max-batch-prefill-tokens", "600", "--json", str(report_path)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model-dir",
+            str(tiny_llama),
+            "-n",
+            "4",
+            "--threads",
+            "1",
+            "--max-input-tokens",
+            "300",
+            "--max-batch-prefill-tokens",
+            "600",
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     for figure in ("tok/s", "prefill total", "decode steps", "median decode step", "shard CPU"):

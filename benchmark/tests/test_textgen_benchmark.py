@@ -20,15 +20,43 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*BENCH, *args], capture_output=True, text=True, timeout=180)
 
 
-def test_benchmark_tables_json_and_plot(tiny_llama: Path, start_shard: Callable[..., object],
-                                        tmp_path: Path) -> None:
+def test_benchmark_tables_json_and_plot(tiny_llama: Path, start_shard: Callable[..., object], tmp_path: Path) -> None:
     shard = start_shard(tiny_llama)
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    done = run("-t", str(tiny_llama), "-m", shard.socket, "-b", "1", "-b", "3", "-s", "6", "-d", "4",
-               "-r", "2", "-w", "1", "--top-n-tokens", "2", "--json", str(out_json), "--plot", str(out_png))
+    done = run(
+        "-t",
+        str(tiny_llama),
+        "-m",
+        shard.socket,
+        "-b",
+        "1",
+        "-b",
+        "3",
+        "-s",
+        "6",
+        "-d",
+        "4",
+        "-r",
+        "2",
+        "-w",
+        "1",
+        "--top-n-tokens",
+        "2",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    )
     assert done.returncode == 0, done.stderr
-    for heading in ("| Parameter", "| Step", "| Prefill        | 1", "| Decode (token) | 3",
-                    "| Decode (total) | 1", "tokens/secs", "| Sequence Length    | 6"):
+    for heading in (
+        "| Parameter",
+        "| Step",
+        "| Prefill        | 1",
+        "| Decode (token) | 3",
+        "| Decode (total) | 1",
+        "tokens/secs",
+        "| Sequence Length    | 6",
+    ):
         assert heading in done.stdout, heading
     assert "batch size 3: run 2/2" in done.stderr
     document = json.loads(out_json.read_text())
@@ -43,8 +71,9 @@ def test_benchmark_tables_json_and_plot(tiny_llama: Path, start_shard: Callable[
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # --json - : the document alone on stdout, machine-readable.
-    piped = run("-t", str(tiny_llama), "-m", shard.socket, "-b", "2", "-s", "4", "-d", "1", "-r", "1",
-                "-w", "0", "--json", "-")
+    piped = run(
+        "-t", str(tiny_llama), "-m", shard.socket, "-b", "2", "-s", "4", "-d", "1", "-r", "1", "-w", "0", "--json", "-"
+    )
     assert piped.returncode == 0, piped.stderr
     only = json.loads(piped.stdout)
     # Decode length 1: the first token comes from Prefill, so there are no Decode samples.

@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from textgen_pb import generate_pb2
-from textgen_router.client import ShardedClient
 from tokenizers import Tokenizer
 
 from textgen_benchmark.stats import BatchResult, RunSamples
+from textgen_pb import generate_pb2
+from textgen_router.client import ShardedClient
 
 LOREM = (
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore et "
@@ -50,30 +50,47 @@ def prompt_of_length(tokenizer: Tokenizer, sequence_length: int) -> str:
     return tokenizer.decode(ids[-sequence_length:], skip_special_tokens=False)
 
 
-def make_batch(prompt: str, batch_size: int, sequence_length: int, decode_length: int,
-               sampling: Sampling) -> generate_pb2.Batch:
+def make_batch(
+    prompt: str, batch_size: int, sequence_length: int, decode_length: int, sampling: Sampling
+) -> generate_pb2.Batch:
     parameters = generate_pb2.NextTokenChooserParameters(
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        typical_p=sampling.typical_p, do_sample=sampling.do_sample, seed=0,
-        repetition_penalty=sampling.repetition_penalty, frequency_penalty=sampling.frequency_penalty,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        typical_p=sampling.typical_p,
+        do_sample=sampling.do_sample,
+        seed=0,
+        repetition_penalty=sampling.repetition_penalty,
+        frequency_penalty=sampling.frequency_penalty,
         watermark=sampling.watermark,
     )
     stopping = generate_pb2.StoppingCriteriaParameters(max_new_tokens=decode_length, ignore_eos_token=True)
     requests = [
         generate_pb2.Request(
-            id=i, inputs=prompt,
+            id=i,
+            inputs=prompt,
             input_chunks=generate_pb2.Input(chunks=[generate_pb2.InputChunk(text=prompt)]),
-            truncate=sequence_length, parameters=parameters, stopping_parameters=stopping,
-            prefill_logprobs=False, top_n_tokens=sampling.top_n_tokens, add_special_tokens=True,
+            truncate=sequence_length,
+            parameters=parameters,
+            stopping_parameters=stopping,
+            prefill_logprobs=False,
+            top_n_tokens=sampling.top_n_tokens,
+            add_special_tokens=True,
         )
         for i in range(batch_size)
     ]
-    return generate_pb2.Batch(id=0, requests=requests, size=batch_size,
-                              max_tokens=batch_size * (sequence_length + decode_length), max_blocks=0)
+    return generate_pb2.Batch(
+        id=0,
+        requests=requests,
+        size=batch_size,
+        max_tokens=batch_size * (sequence_length + decode_length),
+        max_blocks=0,
+    )
 
 
-async def run_once(client: ShardedClient, batch: generate_pb2.Batch, samples: RunSamples | None,
-                   sequence_length: int) -> None:
+async def run_once(
+    client: ShardedClient, batch: generate_pb2.Batch, samples: RunSamples | None, sequence_length: int
+) -> None:
     """One Prefill plus Decode calls until the shards return no batch; recorded into `samples` if given."""
     start = time.perf_counter()
     step = await client.prefill(batch)
@@ -96,8 +113,14 @@ async def run_once(client: ShardedClient, batch: generate_pb2.Batch, samples: Ru
 
 
 async def run_benchmark(
-    client: ShardedClient, tokenizer: Tokenizer, batch_sizes: list[int], sequence_length: int,
-    decode_length: int, runs: int, warmups: int, sampling: Sampling,
+    client: ShardedClient,
+    tokenizer: Tokenizer,
+    batch_sizes: list[int],
+    sequence_length: int,
+    decode_length: int,
+    runs: int,
+    warmups: int,
+    sampling: Sampling,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[BatchResult]:
     """Clear the shards' caches, then per batch size: `warmups` unmeasured runs and `runs` measured ones."""

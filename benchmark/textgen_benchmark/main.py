@@ -39,11 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     """TGI's flags; all but --batch-size also read from the environment (TOKENIZER_NAME, RUNS, ...)."""
     p = argparse.ArgumentParser(prog="textgen-benchmark", description=__doc__.splitlines()[0])
     tokenizer = _env("TOKENIZER_NAME", None)
-    p.add_argument("-t", "--tokenizer-name", default=tokenizer, required=tokenizer is None,
-                   help="hub id or local directory with tokenizer.json")
+    p.add_argument(
+        "-t",
+        "--tokenizer-name",
+        default=tokenizer,
+        required=tokenizer is None,
+        help="hub id or local directory with tokenizer.json",
+    )
     p.add_argument("--revision", default=_env("REVISION", "main"))
-    p.add_argument("-b", "--batch-size", type=_positive, action="append",
-                   help="batch size to sweep (repeatable; default 1,2,4,8,16,32)")
+    p.add_argument(
+        "-b",
+        "--batch-size",
+        type=_positive,
+        action="append",
+        help="batch size to sweep (repeatable; default 1,2,4,8,16,32)",
+    )
     p.add_argument("-s", "--sequence-length", type=_positive, default=_env("SEQUENCE_LENGTH", "10"))
     p.add_argument("-d", "--decode-length", type=_positive, default=_env("DECODE_LENGTH", "8"))
     p.add_argument("-r", "--runs", type=_positive, default=_env("RUNS", "10"))
@@ -65,14 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def sampling_of(args: argparse.Namespace) -> Sampling:
     """Unset flags fall back to the neutral values (1.0 / 0 / 1.0 / 1.0 / 1.0 / 0.0)."""
+
     def given(value: object, default: object) -> object:
         return default if value is None else value
 
     return Sampling(
-        temperature=given(args.temperature, 1.0), top_k=given(args.top_k, 0), top_p=given(args.top_p, 1.0),
-        typical_p=given(args.typical_p, 1.0), repetition_penalty=given(args.repetition_penalty, 1.0),
-        frequency_penalty=given(args.frequency_penalty, 0.0), watermark=args.watermark,
-        do_sample=args.do_sample, top_n_tokens=given(args.top_n_tokens, 0),
+        temperature=given(args.temperature, 1.0),
+        top_k=given(args.top_k, 0),
+        top_p=given(args.top_p, 1.0),
+        typical_p=given(args.typical_p, 1.0),
+        repetition_penalty=given(args.repetition_penalty, 1.0),
+        frequency_penalty=given(args.frequency_penalty, 0.0),
+        watermark=args.watermark,
+        do_sample=args.do_sample,
+        top_n_tokens=given(args.top_n_tokens, 0),
     )  # type: ignore[arg-type]
 
 
@@ -88,12 +104,20 @@ def load_tokenizer(name: str, revision: str) -> Tokenizer:
 
 def parameters(args: argparse.Namespace, sampling: Sampling) -> dict[str, object]:
     return {
-        "Model": args.tokenizer_name, "Sequence Length": args.sequence_length,
-        "Decode Length": args.decode_length, "Top N Tokens": sampling.top_n_tokens, "N Runs": args.runs,
-        "Warmups": args.warmups, "Temperature": sampling.temperature, "Top K": sampling.top_k,
-        "Top P": sampling.top_p, "Typical P": sampling.typical_p,
-        "Repetition Penalty": sampling.repetition_penalty, "Frequency Penalty": sampling.frequency_penalty,
-        "Watermark": sampling.watermark, "Do Sample": sampling.do_sample,
+        "Model": args.tokenizer_name,
+        "Sequence Length": args.sequence_length,
+        "Decode Length": args.decode_length,
+        "Top N Tokens": sampling.top_n_tokens,
+        "N Runs": args.runs,
+        "Warmups": args.warmups,
+        "Temperature": sampling.temperature,
+        "Top K": sampling.top_k,
+        "Top P": sampling.top_p,
+        "Typical P": sampling.typical_p,
+        "Repetition Penalty": sampling.repetition_penalty,
+        "Frequency Penalty": sampling.frequency_penalty,
+        "Watermark": sampling.watermark,
+        "Do Sample": sampling.do_sample,
     }
 
 
@@ -103,8 +127,15 @@ async def _run(args: argparse.Namespace, tokenizer: Tokenizer, sampling: Samplin
     client = await ShardedClient.connect(args.master_shard_uds_path)
     try:
         return await run_benchmark(
-            client, tokenizer, args.batch_size or DEFAULT_BATCH_SIZES, args.sequence_length, args.decode_length,
-            args.runs, args.warmups, sampling, progress=lambda line: print(line, file=sys.stderr, flush=True),
+            client,
+            tokenizer,
+            args.batch_size or DEFAULT_BATCH_SIZES,
+            args.sequence_length,
+            args.decode_length,
+            args.runs,
+            args.warmups,
+            sampling,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     finally:
         await client.close()
@@ -134,8 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         from textgen_benchmark.plot import plot
 
-        plot(results, args.plot, f"{args.tokenizer_name}: sequence {args.sequence_length}, "
-                                 f"decode {args.decode_length}")
+        plot(results, args.plot, f"{args.tokenizer_name}: sequence {args.sequence_length}, decode {args.decode_length}")
 
 
 if __name__ == "__main__":

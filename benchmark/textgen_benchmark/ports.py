@@ -1,4 +1,5 @@
 """Loopback TCP ports for the servers that tests and benchmark scripts start (`free_port`)."""
+
 from __future__ import annotations
 
 import contextlib

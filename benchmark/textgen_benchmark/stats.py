@@ -83,5 +83,7 @@ class BatchResult:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready; a statistic with no samples (decode length 1 has no Decode calls) becomes null."""
-        return {k: {n: None if math.isnan(x) else x for n, x in v.items()} if isinstance(v, dict) else v
-                for k, v in asdict(self).items()}
+        return {
+            k: {n: None if math.isnan(x) else x for n, x in v.items()} if isinstance(v, dict) else v
+            for k, v in asdict(self).items()
+        }

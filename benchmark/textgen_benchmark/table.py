@@ -29,13 +29,26 @@ def _tps(v: float) -> str:
 
 def latency_table(results: list[BatchResult]) -> str:
     rows: list[list[str]] = []
-    steps: list[tuple[str, str]] = [("Prefill", "prefill"), ("Decode (token)", "decode_token"),
-                                    ("Decode (total)", "decode_total")]
+    steps: list[tuple[str, str]] = [
+        ("Prefill", "prefill"),
+        ("Decode (token)", "decode_token"),
+        ("Decode (total)", "decode_total"),
+    ]
     for label, attr in steps:
         for r in results:
             lat: Latency = getattr(r, attr)
-            rows.append([label, str(r.batch_size), _ms(lat.average), _ms(lat.lowest), _ms(lat.highest),
-                         _ms(lat.p50), _ms(lat.p90), _ms(lat.p99)])
+            rows.append(
+                [
+                    label,
+                    str(r.batch_size),
+                    _ms(lat.average),
+                    _ms(lat.lowest),
+                    _ms(lat.highest),
+                    _ms(lat.p50),
+                    _ms(lat.p90),
+                    _ms(lat.p99),
+                ]
+            )
     return _table(["Step", "Batch Size", "Average", "Lowest", "Highest", "p50", "p90", "p99"], rows)
 
 

@@ -6,6 +6,7 @@ Prints the seconds from spawning `textgen-launcher` to the first 200 on /health 
 process (launcher, shards, router) used until then: on a busy machine the CPU seconds, not the wall time,
 say what an idle machine would see. Stops the launcher with SIGTERM afterwards.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,25 @@ def main() -> int:
     log = tempfile.NamedTemporaryFile("w", prefix="textgen-startup-", suffix=".log", delete=False)
     start = time.monotonic()
     launcher = subprocess.Popen(
-        ["textgen-launcher", "--model-id", args.model_dir, "--num-shard", str(args.num_shard),
-         "--hostname", "127.0.0.1", "--port", str(args.port), "--prometheus-port", str(args.port + 1),
-         "--shard-uds-path", f"/tmp/textgen-startup-{args.port}", *extra], stdout=log, stderr=subprocess.STDOUT)
+        [
+            "textgen-launcher",
+            "--model-id",
+            args.model_dir,
+            "--num-shard",
+            str(args.num_shard),
+            "--hostname",
+            "127.0.0.1",
+            "--port",
+            str(args.port),
+            "--prometheus-port",
+            str(args.port + 1),
+            "--shard-uds-path",
+            f"/tmp/textgen-startup-{args.port}",
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         while time.monotonic() - start < HEALTH_TIMEOUT_S and launcher.poll() is None:
             try:

@@ -1,5 +1,6 @@
 """The real launcher end to end with the tiny model: start, serve, stop on SIGTERM with a request in
 flight, die when a shard dies, refuse a taken port, fail clearly on a missing model."""
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def test_sigterm_lets_the_request_in_flight_finish(launch: LaunchFactory, tiny_l
         for line in response.iter_lines():
             if not line.startswith("data:"):
                 continue
-            events.append(json.loads(line[len("data:"):]))
+            events.append(json.loads(line[len("data:") :]))
             if len(events) == 1:  # the request is now in flight: stop the launcher under it
                 launched.process.send_signal(signal.SIGTERM)
     final = events[-1]
@@ -83,16 +84,20 @@ def test_a_dead_shard_stops_everything(launch: LaunchFactory, tiny_llama: Path) 
 
 def test_a_router_that_fails_stops_the_shards(launch: LaunchFactory, tiny_llama: Path) -> None:
     # The launcher does not check this pair (TGI 3 moved the check into the router, after warmup).
-    launched = launch(tiny_llama, "--max-input-tokens", "100", "--max-total-tokens", "200",
-                      "--max-batch-prefill-tokens", "50")
+    launched = launch(
+        tiny_llama, "--max-input-tokens", "100", "--max-total-tokens", "200", "--max-batch-prefill-tokens", "50"
+    )
     assert launched.wait_exit(240) == 1
     log = launched.log
     assert "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 50 and 100" in log
     assert "Webserver Crashed" in log and "Error: WebserverFailed" in log
     assert log.index("Webserver Crashed") < log.index("Terminating shard 0")
     assert launched.sockets_left() == []
-    assert not any("serve" in " ".join(p.cmdline()) and launched.uds in " ".join(p.cmdline())
-                   for p in psutil.process_iter() if p.pid != os.getpid() and _alive(p))
+    assert not any(
+        "serve" in " ".join(p.cmdline()) and launched.uds in " ".join(p.cmdline())
+        for p in psutil.process_iter()
+        if p.pid != os.getpid() and _alive(p)
+    )
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -1,4 +1,5 @@
 """Pure launcher logic: shard count table, automatic prefill budget, attention resolution, child env."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,16 @@ from textgen_launcher.router import router_command
 from textgen_launcher.shards import shard_command
 from textgen_launcher.validate import Settings
 
-LLAMA_7B = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
-            "num_hidden_layers": 32, "intermediate_size": 11008, "vocab_size": 32000,
-            "max_position_embeddings": 4096}
+LLAMA_7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "num_hidden_layers": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -30,21 +38,25 @@ def no_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("textgen_launcher.devices.has_gpu_driver", lambda: False)
 
 
-@pytest.mark.parametrize(("env", "sharded", "num_shard", "expected"), [
-    ({}, None, None, 1),
-    ({}, None, 3, 3),
-    ({}, False, None, 1),
-    ({"CUDA_VISIBLE_DEVICES": "0,1"}, False, None, 1),
-    ({}, False, 2, 2),
-    ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, None, None, 3),
-    ({"CUDA_VISIBLE_DEVICES": "0,1", "NVIDIA_VISIBLE_DEVICES": "0"}, True, None, 2),
-    ({"NVIDIA_VISIBLE_DEVICES": "2,3"}, None, None, 2),
-    ({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, True, None, 4),
-    ({"ZE_AFFINITY_MASK": "0,1"}, None, None, 2),
-    ({"CUDA_VISIBLE_DEVICES": ""}, None, None, 1),
-])
-def test_shard_count_table(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], sharded: bool | None,
-                           num_shard: int | None, expected: int) -> None:
+@pytest.mark.parametrize(
+    ("env", "sharded", "num_shard", "expected"),
+    [
+        ({}, None, None, 1),
+        ({}, None, 3, 3),
+        ({}, False, None, 1),
+        ({"CUDA_VISIBLE_DEVICES": "0,1"}, False, None, 1),
+        ({}, False, 2, 2),
+        ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, None, None, 3),
+        ({"CUDA_VISIBLE_DEVICES": "0,1", "NVIDIA_VISIBLE_DEVICES": "0"}, True, None, 2),
+        ({"NVIDIA_VISIBLE_DEVICES": "2,3"}, None, None, 2),
+        ({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, True, None, 4),
+        ({"ZE_AFFINITY_MASK": "0,1"}, None, None, 2),
+        ({"CUDA_VISIBLE_DEVICES": ""}, None, None, 1),
+    ],
+)
+def test_shard_count_table(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], sharded: bool | None, num_shard: int | None, expected: int
+) -> None:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert find_num_shards(sharded, num_shard) == expected
@@ -124,14 +136,47 @@ def test_rope_env_implies_the_missing_half() -> None:
 def test_shard_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOG_LEVEL", "debug")
     monkeypatch.setenv("HF_API_TOKEN", "hf_x")
-    args = parse_args(["--model-id", "m", "--dtype", "bfloat16", "--shard-uds-path", "/tmp/s", "--max-input-tokens",
-                       "7", "--watermark-gamma", "0.5", "--enable-prefill-logprobs", "--cuda-graphs", "0",
-                       "--otlp-endpoint", "http://c:4317", "--otlp-service-name", "svc"])
+    args = parse_args(
+        [
+            "--model-id",
+            "m",
+            "--dtype",
+            "bfloat16",
+            "--shard-uds-path",
+            "/tmp/s",
+            "--max-input-tokens",
+            "7",
+            "--watermark-gamma",
+            "0.5",
+            "--enable-prefill-logprobs",
+            "--cuda-graphs",
+            "0",
+            "--otlp-endpoint",
+            "http://c:4317",
+            "--otlp-service-name",
+            "svc",
+        ]
+    )
     settings = Settings(num_shard=2, max_input_tokens=7, max_batch_prefill_tokens=64, quantize=None, cuda_graphs=[])
     assert shard_command(args, settings, "DEBUG") == [
-        "textgen-server", "serve", "m", "--uds-path", "/tmp/s", "--logger-level", "DEBUG", "--json-output",
-        "--sharded", "--dtype", "bfloat16", "--otlp-endpoint", "http://c:4317", "--otlp-service-name", "svc",
-        "--max-input-tokens", "7"]
+        "textgen-server",
+        "serve",
+        "m",
+        "--uds-path",
+        "/tmp/s",
+        "--logger-level",
+        "DEBUG",
+        "--json-output",
+        "--sharded",
+        "--dtype",
+        "bfloat16",
+        "--otlp-endpoint",
+        "http://c:4317",
+        "--otlp-service-name",
+        "svc",
+        "--max-input-tokens",
+        "7",
+    ]
     env = shard_env(args, settings, 1)
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == ("1", "2", "localhost", "29500")
     assert env["HF_TOKEN"] == "hf_x" and env["WATERMARK_GAMMA"] == "0.5" and env["REQUEST_LOGPROBS"] == "1"
@@ -140,12 +185,30 @@ def test_shard_command_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("COMPUTE_TYPE", raising=False)
-    args = parse_args(["--model-id", "/models/m", "--shard-uds-path", "/tmp/s", "--port", "8080",
-                       "--cors-allow-origin", "a", "--cors-allow-origin", "b", "--json-output",
-                       "--otlp-endpoint", "http://127.0.0.1:4317", "--api-key", "secret",
-                       "--huggingface-hub-cache", "/data"])
-    settings = Settings(num_shard=1, max_input_tokens=None, max_batch_prefill_tokens=512, quantize=None,
-                        cuda_graphs=[1])
+    args = parse_args(
+        [
+            "--model-id",
+            "/models/m",
+            "--shard-uds-path",
+            "/tmp/s",
+            "--port",
+            "8080",
+            "--cors-allow-origin",
+            "a",
+            "--cors-allow-origin",
+            "b",
+            "--json-output",
+            "--otlp-endpoint",
+            "http://127.0.0.1:4317",
+            "--api-key",
+            "secret",
+            "--huggingface-hub-cache",
+            "/data",
+        ]
+    )
+    settings = Settings(
+        num_shard=1, max_input_tokens=None, max_batch_prefill_tokens=512, quantize=None, cuda_graphs=[1]
+    )
     cmd = router_command(args, settings)
     pairs = dict(zip(cmd[1::2], cmd[2::2]))
     assert pairs["--master-shard-uds-path"] == "/tmp/s-0"
@@ -161,10 +224,17 @@ def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.M
     assert env["HUGGINGFACE_HUB_CACHE"] == "/data"
 
 
-@pytest.mark.parametrize(("value", "level"), [
-    ("debug", "DEBUG"), ("warn", "WARNING"), ("info,textgen_router=debug", "INFO"),
-    ("textgen_launcher=warn,info", "WARNING"), ("text_generation_launcher=debug", "DEBUG"), ("bogus", "INFO"),
-])
+@pytest.mark.parametrize(
+    ("value", "level"),
+    [
+        ("debug", "DEBUG"),
+        ("warn", "WARNING"),
+        ("info,textgen_router=debug", "INFO"),
+        ("textgen_launcher=warn,info", "WARNING"),
+        ("text_generation_launcher=debug", "DEBUG"),
+        ("bogus", "INFO"),
+    ],
+)
 def test_log_level_from_env(monkeypatch: pytest.MonkeyPatch, value: str, level: str) -> None:
     monkeypatch.setenv("LOG_LEVEL", value)
     assert log_level() == level
@@ -229,8 +299,9 @@ TGI_FLAGS = [
 
 
 @pytest.mark.parametrize(("dest", "env", "default", "env_value", "parsed"), TGI_FLAGS, ids=[f[1] for f in TGI_FLAGS])
-def test_every_tgi_flag_has_its_default_and_env_var(monkeypatch: pytest.MonkeyPatch, dest: str, env: str,
-                                                   default: object, env_value: str, parsed: object) -> None:
+def test_every_tgi_flag_has_its_default_and_env_var(
+    monkeypatch: pytest.MonkeyPatch, dest: str, env: str, default: object, env_value: str, parsed: object
+) -> None:
     monkeypatch.delenv(env, raising=False)
     assert getattr(parse_args([]), dest) == default
     monkeypatch.setenv(env, env_value)

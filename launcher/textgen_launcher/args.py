@@ -3,6 +3,7 @@
 A flag's environment variable is its name in UPPER_SNAKE_CASE; the command line wins over the
 environment. Boolean flags read true from any value but `false/f/no/n/off/0` (clap's rule).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,16 @@ from collections.abc import Sequence
 from typing import Any, Callable
 
 QUANTIZE_CHOICES = (
-    "awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin",
-    "bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8",
+    "awq",
+    "compressed-tensors",
+    "eetq",
+    "exl2",
+    "gptq",
+    "marlin",
+    "bitsandbytes",
+    "bitsandbytes-nf4",
+    "bitsandbytes-fp4",
+    "fp8",
 )
 FALSE_WORDS = {"false", "f", "no", "n", "off", "0"}
 
@@ -52,18 +61,33 @@ class _Builder:
         # Repeatable flags: clap lets command-line values replace the env value, argparse would append to it.
         self.list_defaults: dict[str, list[str]] = {}
 
-    def value(self, *flags: str, type: Callable[[str], Any] = str, default: Any = None,
-              choices: Sequence[str] | None = None, help: str) -> None:
+    def value(
+        self,
+        *flags: str,
+        type: Callable[[str], Any] = str,
+        default: Any = None,
+        choices: Sequence[str] | None = None,
+        help: str,
+    ) -> None:
         env = _env_name(flags[-1])
         # A string default goes through `type` like a command-line value, so bad env values fail loudly.
-        self.parser.add_argument(*flags, type=type, default=os.environ.get(env, default), choices=choices,
-                                 help=f"{help} [env: {env}]" + (f" [default: {default}]" if default is not None else ""))
+        self.parser.add_argument(
+            *flags,
+            type=type,
+            default=os.environ.get(env, default),
+            choices=choices,
+            help=f"{help} [env: {env}]" + (f" [default: {default}]" if default is not None else ""),
+        )
         self.env_of[self.parser._option_string_actions[flags[-1]].dest] = env
 
     def flag(self, *flags: str, help: str) -> None:
         env = _env_name(flags[-1])
-        self.parser.add_argument(*flags, action="store_true",
-                                 default=env in os.environ and env_flag(os.environ[env]), help=f"{help} [env: {env}]")
+        self.parser.add_argument(
+            *flags,
+            action="store_true",
+            default=env in os.environ and env_flag(os.environ[env]),
+            help=f"{help} [env: {env}]",
+        )
 
     def many(self, *flags: str, help: str) -> None:
         env = _env_name(flags[-1])
@@ -76,7 +100,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
         prog="textgen-launcher",
         usage="%(prog)s [OPTIONS]",
         description="Serve a text-generation model: download its weights, start one shard process per device "
-                    "and the HTTP router (TGI's text-generation-launcher).",
+        "and the HTTP router (TGI's text-generation-launcher).",
     )
     b = _Builder(parser)
     b.value("--model-id", default="bigscience/bloom-560m", help="Hub model id or local directory")
@@ -101,7 +125,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
     b.value("--max-batch-total-tokens", type=int, help="Token budget of a whole batch")
     b.value("--max-waiting-tokens", type=int, default="20", help="Decode steps before waiting requests are let in")
     b.value("--max-batch-size", type=int, help="Most requests in a batch")
-    b.value("--cuda-graphs", type=size_list, help="Comma-separated CUDA graph batch sizes; 0 disables (no effect on CPU)")
+    b.value(
+        "--cuda-graphs", type=size_list, help="Comma-separated CUDA graph batch sizes; 0 disables (no effect on CPU)"
+    )
     b.value("--hostname", default="0.0.0.0", help="IP address the router listens on")
     b.value("-p", "--port", type=int, default="3000", help="HTTP port")
     b.value("--prometheus-port", type=int, default="9000", help="Port of the extra Prometheus listener")
@@ -129,12 +155,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
     parser.add_argument("-e", "--env", action="store_true", help="Print the runtime environment and exit")
     b.value("--max-client-batch-size", type=int, default="4", help="Most prompts in one /v1/completions call")
     b.value("--lora-adapters", help="LoRA adapters: id1,id2 or name=path or id@revision")
-    b.value("--usage-stats", default="on", choices=("on", "off", "no-stack"),
-            help="Accepted for compatibility; textgen never sends usage statistics")
+    b.value(
+        "--usage-stats",
+        default="on",
+        choices=("on", "off", "no-stack"),
+        help="Accepted for compatibility; textgen never sends usage statistics",
+    )
     b.value("--payload-limit", type=int, default="2000000", help="HTTP body limit in bytes")
     b.flag("--enable-prefill-logprobs", help="Compute prompt logprobs (shard env REQUEST_LOGPROBS=1)")
-    b.value("-g", "--graceful-termination-timeout", type=int, default="90",
-            help="Seconds to let in-flight requests finish on shutdown")
+    b.value(
+        "-g",
+        "--graceful-termination-timeout",
+        type=int,
+        default="90",
+        help="Seconds to let in-flight requests finish on shutdown",
+    )
     return parser, b
 
 
@@ -145,8 +180,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for action in parser._actions:
         value = getattr(args, action.dest, None)
         if action.choices and value is not None and value not in action.choices:
-            parser.error(f"argument {'/'.join(action.option_strings)}: invalid choice: '{value}' from env "
-                         f"{built.env_of[action.dest]} (choose from {', '.join(action.choices)})")
+            parser.error(
+                f"argument {'/'.join(action.option_strings)}: invalid choice: '{value}' from env "
+                f"{built.env_of[action.dest]} (choose from {', '.join(action.choices)})"
+            )
     for dest, default in built.list_defaults.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)

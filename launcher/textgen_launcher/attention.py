@@ -2,6 +2,7 @@
 
 An explicit ATTENTION / PREFIX_CACHING in the environment always wins.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,11 @@ def resolve_attention(config: ModelConfig | None, lora_adapters: str | None) -> 
         else:
             if attention is None:
                 attention = fallback_attention()
-                logger.info("Forcing attention to '%s' because head dim is not supported by flashinfer, "
-                            "also disabling prefix caching", attention)
+                logger.info(
+                    "Forcing attention to '%s' because head dim is not supported by flashinfer, "
+                    "also disabling prefix caching",
+                    attention,
+                )
             if prefix_caching is None:
                 prefix_caching = "0"
     if attention == "paged" and prefix_caching is None:

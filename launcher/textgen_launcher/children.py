@@ -5,6 +5,7 @@ Own process group: a Ctrl-C in the terminal reaches only the launcher, which the
 order (router first, shards after). PR_SET_PDEATHSIG: if the launcher itself is killed with SIGKILL,
 the kernel still delivers SIGTERM to every child, so nothing is left behind.
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,17 +38,28 @@ def _die_with_parent() -> None:
 class Child:
     """One running child. `on_stdout` gets each stdout line; stderr is kept (last lines) and optionally echoed."""
 
-    def __init__(self, name: str, cmd: Sequence[str], env: dict[str, str],
-                 on_stdout: Callable[[str], None], echo_stderr: bool) -> None:
+    def __init__(
+        self, name: str, cmd: Sequence[str], env: dict[str, str], on_stdout: Callable[[str], None], echo_stderr: bool
+    ) -> None:
         self.name = name
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.process = subprocess.Popen(
-            list(cmd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, errors="replace", bufsize=1, process_group=0, preexec_fn=_die_with_parent)
+            list(cmd),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            process_group=0,
+            preexec_fn=_die_with_parent,
+        )
         self._threads = [
             threading.Thread(target=self._pump, args=(self.process.stdout, on_stdout), daemon=True),
-            threading.Thread(target=self._pump, args=(self.process.stderr, self._stderr_line(echo_stderr)),
-                             daemon=True),
+            threading.Thread(
+                target=self._pump, args=(self.process.stderr, self._stderr_line(echo_stderr)), daemon=True
+            ),
         ]
         for thread in self._threads:
             thread.start()
@@ -58,6 +70,7 @@ class Child:
             if echo:
                 sys.stderr.write(line + "\n")
                 sys.stderr.flush()
+
         return keep
 
     @staticmethod

@@ -1,4 +1,5 @@
 """The few `config.json` fields the launcher reads (TGI's `RawConfig` -> `Config`)."""
+
 from __future__ import annotations
 
 import json
@@ -86,8 +87,12 @@ def _hub_config(model_id: str, revision: str | None) -> dict[str, Any] | None:
     token = os.environ.get("HF_TOKEN") or os.environ.get("HF_API_TOKEN")
     url = f"{constants.ENDPOINT}/{model_id}/resolve/{revision or 'main'}/config.json"
     try:
-        response = httpx.get(url, headers={"Authorization": f"Bearer {token}"} if token else None,
-                             follow_redirects=True, timeout=CONFIG_FETCH_TIMEOUT_S)
+        response = httpx.get(
+            url,
+            headers={"Authorization": f"Bearer {token}"} if token else None,
+            follow_redirects=True,
+            timeout=CONFIG_FETCH_TIMEOUT_S,
+        )
     except httpx.HTTPError as exc:
         logger.debug("No config.json for %s: %s", model_id, exc)
         return None

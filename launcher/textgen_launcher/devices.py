@@ -1,4 +1,5 @@
 """How many shards to run: TGI's `find_num_shards` / `num_cuda_devices`, plus Ascend and a torch fallback."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,13 @@ def nvidia_smi(*query: str) -> list[str] | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(query)}", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(query)}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return [line.strip() for line in out.splitlines() if line.strip()]

@@ -1,4 +1,5 @@
 """The download step: `textgen-server download-weights` as a child, output forwarded as it runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,22 @@ def _failure_reason(forwarder: LineForwarder, child: Child, returncode: int) -> 
     return forwarder.last_error or (lines[-1] if lines else f"exit code {returncode}")
 
 
-def run_download(args: argparse.Namespace, model_id: str, revision: str | None,
-                 running: Callable[[], bool]) -> bool:
+def run_download(args: argparse.Namespace, model_id: str, revision: str | None, running: Callable[[], bool]) -> bool:
     """Runs one download; False if a stop signal arrived meanwhile. Raises DownloadError on failure.
 
     Unlike TGI, neither `--merge-lora` nor `--trust-remote-code`: textgen's download-weights merges no PEFT
     adapter and runs no model code.
     """
-    cmd = [SERVER_BIN, "download-weights", model_id, "--extension", ".safetensors", "--logger-level", "INFO",
-           "--json-output"]
+    cmd = [
+        SERVER_BIN,
+        "download-weights",
+        model_id,
+        "--extension",
+        ".safetensors",
+        "--logger-level",
+        "INFO",
+        "--json-output",
+    ]
     if revision:
         cmd += ["--revision", revision]
     logger.info("Starting check and download process for %s", model_id)
@@ -80,5 +88,3 @@ def download_all(args: argparse.Namespace, running: Callable[[], bool]) -> bool:
         if not run_download(args, adapter_id, revision or None, running):
             return False
     return True
-
-

@@ -1,4 +1,5 @@
 """`--env`: what a bug report needs to know about this host (TGI's `env_runtime`)."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Environment variables the launcher gives its children (TGI `download_convert_model`, `shard_manager`,
 `spawn_webserver`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,14 +34,20 @@ def rope_env(scaling: str | None, factor: float | None) -> dict[str, str]:
 def shard_env(args: argparse.Namespace, settings: Settings, rank: int) -> dict[str, str]:
     env = base_env(args)
     env.update(
-        RANK=str(rank), WORLD_SIZE=str(settings.num_shard), MASTER_ADDR=args.master_addr,
-        MASTER_PORT=str(args.master_port), TORCH_NCCL_AVOID_RECORD_STREAMS="1",
-        CUDA_MEMORY_FRACTION=str(args.cuda_memory_fraction), SAFETENSORS_FAST_GPU="1",
+        RANK=str(rank),
+        WORLD_SIZE=str(settings.num_shard),
+        MASTER_ADDR=args.master_addr,
+        MASTER_PORT=str(args.master_port),
+        TORCH_NCCL_AVOID_RECORD_STREAMS="1",
+        CUDA_MEMORY_FRACTION=str(args.cuda_memory_fraction),
+        SAFETENSORS_FAST_GPU="1",
     )
     env.update(rope_env(args.rope_scaling, args.rope_factor))
     optional = {
-        "MAX_TOTAL_TOKENS": args.max_total_tokens, "MAX_BATCH_SIZE": args.max_batch_size,
-        "LORA_ADAPTERS": args.lora_adapters, "WATERMARK_GAMMA": args.watermark_gamma,
+        "MAX_TOTAL_TOKENS": args.max_total_tokens,
+        "MAX_BATCH_SIZE": args.max_batch_size,
+        "LORA_ADAPTERS": args.lora_adapters,
+        "WATERMARK_GAMMA": args.watermark_gamma,
         "WATERMARK_DELTA": args.watermark_delta,
         "CUDA_GRAPHS": ",".join(map(str, settings.cuda_graphs)) or None,
         "REQUEST_LOGPROBS": "1" if args.enable_prefill_logprobs else None,

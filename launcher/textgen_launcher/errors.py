@@ -3,6 +3,7 @@
 `main` prints `Error: <Kind>` or `Error: <Kind>("<detail>")` for them and exits 1, as TGI's binary does
 when its `main` returns an error.
 """
+
 from __future__ import annotations
 
 
@@ -15,11 +16,23 @@ class LauncherError(Exception):
 
 
 class ArgumentValidation(LauncherError): ...
+
+
 class NotEnoughCUDADevices(LauncherError): ...
+
+
 class DownloadError(LauncherError): ...
+
+
 class ShardCannotStart(LauncherError): ...
+
+
 class ShardFailed(LauncherError): ...
+
+
 class WebserverFailed(LauncherError): ...
+
+
 class WebserverCannotStart(LauncherError): ...
 
 

@@ -4,6 +4,7 @@ A child's JSON line keeps its level, target and message and gains the child's id
 shard, `step` for the download) under "fields"; in plain-text mode the identity prefixes the message.
 Lines that are not JSON are written through unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,16 @@ import logging
 import sys
 from typing import Any
 
-LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "SUCCESS": logging.INFO,
-          "WARNING": logging.WARNING, "WARN": logging.WARNING, "ERROR": logging.ERROR,
-          "CRITICAL": logging.CRITICAL}
+LEVELS = {
+    "TRACE": logging.DEBUG,
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "SUCCESS": logging.INFO,
+    "WARNING": logging.WARNING,
+    "WARN": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
 
 
 def parse_line(line: str) -> dict[str, Any] | None:

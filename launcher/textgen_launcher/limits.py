@@ -4,6 +4,7 @@ else a per-model default, clamped to the context length and to what device memor
 `max_input_tokens` / `max_total_tokens` are not computed here: as in TGI, the shards decide them during
 Warmup unless the user set them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,18 @@ from textgen_launcher.devices import nvidia_smi
 logger = logging.getLogger("textgen_launcher")
 
 # Dense f16 TFLOPS per card, keyed by a fragment of the lower-cased nvidia-smi name (most specific first).
-CARD_TFLOPS = (("h200", 989), ("h100", 900), ("a100", 312), ("l40s", 363), ("l40", 181), ("a10g", 125),
-               ("a40", 149), ("l4", 121), ("t4", 65), ("4090", 82))
+CARD_TFLOPS = (
+    ("h200", 989),
+    ("h100", 900),
+    ("a100", 312),
+    ("l40s", 363),
+    ("l40", 181),
+    ("a10g", 125),
+    ("a40", 149),
+    ("l4", 121),
+    ("t4", 65),
+    ("4090", 82),
+)
 DEFAULT_PREFILL = 4096
 MODEL_PREFILL = {"qwen2_vl": 10000, "qwen2_5_vl": 10000, "gemma3": 8000}
 F16_BYTES = 2
@@ -79,8 +90,9 @@ def default_max_batch_prefill_tokens(c: ModelConfig | None, num_shard: int, memo
         value = min(value, c.max_position_embeddings)
     cap = vram_cap(c, nvidia_smi("memory.total") or [], num_shard, memory_fraction) if c and cards else None
     if cap is not None and cap < value:
-        logger.warning("Reducing the max batch prefill from %d to %d because there is not enough VRAM to support it.",
-                       value, cap)
+        logger.warning(
+            "Reducing the max batch prefill from %d to %d because there is not enough VRAM to support it.", value, cap
+        )
         value = cap
     logger.info("Default `max_batch_prefill_tokens` to %d", value)
     return value

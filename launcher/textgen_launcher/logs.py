@@ -5,6 +5,7 @@ per line on stdout: {"timestamp": ISO-8601, "level": "INFO", "target": logger na
 plus any `extra={"fields": {...}}` under "fields". The launcher parses such lines from its children and
 re-emits them with the child's rank added; lines that are not JSON are forwarded as plain text.
 """
+
 from __future__ import annotations
 
 import json

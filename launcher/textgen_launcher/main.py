@@ -3,6 +3,7 @@
 Exit codes (TGI's): 0 after a stop signal, 1 for any launcher error (printed as `Error: <Kind>`), 101
 when sharding is requested but no device count is known (TGI panics there), 2 for unparsable flags.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,14 @@ from textgen_launcher.validate import Settings, validate
 
 logger = logging.getLogger("textgen_launcher")
 PANIC_EXIT_CODE = 101
-LOG_LEVELS = {"trace": "DEBUG", "debug": "DEBUG", "info": "INFO", "warn": "WARNING", "warning": "WARNING",
-              "error": "ERROR"}
+LOG_LEVELS = {
+    "trace": "DEBUG",
+    "debug": "DEBUG",
+    "info": "INFO",
+    "warn": "WARNING",
+    "warning": "WARNING",
+    "error": "ERROR",
+}
 
 
 class StopFlag:

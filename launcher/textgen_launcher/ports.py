@@ -1,4 +1,5 @@
 """A port-in-use check before anything starts (TGI only finds out once the model has loaded)."""
+
 from __future__ import annotations
 
 import ipaddress

@@ -1,4 +1,5 @@
 """The router process: `textgen-router` with the launcher's limits, pointed at rank 0's socket."""
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,11 @@ def router_command(args: argparse.Namespace, settings: Settings) -> list[str]:
     ):
         if value is not None:
             cmd += [flag, str(value)]
-    for flag, on in (("--disable-grammar-support", args.disable_grammar_support),
-                     ("--trust-remote-code", args.trust_remote_code), ("--json-output", args.json_output)):
+    for flag, on in (
+        ("--disable-grammar-support", args.disable_grammar_support),
+        ("--trust-remote-code", args.trust_remote_code),
+        ("--json-output", args.json_output),
+    ):
         if on:
             cmd.append(flag)
     for origin in args.cors_allow_origin:
@@ -69,8 +73,13 @@ def spawn_router(args: argparse.Namespace, settings: Settings) -> Child:
     cards = nvidia_smi("gpu_name")
     logger.info("Starting Webserver")
     try:
-        return Child("webserver", router_command(args, settings),
-                     router_env(args, settings.num_shard, cards[0] if cards else None), _echo, echo_stderr=True)
+        return Child(
+            "webserver",
+            router_command(args, settings),
+            router_env(args, settings.num_shard, cards[0] if cards else None),
+            _echo,
+            echo_stderr=True,
+        )
     except FileNotFoundError:
         logger.error("%s not found in PATH", ROUTER_BIN)
         logger.error("Please install it with `make install`")

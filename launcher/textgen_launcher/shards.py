@@ -1,4 +1,5 @@
 """Shard processes: one `textgen-server serve` per rank, ready once its socket answers the Health RPC."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,28 @@ class Shard:
 
 def shard_command(args: argparse.Namespace, settings: Settings, log_level: str) -> list[str]:
     """TGI's argument order; `--uds-path` is the prefix, the shard appends `-<rank>`."""
-    cmd = [SERVER_BIN, "serve", args.model_id, "--uds-path", args.shard_uds_path, "--logger-level", log_level,
-           "--json-output"]
+    cmd = [
+        SERVER_BIN,
+        "serve",
+        args.model_id,
+        "--uds-path",
+        args.shard_uds_path,
+        "--logger-level",
+        log_level,
+        "--json-output",
+    ]
     if args.trust_remote_code:
         cmd.append("--trust-remote-code")
     if settings.num_shard > 1:
         cmd.append("--sharded")
-    for flag, value in (("--quantize", settings.quantize), ("--speculate", args.speculate),
-                        ("--dtype", args.dtype), ("--kv-cache-dtype", args.kv_cache_dtype),
-                        ("--revision", args.revision), ("--otlp-endpoint", args.otlp_endpoint)):
+    for flag, value in (
+        ("--quantize", settings.quantize),
+        ("--speculate", args.speculate),
+        ("--dtype", args.dtype),
+        ("--kv-cache-dtype", args.kv_cache_dtype),
+        ("--revision", args.revision),
+        ("--otlp-endpoint", args.otlp_endpoint),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     cmd += ["--otlp-service-name", args.otlp_service_name]
@@ -70,7 +84,8 @@ def answers_health(path: str) -> bool:
     with grpc.insecure_channel(f"unix://{path}") as channel:
         try:
             generate_pb2_grpc.TextGenerationServiceStub(channel).Health(
-                generate_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S)
+                generate_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S
+            )
         except grpc.RpcError:
             return False
     return True

@@ -1,4 +1,5 @@
 """TGI's start-up checks (launcher `main`, in TGI's order and with its messages) and the settings they derive."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,27 +43,38 @@ def validate(args: argparse.Namespace, config: ModelConfig | None) -> Settings:
     if args.max_input_tokens is not None and args.max_input_length is not None:
         raise ArgumentValidation(
             f"Both `max_input_tokens` ({args.max_input_tokens}) and `max_input_length` ({args.max_input_length}) "
-            "are set. Please define only `max_input_tokens` as `max_input_length is deprecated for naming consistency.")
+            "are set. Please define only `max_input_tokens` as `max_input_length is deprecated for naming consistency."
+        )
     max_input = args.max_input_tokens if args.max_input_tokens is not None else args.max_input_length
     prefill = args.max_batch_prefill_tokens
     if prefill is None:
         prefill = default_max_batch_prefill_tokens(config, num_shard, args.cuda_memory_fraction)
     if max_input is not None and args.max_total_tokens is not None and max_input >= args.max_total_tokens:
-        raise ArgumentValidation(f"`max_input_tokens`({max_input}) must be < `max_total_tokens`({args.max_total_tokens})")
+        raise ArgumentValidation(
+            f"`max_input_tokens`({max_input}) must be < `max_total_tokens`({args.max_total_tokens})"
+        )
     if args.quantize == "bitsandbytes":
-        logger.warning("Bitsandbytes is deprecated, use `eetq` instead, which provides better latencies overall "
-                       "and is drop-in in most cases.")
+        logger.warning(
+            "Bitsandbytes is deprecated, use `eetq` instead, which provides better latencies overall "
+            "and is drop-in in most cases."
+        )
     quantize = args.quantize or (config.quantize if config else None)
     cuda_graphs = _cuda_graphs(args.cuda_graphs, quantize)
     if args.validation_workers == 0:
         raise ArgumentValidation("`validation_workers` must be > 0")
     if args.trust_remote_code:
-        logger.warning("`trust_remote_code` is set. Trusting that model `%s` do not contain malicious code.",
-                       args.model_id)
-    if (args.max_batch_total_tokens is not None and args.max_total_tokens is not None
-            and args.max_total_tokens > args.max_batch_total_tokens):
-        raise ArgumentValidation(f"`max_total_tokens` must be <= `max_batch_total_tokens`. "
-                                 f"Given: {args.max_total_tokens} and {args.max_batch_total_tokens}")
+        logger.warning(
+            "`trust_remote_code` is set. Trusting that model `%s` do not contain malicious code.", args.model_id
+        )
+    if (
+        args.max_batch_total_tokens is not None
+        and args.max_total_tokens is not None
+        and args.max_total_tokens > args.max_batch_total_tokens
+    ):
+        raise ArgumentValidation(
+            f"`max_total_tokens` must be <= `max_batch_total_tokens`. "
+            f"Given: {args.max_total_tokens} and {args.max_batch_total_tokens}"
+        )
     if args.ngrok:
         if args.ngrok_authtoken is None:
             raise ArgumentValidation("`ngrok-authtoken` must be set when using ngrok tunneling")

@@ -4,6 +4,7 @@
   shared by the HTTP test modules.
 - `client` (session): an httpx client on it that sends the API key.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from router_fixtures import API_KEY, ROUTER_FLAGS, RouterProcess, root_conftest
 
 

@@ -3,6 +3,7 @@
 The backend's grpc.aio channels and batching task live on one loop, so module-scoped fixtures drive a loop
 of their own (`run(coro)`, bounded by a timeout) instead of a fresh loop per test.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,7 +62,7 @@ def oracle(tiny_llama: Path) -> Any:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-            cache[key] = out[0, ids.shape[1]:].tolist()
+            cache[key] = out[0, ids.shape[1] :].tolist()
         return cache[key]
 
     greedy.tokenizer = tokenizer  # type: ignore[attr-defined]
@@ -69,13 +70,18 @@ def oracle(tiny_llama: Path) -> Any:
 
 
 def prompt(i: int) -> str:
-    return f"Request {i}: " + " ".join(WORDS[(i * 5) % 7:(i * 5) % 7 + 1 + i % 6])
+    return f"Request {i}: " + " ".join(WORDS[(i * 5) % 7 : (i * 5) % 7 + 1 + i % 6])
 
 
 def valid(oracle: Any, text: str, max_new_tokens: int) -> ValidRequest:
     return ValidRequest(
-        inputs=text, input_ids=oracle.tokenizer(text).input_ids, truncate=64, add_special_tokens=True,
-        decoder_input_details=False, top_n_tokens=0, parameters=ChooserParameters(),
+        inputs=text,
+        input_ids=oracle.tokenizer(text).input_ids,
+        truncate=64,
+        add_special_tokens=True,
+        decoder_input_details=False,
+        top_n_tokens=0,
+        parameters=ChooserParameters(),
         stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens),
     )
 

@@ -7,6 +7,7 @@
 - `ROUTER_FLAGS`: the small limits and the API key of the shared router (fixtures in conftest.py), so every
   rule can be exercised without long prompts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,20 @@ MAX_TOTAL_TOKENS = 512
 MAX_CONCURRENT_REQUESTS = 3
 PAYLOAD_LIMIT = 20_000
 ROUTER_FLAGS = (
-    "--max-input-tokens", str(MAX_INPUT_TOKENS), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
-    "--max-batch-prefill-tokens", "512", "--max-concurrent-requests", str(MAX_CONCURRENT_REQUESTS),
-    "--payload-limit", str(PAYLOAD_LIMIT), "--api-key", API_KEY, "--cors-allow-origin", ALLOWED_ORIGIN,
+    "--max-input-tokens",
+    str(MAX_INPUT_TOKENS),
+    "--max-total-tokens",
+    str(MAX_TOTAL_TOKENS),
+    "--max-batch-prefill-tokens",
+    "512",
+    "--max-concurrent-requests",
+    str(MAX_CONCURRENT_REQUESTS),
+    "--payload-limit",
+    str(PAYLOAD_LIMIT),
+    "--api-key",
+    API_KEY,
+    "--cors-allow-origin",
+    ALLOWED_ORIGIN,
 )
 
 
@@ -43,15 +55,33 @@ def root_conftest(config: pytest.Config) -> Any:
 class RouterProcess(contextlib.AbstractContextManager):
     """A real `textgen-router` serving `model_dir` from the shard on `master_socket`."""
 
-    def __init__(self, config: pytest.Config, master_socket: str, model_dir: Path, flags: Sequence[str] = (),
-                 env: dict[str, str] | None = None, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        config: pytest.Config,
+        master_socket: str,
+        model_dir: Path,
+        flags: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+    ) -> None:
         self.port = root_conftest(config).free_port()
         self.prometheus_port = root_conftest(config).free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
-            sys.executable, "-m", "textgen_router.main", "--master-shard-uds-path", master_socket,
-            "--tokenizer-name", str(model_dir), "--hostname", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-port", str(self.prometheus_port), *flags,
+            sys.executable,
+            "-m",
+            "textgen_router.main",
+            "--master-shard-uds-path",
+            master_socket,
+            "--tokenizer-name",
+            str(model_dir),
+            "--hostname",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-port",
+            str(self.prometheus_port),
+            *flags,
         ]
         self.env = {**os.environ, **(env or {})}
         self.timeout = timeout

@@ -3,6 +3,7 @@
 Oracle: greedy tokens of every request equal `model.generate` of the same prompt alone, whatever the batch
 it ran in (no cross-talk between rows, joins and filters keep every row's state).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
 
 from textgen_router import metrics
 from textgen_router.backend import Backend, connect_backend
@@ -23,8 +25,6 @@ from textgen_router.types import (
     StreamEvent,
     ValidRequest,
 )
-
-from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -166,9 +166,7 @@ def test_dropped_consumer_leaves_the_batch_within_one_step(infer: Infer, oracle:
     run(scenario())
 
 
-def test_sink_takes_tokens_until_it_declines_then_the_stream_gets_the_rest(
-    infer: Infer, oracle: Any, run: Any
-) -> None:
+def test_sink_takes_tokens_until_it_declines_then_the_stream_gets_the_rest(infer: Infer, oracle: Any, run: Any) -> None:
     """A TokenSink's tokens never reach the stream; once it declines (and keeps declining), every later
     IntermediateEvent comes through the stream, in order, then the EndEvent."""
     request = valid(oracle, prompt(12), 12)

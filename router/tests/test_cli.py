@@ -1,4 +1,5 @@
 """`textgen-router` arguments (flags, env vars, precedence), start-up failures and graceful shutdown of the real binary."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from router_fixtures import RouterProcess, root_conftest
+
 from textgen_router.args import parse_args
 from textgen_router.main import listen_host, log_level
 
@@ -24,16 +25,28 @@ def test_defaults_are_tgi_router_defaults(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.delenv(name, raising=False)
     args = parse_args([])
     assert (args.max_concurrent_requests, args.max_best_of, args.max_stop_sequences, args.max_top_n_tokens) == (
-        128, 2, 4, 5)
+        128,
+        2,
+        4,
+        5,
+    )
     assert (args.max_input_tokens, args.max_total_tokens, args.max_batch_total_tokens, args.max_batch_size) == (
-        None, None, None, None)
+        None,
+        None,
+        None,
+        None,
+    )
     assert (args.waiting_served_ratio, args.max_batch_prefill_tokens, args.max_waiting_tokens) == (1.2, 4096, 20)
     assert (args.hostname, args.port, args.prometheus_port) == ("0.0.0.0", 3000, 9000)
     assert args.master_shard_uds_path == "/tmp/textgen-server-0"
     assert (args.validation_workers, args.max_client_batch_size, args.payload_limit) == (2, 4, 2_000_000)
     assert args.otlp_service_name == "text-generation-inference.router"
     assert (args.json_output, args.disable_grammar_support, args.api_key, args.cors_allow_origin) == (
-        False, False, None, None)
+        False,
+        False,
+        None,
+        None,
+    )
     assert args.command is None
 
 
@@ -49,8 +62,10 @@ def test_env_vars_and_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_args(["--cors-allow-origin", "x", "--cors-allow-origin", "y"]).cors_allow_origin == ["x", "y"]
 
 
-@pytest.mark.parametrize(("value", "expected"), [("true", True), ("1", True), ("yes", True), ("false", False),
-                                                 ("off", False), ("0", False), ("n", False)])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("true", True), ("1", True), ("yes", True), ("false", False), ("off", False), ("0", False), ("n", False)],
+)
 def test_boolean_env_values(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
     monkeypatch.setenv("JSON_OUTPUT", value)
     assert parse_args([]).json_output is expected
@@ -81,8 +96,9 @@ def test_startup_failures_exit_1_with_tgi_messages() -> None:
     runs = {
         "workers": subprocess.Popen([*router, "--validation-workers", "0"], stderr=subprocess.PIPE, env=env),
         "batch": subprocess.Popen(router, stderr=subprocess.PIPE, env={**env, "MAX_BATCH_SIZE": "0"}),
-        "socket": subprocess.Popen([*router, "--master-shard-uds-path", f"/tmp/tg-missing-{os.getpid()}-0"],
-                                   stderr=subprocess.PIPE, env=env),
+        "socket": subprocess.Popen(
+            [*router, "--master-shard-uds-path", f"/tmp/tg-missing-{os.getpid()}-0"], stderr=subprocess.PIPE, env=env
+        ),
     }
     results = {}
     for name, proc in runs.items():
@@ -110,10 +126,28 @@ def test_tokenizer_failure_is_reported_once_the_backend_is_up(
     """The tokenizer loads during warmup, but its failure surfaces after the backend's steps, as in TGI."""
     free_port = root_conftest(request.config).free_port
     proc = subprocess.run(
-        [sys.executable, "-m", "textgen_router.main", "--master-shard-uds-path", shard_socket,
-         "--tokenizer-name", str(tmp_path), "--port", str(free_port()), "--prometheus-port", str(free_port()),
-         "--max-input-tokens", "16", "--max-total-tokens", "32", "--max-batch-prefill-tokens", "32"],
-        capture_output=True, text=True, timeout=100,
+        [
+            sys.executable,
+            "-m",
+            "textgen_router.main",
+            "--master-shard-uds-path",
+            shard_socket,
+            "--tokenizer-name",
+            str(tmp_path),
+            "--port",
+            str(free_port()),
+            "--prometheus-port",
+            str(free_port()),
+            "--max-input-tokens",
+            "16",
+            "--max-total-tokens",
+            "32",
+            "--max-batch-prefill-tokens",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"Error: Unable to load the tokenizer of {tmp_path}: ")

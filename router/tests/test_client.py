@@ -1,4 +1,5 @@
 """ShardedClient and connect_backend against a real 2-rank tensor-parallel shard group on unix sockets."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,16 +8,15 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from textgen_pb import generate_pb2
 
+from textgen_pb import generate_pb2
 from textgen_router import metrics
 from textgen_router.backend import StartupError, connect_backend, warmup_batch
 from textgen_router.client import ShardedClient, ShardError, _metadata
 from textgen_router.types import GenerationError
-
-from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
 
 NUM_SHARD = 2  # every call fans out to two ranks; each answers generations for its own rows only
 pytestmark = pytest.mark.timeout(120)
@@ -24,8 +24,13 @@ pytestmark = pytest.mark.timeout(120)
 
 def connect(shard: Any, **overrides: Any) -> Coroutine[Any, Any, Any]:
     args: dict[str, Any] = dict(
-        max_input_tokens=64, max_total_tokens=128, max_batch_prefill_tokens=256,
-        max_batch_total_tokens=None, max_batch_size=None, waiting_served_ratio=0.3, max_waiting_tokens=20,
+        max_input_tokens=64,
+        max_total_tokens=128,
+        max_batch_prefill_tokens=256,
+        max_batch_total_tokens=None,
+        max_batch_size=None,
+        waiting_served_ratio=0.3,
+        max_waiting_tokens=20,
     )
     args.update(overrides)
     return connect_backend(shard.socket, **args)
@@ -40,28 +45,51 @@ def test_unreachable_socket(run: Any) -> None:
     )
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (dict(max_input_tokens=128, max_total_tokens=128), "`max_input_tokens` must be < `max_total_tokens`"),
-    (dict(max_batch_size=0), "`max_batch_size` must be > 0"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(max_input_tokens=128, max_total_tokens=128), "`max_input_tokens` must be < `max_total_tokens`"),
+        (dict(max_batch_size=0), "`max_batch_size` must be > 0"),
+    ],
+)
 def test_argument_checks_before_connecting(run: Any, overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(StartupError, match=f"^Argument validation error: {message}$"):
-        run(connect_backend("/tmp/never-reached-0", **{
-            **dict(max_input_tokens=64, max_total_tokens=128, max_batch_prefill_tokens=256,
-                   max_batch_total_tokens=None, max_batch_size=None, waiting_served_ratio=0.3,
-                   max_waiting_tokens=20),
-            **overrides,
-        }))
+        run(
+            connect_backend(
+                "/tmp/never-reached-0",
+                **{
+                    **dict(
+                        max_input_tokens=64,
+                        max_total_tokens=128,
+                        max_batch_prefill_tokens=256,
+                        max_batch_total_tokens=None,
+                        max_batch_size=None,
+                        waiting_served_ratio=0.3,
+                        max_waiting_tokens=20,
+                    ),
+                    **overrides,
+                },
+            )
+        )
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (dict(max_batch_prefill_tokens=32),
-     "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 32 and 64"),
-    (dict(max_batch_total_tokens=200),
-     "`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: 256 and 200"),
-    (dict(max_batch_prefill_tokens=64, max_batch_total_tokens=100),
-     "`max_total_tokens` must be <= `max_batch_total_tokens`. Given: 128 and 100"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            dict(max_batch_prefill_tokens=32),
+            "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 32 and 64",
+        ),
+        (
+            dict(max_batch_total_tokens=200),
+            "`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. Given: 256 and 200",
+        ),
+        (
+            dict(max_batch_prefill_tokens=64, max_batch_total_tokens=100),
+            "`max_total_tokens` must be <= `max_batch_total_tokens`. Given: 128 and 100",
+        ),
+    ],
+)
 def test_contradictory_limits_after_warmup(run: Any, shard: Any, overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(StartupError) as err:
         run(connect(shard, **overrides))
@@ -111,9 +139,13 @@ def test_client_calls(run: Any, shard: Any) -> None:
             await client.health()
             await client.clear_cache(None)
             request = generate_pb2.Request(
-                id=5, inputs="Hello", input_chunks=generate_pb2.Input(chunks=[generate_pb2.InputChunk(text="Hello")]),
-                truncate=64, parameters=generate_pb2.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0,
-                                                                              repetition_penalty=1.0),
+                id=5,
+                inputs="Hello",
+                input_chunks=generate_pb2.Input(chunks=[generate_pb2.InputChunk(text="Hello")]),
+                truncate=64,
+                parameters=generate_pb2.NextTokenChooserParameters(
+                    temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0
+                ),
                 stopping_parameters=generate_pb2.StoppingCriteriaParameters(max_new_tokens=4),
             )
             other = generate_pb2.Request()

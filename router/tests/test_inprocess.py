@@ -1,5 +1,6 @@
 """The router run inside the test process (a thread with its own event loop) on a real loopback port and a
 real shard: OpenTelemetry spans seen through an in-memory exporter, and /health across a shard failure."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from router_fixtures import root_conftest
+
 from textgen_router import main as router_main
 from textgen_router.args import parse_args
 from textgen_router.tracing import setup_tracing
@@ -76,13 +77,24 @@ def exporter() -> InMemorySpanExporter:
 
 
 @pytest.fixture(scope="module")
-def shard_and_router(request: pytest.FixtureRequest, tiny_llama: Path,
-                     exporter: InMemorySpanExporter) -> Iterator[tuple[Any, InProcessRouter]]:
+def shard_and_router(
+    request: pytest.FixtureRequest, tiny_llama: Path, exporter: InMemorySpanExporter
+) -> Iterator[tuple[Any, InProcessRouter]]:
     root = root_conftest(request.config)
     shard = root.spawn_shards(tiny_llama)
     try:
-        argv = ["--master-shard-uds-path", shard.socket, "--tokenizer-name", str(tiny_llama),
-                "--port", str(root.free_port()), "--max-input-tokens", "32", "--max-total-tokens", "64"]
+        argv = [
+            "--master-shard-uds-path",
+            shard.socket,
+            "--tokenizer-name",
+            str(tiny_llama),
+            "--port",
+            str(root.free_port()),
+            "--max-input-tokens",
+            "32",
+            "--max-total-tokens",
+            "64",
+        ]
         with InProcessRouter(argv) as router:
             yield shard, router
     finally:
@@ -95,8 +107,12 @@ def test_request_and_validation_spans_follow_traceparent(
     _, router = shard_and_router
     exporter.clear()
     traceparent = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
-    response = httpx.post(router.base_url + "/generate", headers={"traceparent": traceparent}, timeout=60,
-                          json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    response = httpx.post(
+        router.base_url + "/generate",
+        headers={"traceparent": traceparent},
+        timeout=60,
+        json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}},
+    )
     assert response.status_code == 200
     spans = {span.name: span for span in exporter.get_finished_spans()}
     generate, validate = spans["generate"], spans["validate"]
@@ -107,19 +123,22 @@ def test_request_and_validation_spans_follow_traceparent(
     assert "inference_time" in generate.attributes
 
     exporter.clear()
-    streamed = httpx.post(router.base_url + "/generate_stream", timeout=60,
-                          json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    streamed = httpx.post(
+        router.base_url + "/generate_stream", timeout=60, json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}}
+    )
     assert streamed.text.count("data:") == 2
     spans = {span.name: span for span in exporter.get_finished_spans()}
     # The stream's body runs under its request span: validation (inside the body) is its child.
     assert spans["validate"].parent.span_id == spans["generate_stream"].context.span_id
     # Without a traceparent each request starts its own trace.
     assert {s.context.trace_id for s in exporter.get_finished_spans() if s.name == "generate_stream"} != {
-        int(TRACE_ID, 16)}
+        int(TRACE_ID, 16)
+    }
 
 
-def test_health_after_a_shard_failure_and_recovery(shard_and_router: tuple[Any, InProcessRouter],
-                                                   request: pytest.FixtureRequest, tiny_llama: Path) -> None:
+def test_health_after_a_shard_failure_and_recovery(
+    shard_and_router: tuple[Any, InProcessRouter], request: pytest.FixtureRequest, tiny_llama: Path
+) -> None:
     shard, router = shard_and_router
     base = router.base_url
     assert httpx.get(base + "/health", timeout=30).status_code == 200

@@ -1,4 +1,5 @@
 """jsonenc writes what TGI's serde_json writes: compact, UTF-8, f32 floats in ryu's shortest layout."""
+
 from __future__ import annotations
 
 import json
@@ -17,22 +18,25 @@ def f32(x: float) -> float:
 
 
 # Expected strings are serde_json's output for these f32 values.
-@pytest.mark.parametrize(("value", "text"), [
-    (-0.5432, "-0.5432"),
-    (-10.57, "-10.57"),
-    (3.0, "3.0"),
-    (-0.0, "-0.0"),
-    (0.0, "0.0"),
-    (1.2e-5, "0.000012"),
-    (1e-6, "0.000001"),
-    (1.2e-7, "1.2e-7"),
-    (-2.3841858e-7, "-2.3841858e-7"),
-    (1e30, "1e30"),
-    (12345678.0, "12345678.0"),
-    (0.1, "0.1"),
-    (float("nan"), "null"),
-    (float("-inf"), "null"),
-])
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (-0.5432, "-0.5432"),
+        (-10.57, "-10.57"),
+        (3.0, "3.0"),
+        (-0.0, "-0.0"),
+        (0.0, "0.0"),
+        (1.2e-5, "0.000012"),
+        (1e-6, "0.000001"),
+        (1.2e-7, "1.2e-7"),
+        (-2.3841858e-7, "-2.3841858e-7"),
+        (1e30, "1e30"),
+        (12345678.0, "12345678.0"),
+        (0.1, "0.1"),
+        (float("nan"), "null"),
+        (float("-inf"), "null"),
+    ],
+)
 def test_f32_layout(value: float, text: str) -> None:
     assert format_f32(f32(value)) == text
 
@@ -59,15 +63,20 @@ def test_fast_path_is_the_ryu_layout() -> None:
             assert format_f32(value) == _ryu_layout(value)
 
 
-@pytest.mark.parametrize("tok", [
-    Token(5, "abc", -0.25), Token(0, "é \"\n", float("nan"), True), Token(1023, "", -12.345678),
-])
+@pytest.mark.parametrize(
+    "tok",
+    [
+        Token(5, "abc", -0.25),
+        Token(0, 'é "\n', float("nan"), True),
+        Token(1023, "", -12.345678),
+    ],
+)
 def test_stream_token_event_is_the_generic_encoding(tok: Token) -> None:
     assert stream_token_event(7, tok) == dumps(stream_response(7, tok, []))
 
 
 def test_compact_utf8_and_field_order() -> None:
-    body = {"b": [1, None, True, False], "a": "é\n\x01\"", "c": {"logprob": -0.25}}
+    body = {"b": [1, None, True, False], "a": 'é\n\x01"', "c": {"logprob": -0.25}}
     assert dumps(body) == '{"b":[1,null,true,false],"a":"é\\n\\u0001\\"","c":{"logprob":-0.25}}'.encode()
     assert json.loads(dumps(body)) == body
 
@@ -78,7 +87,7 @@ def test_unknown_types_are_refused() -> None:
 
 
 def test_short_string_literals_are_remembered_long_ones_not() -> None:
-    short, long = "tok é\n\"", "x" * 33
+    short, long = 'tok é\n"', "x" * 33
     assert string(short) == string(short) == json.dumps(short, ensure_ascii=False)
     assert string(long) == json.dumps(long)
     assert short in jsonenc._LITERALS

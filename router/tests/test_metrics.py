@@ -1,4 +1,5 @@
 """The /metrics exposition: TGI's names, types, labels and buckets as metrics-exporter-prometheus renders them."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

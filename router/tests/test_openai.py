@@ -4,6 +4,7 @@ One launcher serves the tiny llama for the module with a chat template of our ow
 --tokenizer-config-path (it raises on a `system` message), --max-client-batch-size 2 and
 --max-concurrent-requests 2 (so a two-prompt stream in flight makes the next request overloaded).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,20 @@ USER = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
-def server(launcher: Callable[..., LauncherProcess], tiny_llama: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
+def server(
+    launcher: Callable[..., LauncherProcess], tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LauncherProcess]:
     config = tmp_path_factory.mktemp("tokenizer-config") / "tokenizer_config.json"
     config.write_text(json.dumps({"chat_template": TEMPLATE}))
-    handle = launcher(tiny_llama, "--tokenizer-config-path", str(config), "--max-client-batch-size", "2",
-                      "--max-concurrent-requests", "2")
+    handle = launcher(
+        tiny_llama,
+        "--tokenizer-config-path",
+        str(config),
+        "--max-client-batch-size",
+        "2",
+        "--max-concurrent-requests",
+        "2",
+    )
     yield handle
     handle.stop()  # the module is done with it; the session factory would only stop it at the very end
 
@@ -54,7 +63,7 @@ def sse_payloads(response: httpx.Response) -> list[Any]:
     out: list[Any] = []
     for line in response.text.split("\n"):
         if line.startswith("data:"):
-            data = line[len("data:"):]
+            data = line[len("data:") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -149,7 +158,7 @@ def failures(http: httpx.Client, err: str) -> float:
     """The current value of tgi_request_failure{err=...} (0 before the first one)."""
     prefix = f'tgi_request_failure{{err="{err}"}} '
     lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)]
-    return float(lines[0][len(prefix):]) if lines else 0.0
+    return float(lines[0][len(prefix) :]) if lines else 0.0
 
 
 def test_template_error(http: httpx.Client) -> None:
@@ -167,14 +176,21 @@ def test_template_error(http: httpx.Client) -> None:
     ("fields", "message"),
     [
         ({"messages": []}, "`messages` cannot be empty"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "`messages[0].role` must be one of system, user, assistant. Given: robot"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "`messages[0].role` must be one of system, user, assistant. Given: robot",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "`tools` is not supported"),
         ({"tool_choice": "auto"}, "`tool_choice` is not supported"),
         ({"response_format": {"type": "json_object", "value": {}}}, "`response_format` is not supported"),
         ({"n": 2}, "`n` must be 1: one choice per request is supported"),
         ({"logit_bias": {"1": 5}}, "`logit_bias` is not supported"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}
+                ]
+            },
             "image inputs are not supported by this model",
         ),
     ],
@@ -208,7 +224,9 @@ def test_stream_validation_error_is_an_event(http: httpx.Client) -> None:
 def test_body_rejections(http: httpx.Client) -> None:
     wrong_type = http.post("/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"})
     assert wrong_type.status_code == 415
-    assert http.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    assert (
+        http.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    )
     stop_string = chat(http, stop="x")
     assert stop_string.status_code == 422
     assert stop_string.text.startswith("Failed to deserialize the JSON body into the target type: stop")
@@ -276,7 +294,11 @@ def test_completion_stream(http: httpx.Client) -> None:
             "Number of prompts exceeds the maximum allowed batch size of 2",
             "batch size exceeded",
         ),
-        ({"suffix": "x"}, "Suffix is not supported and can be achieved by preprocessing the prompt.", "suffix not supported"),
+        (
+            {"suffix": "x"},
+            "Suffix is not supported and can be achieved by preprocessing the prompt.",
+            "suffix not supported",
+        ),
         ({"echo": True}, "Input validation error: `echo` is not supported", "validation"),
         ({"n": 3}, "Input validation error: `n` must be 1: one choice per prompt is supported", "validation"),
         ({"logprobs": 2}, "Input validation error: `logprobs` is not supported on /v1/completions", "validation"),
@@ -327,7 +349,8 @@ def test_template_precedence(tmp_path: Path) -> None:
 
 def test_chunk_templates_encode_like_whole_bodies() -> None:
     """Pre-encoded stream chunks are byte-identical to encoding each chunk's whole body."""
-    from textgen_router import jsonenc, openai_responses as bodies
+    from textgen_router import jsonenc
+    from textgen_router import openai_responses as bodies
     from textgen_router.types import Token
 
     env = bodies.Envelope.now('model "with" quotes \x00 and ü')

@@ -1,4 +1,5 @@
 """Queue budget logic (pure, no processes): TGI v3's next_batch for padded and block-rounded shards."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,16 +10,18 @@ from textgen_router.types import ChooserParameters, StoppingParameters, ValidReq
 
 
 def entry(input_length: int, max_new_tokens: int, text: str = "x", details: bool = False) -> Entry:
-    return Entry(ValidRequest(
-        inputs=text,
-        input_ids=list(range(input_length)),
-        truncate=input_length,
-        add_special_tokens=True,
-        decoder_input_details=details,
-        top_n_tokens=0,
-        parameters=ChooserParameters(temperature=0.5, top_k=3, seed=7),
-        stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=["a"]),
-    ))
+    return Entry(
+        ValidRequest(
+            inputs=text,
+            input_ids=list(range(input_length)),
+            truncate=input_length,
+            add_special_tokens=True,
+            decoder_input_details=details,
+            top_n_tokens=0,
+            parameters=ChooserParameters(temperature=0.5, top_k=3, seed=7),
+            stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=["a"]),
+        )
+    )
 
 
 def filled(queue: Queue, *shapes: tuple[int, int]) -> list[Entry]:
@@ -81,7 +84,7 @@ def test_min_and_max_size() -> None:
     q = Queue(requires_padding=True)
     filled(q, (2, 2), (2, 2), (2, 2))
     assert q.next_batch(4, None, 100, 100) is None and len(q) == 3  # fewer queued than min_size
-    assert q.next_batch(3, None, 4, 100) is None and len(q) == 3    # only 2 fit: all go back, in order
+    assert q.next_batch(3, None, 4, 100) is None and len(q) == 3  # only 2 fit: all go back, in order
     assert [e.id for e in q.entries] == [0, 1, 2]
     assert q.next_batch(None, 0, 100, 100) is None
     entries, batch = q.next_batch(None, 2, 100, 100)

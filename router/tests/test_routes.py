@@ -1,4 +1,5 @@
 """Every native route of a real `textgen-router` process over a real shard (router_fixtures.ROUTER_FLAGS)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from router_fixtures import (
     ALLOWED_ORIGIN,
     API_KEY,
@@ -20,6 +19,8 @@ from router_fixtures import (
     MAX_TOTAL_TOKENS,
     PAYLOAD_LIMIT,
 )
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from textgen_router.schemas import GenerateRequest
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,7 +41,7 @@ def test_greedy_text_equals_transformers_generate(client: httpx.Client, tiny_lla
     inputs = tokenizer(PROMPT, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    expected_ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    expected_ids = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert [t["id"] for t in body["details"]["tokens"]] == expected_ids
     assert body["generated_text"] == tokenizer.decode(expected_ids, skip_special_tokens=True)
 
@@ -162,7 +163,7 @@ def test_tokenize(client: httpx.Client, tiny_llama: Path) -> None:
     assert [t["id"] for t in tokens] == ids
     for t in tokens:
         assert list(t) == ["id", "text", "start", "stop"]
-        assert t["text"] == PROMPT[t["start"]:t["stop"]]
+        assert t["text"] == PROMPT[t["start"] : t["stop"]]
     last = client.post("/tokenize", json={"inputs": PROMPT, "parameters": {"truncate": 2}}).json()
     assert [t["id"] for t in last] == ids[-2:]
 
@@ -170,9 +171,20 @@ def test_tokenize(client: httpx.Client, tiny_llama: Path) -> None:
 def test_info(client: httpx.Client, tiny_llama: Path) -> None:
     info = client.get("/info").json()
     assert list(info) == [
-        "model_id", "model_sha", "model_pipeline_tag", "max_concurrent_requests", "max_best_of",
-        "max_stop_sequences", "max_input_tokens", "max_total_tokens", "validation_workers",
-        "max_client_batch_size", "router", "version", "sha", "docker_label",
+        "model_id",
+        "model_sha",
+        "model_pipeline_tag",
+        "max_concurrent_requests",
+        "max_best_of",
+        "max_stop_sequences",
+        "max_input_tokens",
+        "max_total_tokens",
+        "validation_workers",
+        "max_client_batch_size",
+        "router",
+        "version",
+        "sha",
+        "docker_label",
     ]
     assert info["model_id"] == str(tiny_llama)
     assert info["max_input_tokens"] == MAX_INPUT_TOKENS and info["max_total_tokens"] == MAX_TOTAL_TOKENS
@@ -198,8 +210,16 @@ def test_metrics_on_both_listeners(client: httpx.Client, router: object) -> None
 
     assert value(text, "tgi_request_count") == value(before, "tgi_request_count") + 1
     assert value(text, "tgi_request_success") == value(before, "tgi_request_success") + 1
-    for name in ("duration", "validation_duration", "queue_duration", "inference_duration",
-                 "mean_time_per_token_duration", "generated_tokens", "input_length", "max_new_tokens"):
+    for name in (
+        "duration",
+        "validation_duration",
+        "queue_duration",
+        "inference_duration",
+        "mean_time_per_token_duration",
+        "generated_tokens",
+        "input_length",
+        "max_new_tokens",
+    ):
         assert f"tgi_request_{name}_count" in text, name
     # Length buckets are sized from the limits settled at start-up: (max / 100) * (1..100).
     assert f'tgi_request_input_length_bucket{{le="{MAX_INPUT_TOKENS}"}}' in text
@@ -210,15 +230,24 @@ def test_metrics_on_both_listeners(client: httpx.Client, router: object) -> None
 def test_docs_and_openapi(client: httpx.Client) -> None:
     assert "swagger" in client.get("/docs").text.lower()
     spec = client.get("/api-doc/openapi.json").json()
-    for path in ("/generate", "/generate_stream", "/", "/tokenize", "/info", "/health", "/metrics",
-                 "/v1/chat/completions"):
+    for path in (
+        "/generate",
+        "/generate_stream",
+        "/",
+        "/tokenize",
+        "/info",
+        "/health",
+        "/metrics",
+        "/v1/chat/completions",
+    ):
         assert path in spec["paths"], path
     assert "GenerateRequest" in spec["components"]["schemas"]
 
 
 def test_print_schema_subcommand() -> None:
-    done = subprocess.run([sys.executable, "-m", "textgen_router.main", "print-schema"], capture_output=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "textgen_router.main", "print-schema"], capture_output=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "/generate_stream" in json.loads(done.stdout)["paths"]
 
@@ -236,9 +265,14 @@ def test_api_key(router: object) -> None:
 
 
 def test_cors(client: httpx.Client) -> None:
-    preflight = client.options("/generate", headers={
-        "Origin": ALLOWED_ORIGIN, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "content-type"})
+    preflight = client.options(
+        "/generate",
+        headers={
+            "Origin": ALLOWED_ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
     assert preflight.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
     other = client.get("/info", headers={"Origin": "http://other.example"})
     assert "access-control-allow-origin" not in other.headers
@@ -253,15 +287,23 @@ def test_body_decoding_errors(client: httpx.Client) -> None:
     assert malformed.text.startswith("Failed to parse the request body as JSON: ")
     not_utf8 = client.post("/generate", content=b'{"inputs":"\xff\xfe\xfa"}', headers=json_headers)
     assert not_utf8.status_code == 400
-    charset = client.post("/generate", content=json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}),
-                          headers={"content-type": "application/json; charset=utf-8"})
+    charset = client.post(
+        "/generate",
+        content=json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}),
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
     assert charset.status_code == 200
     missing = client.post("/generate", json={"parameters": {}})
     assert missing.status_code == 422
     assert missing.text == "Failed to deserialize the JSON body into the target type: missing field `inputs`"
-    for bad in ({"inputs": 1}, {"inputs": "x", "parameters": {"max_new_tokens": "5"}},
-                {"inputs": "x", "parameters": {"max_new_tokens": -1}}, {"inputs": "x", "parameters": None},
-                {"inputs": "x", "parameters": {"stop": "a"}}, [1]):
+    for bad in (
+        {"inputs": 1},
+        {"inputs": "x", "parameters": {"max_new_tokens": "5"}},
+        {"inputs": "x", "parameters": {"max_new_tokens": -1}},
+        {"inputs": "x", "parameters": None},
+        {"inputs": "x", "parameters": {"stop": "a"}},
+        [1],
+    ):
         response = client.post("/generate", json=bad)
         assert response.status_code == 422, bad
         assert response.text.startswith("Failed to deserialize the JSON body into the target type: ")
@@ -275,7 +317,9 @@ def test_body_decoding_errors(client: httpx.Client) -> None:
 def test_validation_error_shape_and_metric(client: httpx.Client) -> None:
     response = generate(client, temperature=0.0)
     assert response.status_code == 422
-    assert response.json() == {"error": "Input validation error: `temperature` must be strictly positive",
-                               "error_type": "validation"}
+    assert response.json() == {
+        "error": "Input validation error: `temperature` must be strictly positive",
+        "error_type": "validation",
+    }
     metrics = client.get("/metrics").text
     assert re.search(r'^tgi_request_failure\{err="validation"\} [1-9]', metrics, re.M)

@@ -1,4 +1,5 @@
 """/generate_stream over the shared real router: SSE bytes, errors as events, overload, client disconnects."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-
 from router_fixtures import MAX_CONCURRENT_REQUESTS, MAX_TOTAL_TOKENS
+
 from textgen_router.sse import DIRECT_SEND, KEEP_ALIVE, ChunkWriter, EventStream, event
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,20 +48,28 @@ def test_stream_bytes(client: httpx.Client) -> None:
     logprobs = re.findall(rf'"logprob":({NUMBER})', reference.text)
     prompt_tokens = reference.headers["x-prompt-tokens"]
     for i, (tok, logprob) in enumerate(zip(tokens, logprobs), start=1):
-        token = ('{"id":%d,"text":%s,"logprob":%s,"special":false}'
-                 % (tok["id"], json.dumps(tok["text"], ensure_ascii=False), logprob))
+        token = '{"id":%d,"text":%s,"logprob":%s,"special":false}' % (
+            tok["id"],
+            json.dumps(tok["text"], ensure_ascii=False),
+            logprob,
+        )
         if i < 3:
             expected = '{"index":%d,"token":%s,"generated_text":null,"details":null}' % (i, token)
         else:
             text = json.dumps(reference.json()["generated_text"], ensure_ascii=False)
-            expected = ('{"index":3,"token":%s,"generated_text":%s,"details":{"finish_reason":"length",'
-                        '"generated_tokens":3,"seed":null,"input_length":%s}}' % (token, text, prompt_tokens))
+            expected = (
+                '{"index":3,"token":%s,"generated_text":%s,"details":{"finish_reason":"length",'
+                '"generated_tokens":3,"seed":null,"input_length":%s}}' % (token, text, prompt_tokens)
+            )
         assert events[i - 1] == b"data:" + expected.encode()
 
 
 def test_stream_top_tokens_and_full_text(client: httpx.Client) -> None:
-    events = [json.loads(line[5:]) for line in stream(client, max_new_tokens=2, top_n_tokens=2,
-                                                      return_full_text=True).text.split("\n\n") if line]
+    events = [
+        json.loads(line[5:])
+        for line in stream(client, max_new_tokens=2, top_n_tokens=2, return_full_text=True).text.split("\n\n")
+        if line
+    ]
     assert [e["index"] for e in events] == [1, 2]
     assert all(len(e["top_tokens"]) == 2 for e in events)
     assert list(events[0]) == ["index", "token", "top_tokens", "generated_text", "details"]
@@ -68,12 +77,15 @@ def test_stream_top_tokens_and_full_text(client: httpx.Client) -> None:
     assert events[-1]["details"] is None  # details were not asked for
 
 
-@pytest.mark.parametrize(("parameters", "message"), [
-    ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not supported when streaming tokens"),
-    ({"best_of": 0}, "`best_of` != 1 is not supported when streaming tokens"),
-    ({"decoder_input_details": True}, "`decoder_input_details` == true is not supported when streaming tokens"),
-    ({"temperature": 0.0}, "`temperature` must be strictly positive"),
-])
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not supported when streaming tokens"),
+        ({"best_of": 0}, "`best_of` != 1 is not supported when streaming tokens"),
+        ({"decoder_input_details": True}, "`decoder_input_details` == true is not supported when streaming tokens"),
+        ({"temperature": 0.0}, "`temperature` must be strictly positive"),
+    ],
+)
 def test_errors_are_events_on_a_200_stream(client: httpx.Client, parameters: dict, message: str) -> None:
     response = stream(client, **parameters)
     assert response.status_code == 200
@@ -90,7 +102,7 @@ async def _open_streams(base_url: str, headers: dict[str, str], n: int) -> None:
             ctx = client.stream("POST", "/generate_stream", json=body)
             response = await ctx.__aenter__()
             lines = response.aiter_lines()
-            assert (await lines.__anext__()).startswith("data:{\"index\":1")
+            assert (await lines.__anext__()).startswith('data:{"index":1')
             streams.append((ctx, lines))
         # Every permit is taken: a new request is refused without being queued.
         overloaded = await client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1}})
@@ -105,13 +117,14 @@ async def _open_streams(base_url: str, headers: dict[str, str], n: int) -> None:
 
 def test_overload_and_disconnect_give_permits_back(client: httpx.Client, router: object) -> None:
     dropped = metric(client, 'tgi_request_failure{err="dropped"}')
-    asyncio.run(asyncio.wait_for(
-        _open_streams(router.base_url, dict(client.headers), MAX_CONCURRENT_REQUESTS), 120))  # type: ignore[attr-defined]
+    asyncio.run(asyncio.wait_for(_open_streams(router.base_url, dict(client.headers), MAX_CONCURRENT_REQUESTS), 120))  # type: ignore[attr-defined]
     # The dropped requests leave the batch at its next step; their permits come back.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if (metric(client, 'tgi_request_failure{err="dropped"}') >= dropped + MAX_CONCURRENT_REQUESTS
-                and metric(client, "tgi_batch_current_size") == 0):
+        if (
+            metric(client, 'tgi_request_failure{err="dropped"}') >= dropped + MAX_CONCURRENT_REQUESTS
+            and metric(client, "tgi_batch_current_size") == 0
+        ):
             break
         time.sleep(0.2)
     assert metric(client, 'tgi_request_failure{err="dropped"}') == dropped + MAX_CONCURRENT_REQUESTS
@@ -235,6 +248,7 @@ def test_chunk_writer_sends_at_once_and_declines_what_would_wait() -> None:
                 readable.set()
                 yield b"b"
                 results.append(write(b"c"))
+
             return events()
 
         scope = {"type": "http", DIRECT_SEND: server_send}
@@ -254,8 +268,10 @@ def test_a_client_that_reads_late_gets_every_event_in_order(client: httpx.Client
     up in the socket buffers) still gets every event, in order."""
     n = MAX_TOTAL_TOKENS - 16
     body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": n, "top_n_tokens": 5}}).encode()
-    head = (f"POST /generate_stream HTTP/1.1\r\nHost: x\r\nAuthorization: {client.headers['authorization']}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"POST /generate_stream HTTP/1.1\r\nHost: x\r\nAuthorization: {client.headers['authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connecting: a small window
         sock.settimeout(60)
@@ -279,8 +295,10 @@ def test_a_client_that_reads_late_gets_every_event_in_order(client: httpx.Client
 def test_non_streaming_client_that_leaves_stops_generating(client: httpx.Client) -> None:
     dropped = metric(client, 'tgi_request_failure{err="dropped"}')
     body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 450}}).encode()
-    head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {client.headers['authorization']}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: {client.headers['authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     # Leave as soon as the request is in the running batch, however fast the machine decodes its 450 tokens.
     with socket.create_connection((client.base_url.host, client.base_url.port)) as sock:
         sock.sendall(head + body)

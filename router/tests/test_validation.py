@@ -1,5 +1,6 @@
 """Every /generate validation rule, its message and TGI's order: the Validator with the model's real tokenizer,
 then the same rules through the shared router (422 JSON)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-
 from router_fixtures import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS
+
 from textgen_router.schemas import GenerateParameters, GrammarParameters
 from textgen_router.types import ValidationError, ValidRequest
 from textgen_router.validation import Limits, Validator, load_tokenizer
@@ -39,27 +40,44 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"top_n_tokens": 6}, PROMPT, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
     ({}, "", "`inputs` cannot be empty"),
     ({"truncate": 0}, PROMPT, f"`truncate` must be strictly positive and less than {MAX_INPUT_TOKENS}. Given: 0"),
-    ({"truncate": MAX_INPUT_TOKENS + 1}, PROMPT,
-     f"`truncate` must be strictly positive and less than {MAX_INPUT_TOKENS}. Given: {MAX_INPUT_TOKENS + 1}"),
-    ({"max_new_tokens": MAX_TOTAL_TOKENS}, PROMPT,
-     f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL_TOKENS}. Given: 10 `inputs` tokens and "
-     f"{MAX_TOTAL_TOKENS} `max_new_tokens`"),
+    (
+        {"truncate": MAX_INPUT_TOKENS + 1},
+        PROMPT,
+        f"`truncate` must be strictly positive and less than {MAX_INPUT_TOKENS}. Given: {MAX_INPUT_TOKENS + 1}",
+    ),
+    (
+        {"max_new_tokens": MAX_TOTAL_TOKENS},
+        PROMPT,
+        f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL_TOKENS}. Given: 10 `inputs` tokens and "
+        f"{MAX_TOTAL_TOKENS} `max_new_tokens`",
+    ),
     ({"max_new_tokens": 5}, LONG, f"`inputs` must have less than {MAX_INPUT_TOKENS} tokens. Given: 81"),
-    ({"max_new_tokens": 5, "grammar": {"type": "json", "value": {"properties": {}}}}, PROMPT,
-     "grammar is not supported"),
+    (
+        {"max_new_tokens": 5, "grammar": {"type": "json", "value": {"properties": {}}}},
+        PROMPT,
+        "grammar is not supported",
+    ),
     # Order: the first failing rule wins.
     ({"temperature": 0.0, "top_p": 1.0, "top_k": 0}, PROMPT, "`temperature` must be strictly positive"),
     ({"top_p": 1.0, "top_k": 0}, "", "`top_p` must be > 0.0 and < 1.0"),
-    ({"max_new_tokens": MAX_TOTAL_TOKENS}, LONG,
-     f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL_TOKENS}. Given: 81 `inputs` tokens and "
-     f"{MAX_TOTAL_TOKENS} `max_new_tokens`"),
+    (
+        {"max_new_tokens": MAX_TOTAL_TOKENS},
+        LONG,
+        f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL_TOKENS}. Given: 81 `inputs` tokens and "
+        f"{MAX_TOTAL_TOKENS} `max_new_tokens`",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def validator(tiny_llama: Path) -> Iterator[Validator]:
-    limits = Limits(max_best_of=2, max_stop_sequences=4, max_top_n_tokens=5,
-                    max_input_tokens=MAX_INPUT_TOKENS, max_total_tokens=MAX_TOTAL_TOKENS)
+    limits = Limits(
+        max_best_of=2,
+        max_stop_sequences=4,
+        max_top_n_tokens=5,
+        max_input_tokens=MAX_INPUT_TOKENS,
+        max_total_tokens=MAX_TOTAL_TOKENS,
+    )
     v = Validator(load_tokenizer(tiny_llama), limits, workers=2)
     yield v
     v.close()
@@ -95,12 +113,32 @@ def test_best_of_limits(validator: Validator) -> None:
 
 
 def test_valid_request_fields(validator: Validator) -> None:
-    req = validate(validator, PROMPT, temperature=0.5, top_k=10, top_p=0.9, typical_p=0.8, repetition_penalty=1.1,
-                   frequency_penalty=0.2, do_sample=True, seed=7, stop=["x"], watermark=True, top_n_tokens=2,
-                   max_new_tokens=3, decoder_input_details=True)
+    req = validate(
+        validator,
+        PROMPT,
+        temperature=0.5,
+        top_k=10,
+        top_p=0.9,
+        typical_p=0.8,
+        repetition_penalty=1.1,
+        frequency_penalty=0.2,
+        do_sample=True,
+        seed=7,
+        stop=["x"],
+        watermark=True,
+        top_n_tokens=2,
+        max_new_tokens=3,
+        decoder_input_details=True,
+    )
     p = req.parameters
     assert (p.temperature, p.top_k, p.top_p, p.typical_p, p.repetition_penalty, p.frequency_penalty) == (
-        0.5, 10, 0.9, 0.8, 1.1, 0.2)
+        0.5,
+        10,
+        0.9,
+        0.8,
+        1.1,
+        0.2,
+    )
     assert (p.do_sample, p.seed, p.watermark) == (True, 7, True)
     assert req.stopping_parameters.max_new_tokens == 3 and req.stopping_parameters.stop_sequences == ["x"]
     assert (req.top_n_tokens, req.decoder_input_details, req.add_special_tokens) == (2, True, True)

@@ -4,6 +4,7 @@ A flag given on the command line wins over the env var, which wins over the defa
 no value; through env, `false/f/no/n/off/0` mean false and anything else true (clap's rules).
 Subcommand `print-schema` prints the OpenAPI JSON and exits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,11 @@ class _Parser:
         env_value = os.environ.get(env)
         names = [short, flag] if short else [flag]
         self.parser.add_argument(
-            *names, type=type, default=env_value if env_value is not None else default,
-            help=f"(env: {env}, default: {default})", **kw,  # type: ignore[arg-type]
+            *names,
+            type=type,
+            default=env_value if env_value is not None else default,
+            help=f"(env: {env}, default: {default})",
+            **kw,  # type: ignore[arg-type]
         )
 
     def flag(self, flag: str) -> None:

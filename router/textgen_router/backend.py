@@ -6,6 +6,7 @@ max_batch_total_tokens, checks the limits against each other and returns a `Back
 runs. Any failure raises `StartupError` whose message is TGI's (e.g. "Unable to connect to the Python
 model shards: ..." or "Argument validation error: ...").
 """
+
 from __future__ import annotations
 
 import base64
@@ -15,6 +16,7 @@ import zlib
 from dataclasses import dataclass
 
 import grpc
+
 from textgen_pb import generate_pb2
 
 from . import metrics
@@ -32,8 +34,10 @@ class StartupError(Exception):
 
 def _png(width: int = 20, height: int = 20) -> bytes:
     """A small white RGB PNG: the image chunk of the warmup request (vision models must see one)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
     rows = b"".join(b"\x00" + b"\xff" * (3 * width) for _ in range(height))
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
@@ -42,8 +46,9 @@ def _png(width: int = 20, height: int = 20) -> bytes:
 WARMUP_IMAGE = _png()
 
 
-def warmup_batch(max_input_tokens: int | None, max_prefill_tokens: int, max_total_tokens: int | None,
-                 max_batch_size: int | None) -> generate_pb2.Batch:
+def warmup_batch(
+    max_input_tokens: int | None, max_prefill_tokens: int, max_total_tokens: int | None, max_batch_size: int | None
+) -> generate_pb2.Batch:
     """TGI's warmup batch: "_test " prompts filling max_prefill_tokens, every logits processor exercised.
 
     Each request is truncated on the shard to min(max_input_tokens, tokens left); the first one also
@@ -60,26 +65,36 @@ def warmup_batch(max_input_tokens: int | None, max_prefill_tokens: int, max_tota
         chunks = [generate_pb2.InputChunk(text=text)]
         inputs = text
         if n_tokens == 0:
-            chunks.append(generate_pb2.InputChunk(image=generate_pb2.Image(data=WARMUP_IMAGE,
-                                                                            mimetype="image/jpeg;base64")))
+            chunks.append(
+                generate_pb2.InputChunk(image=generate_pb2.Image(data=WARMUP_IMAGE, mimetype="image/jpeg;base64"))
+            )
             inputs += image_markdown
-        requests.append(generate_pb2.Request(
-            id=0,
-            inputs=inputs,
-            input_chunks=generate_pb2.Input(chunks=chunks),
-            truncate=truncate,
-            add_special_tokens=True,
-            parameters=generate_pb2.NextTokenChooserParameters(
-                temperature=0.9, top_k=10, top_p=0.9, typical_p=0.9, do_sample=False, seed=0,
-                repetition_penalty=1.2, frequency_penalty=0.1, watermark=True,
-            ),
-            stopping_parameters=generate_pb2.StoppingCriteriaParameters(
-                max_new_tokens=max(0, max_total_tokens - truncate) if max_total_tokens is not None else 1,
-                ignore_eos_token=True,
-            ),
-            prefill_logprobs=True,
-            top_n_tokens=20,
-        ))
+        requests.append(
+            generate_pb2.Request(
+                id=0,
+                inputs=inputs,
+                input_chunks=generate_pb2.Input(chunks=chunks),
+                truncate=truncate,
+                add_special_tokens=True,
+                parameters=generate_pb2.NextTokenChooserParameters(
+                    temperature=0.9,
+                    top_k=10,
+                    top_p=0.9,
+                    typical_p=0.9,
+                    do_sample=False,
+                    seed=0,
+                    repetition_penalty=1.2,
+                    frequency_penalty=0.1,
+                    watermark=True,
+                ),
+                stopping_parameters=generate_pb2.StoppingCriteriaParameters(
+                    max_new_tokens=max(0, max_total_tokens - truncate) if max_total_tokens is not None else 1,
+                    ignore_eos_token=True,
+                ),
+                prefill_logprobs=True,
+                top_n_tokens=20,
+            )
+        )
         n_tokens += truncate
         if max_batch_size is not None and len(requests) == max_batch_size:
             break
@@ -128,20 +143,38 @@ async def connect_backend(
         client = await ShardedClient.connect(master_shard_uds_path)
     except ShardError as err:
         # TGI tells a transport failure ("Could not connect ...") from a shard that answered with an error.
-        kind = "Could not connect to Text Generation server" if err.code == grpc.StatusCode.UNAVAILABLE else "Server error"
+        kind = (
+            "Could not connect to Text Generation server" if err.code == grpc.StatusCode.UNAVAILABLE else "Server error"
+        )
         raise StartupError(f"Unable to connect to the Python model shards: {kind}: {err.message}") from None
     try:
-        return await _warm_up(client, max_input_tokens, max_total_tokens, max_batch_prefill_tokens,
-                              max_batch_total_tokens, max_batch_size, waiting_served_ratio, max_waiting_tokens,
-                              max_concurrent_requests)
+        return await _warm_up(
+            client,
+            max_input_tokens,
+            max_total_tokens,
+            max_batch_prefill_tokens,
+            max_batch_total_tokens,
+            max_batch_size,
+            waiting_served_ratio,
+            max_waiting_tokens,
+            max_concurrent_requests,
+        )
     except BaseException:
         await client.close()
         raise
 
 
-async def _warm_up(client: ShardedClient, max_input_tokens: int | None, max_total_tokens: int | None,
-                   max_batch_prefill_tokens: int, max_batch_total_tokens: int | None, max_batch_size: int | None,
-                   waiting_served_ratio: float, max_waiting_tokens: int, max_concurrent_requests: int) -> Backend:
+async def _warm_up(
+    client: ShardedClient,
+    max_input_tokens: int | None,
+    max_total_tokens: int | None,
+    max_batch_prefill_tokens: int,
+    max_batch_total_tokens: int | None,
+    max_batch_size: int | None,
+    waiting_served_ratio: float,
+    max_waiting_tokens: int,
+    max_concurrent_requests: int,
+) -> Backend:
     try:
         await client.clear_cache(None)
     except ShardError as err:
@@ -169,8 +202,11 @@ async def _warm_up(client: ShardedClient, max_input_tokens: int | None, max_tota
         raise _invalid(f"`max_total_tokens` is {max_total_tokens} but the shards answered {shard_total}")
     if supported is None:
         logger.warning("Model does not support automatic max batch total tokens")
-        batch_total = (max_batch_total_tokens if max_batch_total_tokens is not None
-                       else max(16000, shard_total, max_batch_prefill_tokens))
+        batch_total = (
+            max_batch_total_tokens
+            if max_batch_total_tokens is not None
+            else max(16000, shard_total, max_batch_prefill_tokens)
+        )
     else:
         if max_batch_total_tokens is not None:
             logger.warning("`--max-batch-total-tokens` is deprecated for Flash Attention models.")
@@ -186,20 +222,30 @@ async def _warm_up(client: ShardedClient, max_input_tokens: int | None, max_tota
     # TGI skips this check for shards that chunk prefills; this router never chunks, so a longer prompt
     # could never be scheduled: the check always applies.
     if shard_input > max_batch_prefill_tokens:
-        raise _invalid("`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
-                       f"Given: {max_batch_prefill_tokens} and {shard_input}")
+        raise _invalid(
+            "`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
+            f"Given: {max_batch_prefill_tokens} and {shard_input}"
+        )
     if max_batch_prefill_tokens > batch_total:
-        raise _invalid("`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. "
-                       f"Given: {max_batch_prefill_tokens} and {batch_total}")
+        raise _invalid(
+            "`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. "
+            f"Given: {max_batch_prefill_tokens} and {batch_total}"
+        )
     if shard_total > batch_total:
-        raise _invalid("`max_total_tokens` must be <= `max_batch_total_tokens`. "
-                       f"Given: {shard_total} and {batch_total}")
+        raise _invalid(
+            f"`max_total_tokens` must be <= `max_batch_total_tokens`. Given: {shard_total} and {batch_total}"
+        )
     metrics.configure_length_buckets(shard_input, shard_total)
 
-    queue = Queue(info.requires_padding, info.block_size,
-                  info.window_size if info.HasField("window_size") else None, info.speculate)
-    batcher = Batcher(client, queue, max_batch_prefill_tokens, batch_total, max_batch_size,
-                      waiting_served_ratio, max_waiting_tokens)
+    queue = Queue(
+        info.requires_padding,
+        info.block_size,
+        info.window_size if info.HasField("window_size") else None,
+        info.speculate,
+    )
+    batcher = Batcher(
+        client, queue, max_batch_prefill_tokens, batch_total, max_batch_size, waiting_served_ratio, max_waiting_tokens
+    )
     infer = Infer(client, queue, batcher, max_concurrent_requests)
     infer.start()
     return Backend(client, info, shard_input, shard_total, batch_total, infer)

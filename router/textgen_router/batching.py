@@ -15,6 +15,7 @@ A failing Prefill fails only its new requests; a failing Decode fails the whole 
 shard caches of the failed batches are cleared.
 TGI's chunked-prefill branch is not implemented: our shards never report `support_chunking`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +25,7 @@ import time
 from collections.abc import Collection, Sequence
 
 from opentelemetry import trace
+
 from textgen_pb import generate_pb2
 
 from . import metrics
@@ -46,8 +48,9 @@ def _tokens(t: generate_pb2.Tokens) -> list[Token]:
     return [Token(i, text, lp, sp) for i, text, lp, sp in zip(t.ids, t.texts, t.logprobs, t.is_special)]
 
 
-async def keep_requests(client: ShardedClient, batch: generate_pb2.CachedBatch | None,
-                        request_ids: Collection[int]) -> generate_pb2.CachedBatch | None:
+async def keep_requests(
+    client: ShardedClient, batch: generate_pb2.CachedBatch | None, request_ids: Collection[int]
+) -> generate_pb2.CachedBatch | None:
     """`batch` reduced to `request_ids` on every shard: unchanged when all remain (no call), FilterBatch
     when some do, ClearCache (and None) when none does."""
     if batch is None:
@@ -108,9 +111,11 @@ class Batcher:
                 metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
 
     async def _serve_queue(self) -> None:
-        while (nxt := self.queue.next_batch(
-            None, self.max_batch_size, self.max_batch_prefill_tokens, self.max_batch_total_tokens
-        )) is not None:
+        while (
+            nxt := self.queue.next_batch(
+                None, self.max_batch_size, self.max_batch_prefill_tokens, self.max_batch_total_tokens
+            )
+        ) is not None:
             entries, batch = nxt
             self.running = entries
             cached = await self._prefill(batch, entries)
@@ -122,8 +127,9 @@ class Batcher:
             metrics.BATCH_CURRENT_SIZE.set(0)
             metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
 
-    async def _step(self, cached: generate_pb2.CachedBatch,
-                    wait_exceeded: bool) -> tuple[generate_pb2.CachedBatch | None, bool]:
+    async def _step(
+        self, cached: generate_pb2.CachedBatch, wait_exceeded: bool
+    ) -> tuple[generate_pb2.CachedBatch | None, bool]:
         """Maybe onboard waiting requests, then one Decode of everything running.
 
         Returns the next cached batch and whether waiting requests were taken from the queue.
@@ -157,8 +163,9 @@ class Batcher:
                 return None
             return await self._after(PREFILL, result, entries, [batch.id], start)
 
-    async def _decode(self, batches: Sequence[generate_pb2.CachedBatch],
-                      entries: dict[int, Entry]) -> generate_pb2.CachedBatch | None:
+    async def _decode(
+        self, batches: Sequence[generate_pb2.CachedBatch], entries: dict[int, Entry]
+    ) -> generate_pb2.CachedBatch | None:
         start = time.monotonic()
         metrics.BATCH_INFERENCE_COUNT.labels(DECODE).inc()
         with tracer.start_as_current_span("batch", attributes={"batch_size": len(entries)}):
@@ -170,8 +177,9 @@ class Batcher:
                 return None
             return await self._after(DECODE, result, entries, [b.id for b in batches], start)
 
-    async def _after(self, method: str, result: StepResult, entries: dict[int, Entry],
-                     batch_ids: list[int], start: float) -> generate_pb2.CachedBatch | None:
+    async def _after(
+        self, method: str, result: StepResult, entries: dict[int, Entry], batch_ids: list[int], start: float
+    ) -> generate_pb2.CachedBatch | None:
         """Route the generations, filter the next batch, record the step's metrics."""
         filter_start = time.monotonic()
         self._send(result.generations, entries)
@@ -236,12 +244,23 @@ class Batcher:
                 top = _tokens(top_tokens[i]) if i < len(top_tokens) else []
                 if done and i == last:
                     gt = g.generated_text
-                    put((entry, EndEvent(
-                        token, top,
-                        GeneratedText(gt.text, gt.generated_tokens, FINISH_REASONS[gt.finish_reason],
-                                      gt.seed if gt.HasField("seed") else None),
-                        entry.queue_time, entry.batch_time or entry.queue_time,
-                    )))
+                    put(
+                        (
+                            entry,
+                            EndEvent(
+                                token,
+                                top,
+                                GeneratedText(
+                                    gt.text,
+                                    gt.generated_tokens,
+                                    FINISH_REASONS[gt.finish_reason],
+                                    gt.seed if gt.HasField("seed") else None,
+                                ),
+                                entry.queue_time,
+                                entry.batch_time or entry.queue_time,
+                            ),
+                        )
+                    )
                 else:
                     put((entry, IntermediateEvent(token, top)))
             if done:

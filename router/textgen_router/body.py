@@ -8,6 +8,7 @@
 All as plain text, not the {"error", "error_type"} shape. Unknown fields are ignored by the models.
 Reused by the OpenAI routes: `await read_json(request, ChatRequest)`.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,7 +76,9 @@ async def read_json_value(request: Request) -> Any:
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        detail = f"{err.msg} at line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
+        detail = (
+            f"{err.msg} at line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
+        )
         raise BodyError(400, f"Failed to parse the request body as JSON: {detail}") from err
 
 

@@ -4,6 +4,7 @@ Where the template comes from follows TGI: `chat_template.json` > the `--tokeniz
 model's tokenizer config (`tokenizer_config.json`, or `chat_template.jinja` beside it) > `processor_config.json`;
 when a config holds a list of named templates, the one named `default` is used.
 """
+
 from __future__ import annotations
 
 import json

@@ -11,6 +11,7 @@ them concurrently and awaited together. Answers are merged per TGI:
 Every call carries the current OpenTelemetry context as gRPC metadata (`traceparent`) so shard spans join
 the router's trace. Any gRPC failure surfaces as `ShardError(details)`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ from typing import Any
 
 import grpc
 from opentelemetry import propagate, trace
+
 from textgen_pb import generate_pb2, generate_pb2_grpc
 
 tracer = trace.get_tracer("textgen_router")
@@ -154,14 +156,19 @@ class ShardedClient:
         with tracer.start_as_current_span("warmup"):
             answers = await self._all("Warmup", request)
         triples = [
-            (a.max_supported_total_tokens if a.HasField("max_supported_total_tokens") else None,
-             a.max_input_tokens, a.max_total_tokens)
+            (
+                a.max_supported_total_tokens if a.HasField("max_supported_total_tokens") else None,
+                a.max_input_tokens,
+                a.max_total_tokens,
+            )
             for a in answers
         ]
         return min(triples, key=lambda t: (t[0] is not None, t[0] or 0, t[1], t[2]))
 
     async def prefill(
-        self, batch: generate_pb2.Batch, cached_batch: generate_pb2.CachedBatch | None = None,
+        self,
+        batch: generate_pb2.Batch,
+        cached_batch: generate_pb2.CachedBatch | None = None,
         sent: Callable[[], None] | None = None,
     ) -> StepResult:
         """First forward of `batch` (with `cached_batch` appended on the shard when chunking).
@@ -172,8 +179,9 @@ class ShardedClient:
         with tracer.start_as_current_span("prefill", attributes={"id": batch.id, "size": batch.size}):
             return _merge(await self._all("Prefill", request, sent))
 
-    async def decode(self, batches: Sequence[generate_pb2.CachedBatch],
-                     sent: Callable[[], None] | None = None) -> StepResult:
+    async def decode(
+        self, batches: Sequence[generate_pb2.CachedBatch], sent: Callable[[], None] | None = None
+    ) -> StepResult:
         """One step of the cached `batches`, which the shards concatenate first when there are several.
 
         `sent` (optional) is called once the request is on its way to every shard (see `_all`).

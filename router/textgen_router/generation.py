@@ -12,6 +12,7 @@ Like TGI, a concurrency permit is taken (without waiting) *before* validation an
 ends; best_of takes one permit per sequence. These helpers do not count `tgi_request_count`: each route
 does, once per handler it passes through (TGI's chat routes therefore count twice).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -100,7 +101,10 @@ async def validate(
 
 
 async def stream(
-    state: RouterState, inputs: str, parameters: GenerateParameters, add_special_tokens: bool = True,
+    state: RouterState,
+    inputs: str,
+    parameters: GenerateParameters,
+    add_special_tokens: bool = True,
     sink: TokenSink | None = None,
 ) -> AsyncIterator[tuple[ValidRequest, StreamEvent]]:
     """Take a permit, validate, enqueue; yield each event of the request until its EndEvent.
@@ -153,9 +157,7 @@ async def generate_best_of(
     state: RouterState, inputs: str, parameters: GenerateParameters, best_of: int
 ) -> tuple[Generation, list[Generation]]:
     """`best_of` sequences at once; the winner has the highest mean token logprob, the rest follow in order."""
-    runs = await asyncio.gather(
-        *(generate(state, inputs, parameters) for _ in range(best_of)), return_exceptions=True
-    )
+    runs = await asyncio.gather(*(generate(state, inputs, parameters) for _ in range(best_of)), return_exceptions=True)
     for run in runs:
         if isinstance(run, BaseException):
             raise run
@@ -178,7 +180,9 @@ class Timings:
     def measure(cls, start_time: float, queued: float, start: float, generated_tokens: int) -> Timings:
         now = time.monotonic()
         inference = now - start
-        return cls(now - start_time, queued - start_time, start - queued, inference, inference / max(generated_tokens, 1))
+        return cls(
+            now - start_time, queued - start_time, start - queued, inference, inference / max(generated_tokens, 1)
+        )
 
 
 def record_success(timings: Timings, generated_tokens: int) -> None:

@@ -5,6 +5,7 @@
 - `until_disconnected(request, work)`: cancel a non-streaming generation when its client goes away.
 Neither counts tgi_request_count (the route handlers do, once per handler, as TGI).
 """
+
 from __future__ import annotations
 
 import asyncio

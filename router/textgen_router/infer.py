@@ -11,6 +11,7 @@ Contract with the HTTP layer:
   `contextlib.aclosing(...)` so the drop is immediate rather than at garbage collection.
 - `await health()`: TGI's /health check; `healthy` is False after a generation error until a check passes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 
 from opentelemetry import context as otel_context
+
 from textgen_pb import generate_pb2
 
 from . import metrics
@@ -40,8 +42,15 @@ def liveness_batch() -> generate_pb2.Batch:
         add_special_tokens=True,
         prefill_logprobs=False,
         parameters=generate_pb2.NextTokenChooserParameters(
-            temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, do_sample=False, seed=0,
-            repetition_penalty=1.0, frequency_penalty=0.0, watermark=False,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            typical_p=1.0,
+            do_sample=False,
+            seed=0,
+            repetition_penalty=1.0,
+            frequency_penalty=0.0,
+            watermark=False,
         ),
         stopping_parameters=generate_pb2.StoppingCriteriaParameters(max_new_tokens=1, ignore_eos_token=False),
         top_n_tokens=0,
@@ -62,8 +71,9 @@ class Permit(contextlib.AbstractContextManager):
             self._infer.available_permits += 1
             self._infer = None
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release()
 
 

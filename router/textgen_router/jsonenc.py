@@ -6,6 +6,7 @@ shortest round-trip digits in ryu's layout (0.000012, 1.2e-7, 3.0). NaN / infini
 serde_json does for non-finite floats (the first prefill token's logprob is NaN).
 Dict insertion order is the field order.
 """
+
 from __future__ import annotations
 
 import json

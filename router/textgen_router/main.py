@@ -7,6 +7,7 @@ HTTP listener on hostname:port (a non-IP hostname binds 0.0.0.0 with a warning) 
 listener on --prometheus-port; logs `Connected`. SIGTERM / SIGINT: stop accepting, let in-flight
 requests (streams included) finish, then stop the batching loop. Failures exit 1 with `Error: <msg>`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -161,9 +162,15 @@ async def start(args: Namespace) -> Router:
     loading = _in_daemon_thread(_load_text, args)
     try:
         backend = await connect_backend(
-            args.master_shard_uds_path, args.max_input_tokens, args.max_total_tokens,
-            args.max_batch_prefill_tokens, args.max_batch_total_tokens, args.max_batch_size,
-            args.waiting_served_ratio, args.max_waiting_tokens, args.max_concurrent_requests,
+            args.master_shard_uds_path,
+            args.max_input_tokens,
+            args.max_total_tokens,
+            args.max_batch_prefill_tokens,
+            args.max_batch_total_tokens,
+            args.max_batch_size,
+            args.waiting_served_ratio,
+            args.max_waiting_tokens,
+            args.max_concurrent_requests,
         )
     except BaseException as err:
         loading.cancel()  # a cancelled future's outcome need not be retrieved
@@ -177,16 +184,25 @@ async def start(args: Namespace) -> Router:
             logger.info("Maximum total tokens defaulted to %d", backend.max_total_tokens)
         metrics.configure_length_buckets(backend.max_input_tokens, backend.max_total_tokens)
         tokenizer, chat_template = await loading
-        limits = Limits(args.max_best_of, args.max_stop_sequences, args.max_top_n_tokens,
-                        backend.max_input_tokens, backend.max_total_tokens)
+        limits = Limits(
+            args.max_best_of,
+            args.max_stop_sequences,
+            args.max_top_n_tokens,
+            backend.max_input_tokens,
+            backend.max_total_tokens,
+        )
         validator = Validator(tokenizer, limits, args.validation_workers)
         state = RouterState(
-            infer=backend.infer, validator=validator, model_id=args.tokenizer_name,
+            infer=backend.infer,
+            validator=validator,
+            model_id=args.tokenizer_name,
             max_concurrent_requests=args.max_concurrent_requests,
-            max_client_batch_size=args.max_client_batch_size, validation_workers=args.validation_workers,
+            max_client_batch_size=args.max_client_batch_size,
+            validation_workers=args.validation_workers,
         )
-        app = create_app(state, api_key=args.api_key, cors_allow_origin=args.cors_allow_origin,
-                         payload_limit=args.payload_limit)
+        app = create_app(
+            state, api_key=args.api_key, cors_allow_origin=args.cors_allow_origin, payload_limit=args.payload_limit
+        )
         if chat_template.template is None:
             logger.warning("No chat template found for %s: /v1/chat/completions will answer 422", args.tokenizer_name)
         app.state.chat_template = chat_template
@@ -198,8 +214,15 @@ async def start(args: Namespace) -> Router:
 
 def server(app: object, host: str, port: int) -> uvicorn.Server:
     """A uvicorn server for `app` that leaves signal handling to its caller (set `should_exit` to stop)."""
-    config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None,  # type: ignore[arg-type]
-                            access_log=False, timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="off",
+        log_config=None,  # type: ignore[arg-type]
+        access_log=False,
+        timeout_keep_alive=5,
+    )
     return _Server(config)
 
 

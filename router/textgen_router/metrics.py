@@ -13,6 +13,7 @@ Who records what (so nothing is counted twice):
   tgi_request_max_new_tokens, tgi_request_generated_tokens.
 `GET /metrics` serves `render()`.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -279,9 +280,7 @@ REQUEST_VALIDATION_DURATION = Histogram(
     "tgi_request_validation_duration", "Request validation duration", DURATION_BUCKETS
 )
 REQUEST_QUEUE_DURATION = Histogram("tgi_request_queue_duration", "Request queue duration", DURATION_BUCKETS)
-REQUEST_INFERENCE_DURATION = Histogram(
-    "tgi_request_inference_duration", "Request inference duration", DURATION_BUCKETS
-)
+REQUEST_INFERENCE_DURATION = Histogram("tgi_request_inference_duration", "Request inference duration", DURATION_BUCKETS)
 REQUEST_MEAN_TIME_PER_TOKEN_DURATION = Histogram(
     "tgi_request_mean_time_per_token_duration", "Mean time per token per request", DURATION_BUCKETS
 )

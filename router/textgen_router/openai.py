@@ -5,6 +5,7 @@ permit -> validation -> queue path as /generate (generation.py); bodies and chun
 openai_responses, streams by openai_streams. Errors raised before generation (template, unsupported
 fields, batch size) are 422 JSON, streaming or not; later ones are JSON errors, or in-band stream events.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from textgen_router import generation, metrics, openai_responses as bodies
+from textgen_router import generation, metrics
+from textgen_router import openai_responses as bodies
 from textgen_router.body import read_json
 from textgen_router.chat_template import ChatTemplate
 from textgen_router.generation import Generation, Timings
@@ -83,8 +85,10 @@ async def chat_completions(request: Request) -> Response:
     env = bodies.Envelope.now(_model_name(state, body.model))
     if body.stream:
         span = start_request_span("chat_completions", request.headers)
-        return EventStream(lambda write: chat_stream(state, env, body, prompt, start_time, span, write),
-                           _stream_headers(state, len(prompt)))
+        return EventStream(
+            lambda write: chat_stream(state, env, body, prompt, start_time, span, write),
+            _stream_headers(state, len(prompt)),
+        )
     with request_span("chat_completions", request.headers):
         return await until_disconnected(request, _chat(state, env, body, prompt, start_time))
 

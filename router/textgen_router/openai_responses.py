@@ -3,6 +3,7 @@
 Finish reasons: chat (both modes) and non-stream completions report `eos_token` as `stop`; completion stream
 chunks carry the raw reason (`eos_token`) and `""` until a prompt's last token (a TGI quirk kept on purpose).
 """
+
 from __future__ import annotations
 
 import functools

@@ -4,6 +4,7 @@ Shapes follow TGI's `ChatRequest` / `CompletionRequest`: unknown fields are igno
 and textgen does not implement (tools, response_format, ...) are kept here so the handlers can reject them
 with a 422 instead of ignoring them silently.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -88,9 +89,7 @@ class ChatRequest(BaseModel):
             raise ValidationError("`messages` cannot be empty")
         for i, message in enumerate(self.messages):
             if message.role not in ROLES:
-                raise ValidationError(
-                    f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {message.role}"
-                )
+                raise ValidationError(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {message.role}")
             if message.tool_calls is not None or message.tool_call_id is not None:
                 raise ValidationError("tool calls in messages are not supported")
 

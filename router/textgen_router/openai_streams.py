@@ -4,6 +4,7 @@ Both end with `data:[DONE]`. Anything that fails once the stream has started (va
 generation) is sent in-band as `data:{"error":{"message","http_status_code"}}` on the 200 stream, before
 `[DONE]`. Each stream ends its request span.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,8 @@ from contextlib import aclosing
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from textgen_router import generation, jsonenc, openai_responses as bodies
+from textgen_router import generation, jsonenc
+from textgen_router import openai_responses as bodies
 from textgen_router.generation import Timings
 from textgen_router.openai_schemas import ChatRequest
 from textgen_router.schemas import GenerateParameters
@@ -35,7 +37,12 @@ def _record(end: EndEvent, start_time: float) -> None:
 
 
 async def chat_stream(
-    state: RouterState, env: bodies.Envelope, body: ChatRequest, prompt: str, start_time: float, span: Span,
+    state: RouterState,
+    env: bodies.Envelope,
+    body: ChatRequest,
+    prompt: str,
+    start_time: float,
+    span: Span,
     write: ChunkWriter,
 ) -> AsyncIterator[bytes]:
     """One chunk per token (the last with its finish_reason), then the usage chunk if asked for; the batching

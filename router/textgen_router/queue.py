@@ -8,6 +8,7 @@ shards without a block allocator:
 A request that does not fit goes back to the front and closes the batch (no skipping ahead); requests whose
 consumer went away are dropped when reached. Pure logic, no I/O: the batching loop awaits nothing here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+
 from textgen_pb import generate_pb2
 
 from . import metrics
@@ -120,8 +122,9 @@ def _round_up(n: int, multiple: int) -> int:
 class Queue:
     """FIFO of Entries; ids increase per appended request, batch ids per created batch."""
 
-    def __init__(self, requires_padding: bool, block_size: int = 1, window_size: int | None = None,
-                 speculate: int = 0) -> None:
+    def __init__(
+        self, requires_padding: bool, block_size: int = 1, window_size: int | None = None, speculate: int = 0
+    ) -> None:
         self.requires_padding = requires_padding
         self.block_size = max(1, block_size)
         self.window_size = window_size
@@ -175,8 +178,7 @@ class Queue:
                 if self.window_size is not None:
                     max_new_tokens = min(max(0, self.window_size - input_length), max_new_tokens)
                 entry_decode = decode_tokens + _round_up(max_new_tokens, self.block_size)
-            if (entry_prefill > prefill_token_budget
-                    or entry_prefill + entry_decode + self.speculate > token_budget):
+            if entry_prefill > prefill_token_budget or entry_prefill + entry_decode + self.speculate > token_budget:
                 self.entries.appendleft(entry)
                 break
             prefill_tokens, decode_tokens = entry_prefill, entry_decode

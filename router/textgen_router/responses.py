@@ -2,6 +2,7 @@
 
 `json_response` encodes them with `jsonenc.dumps`, byte-identical to TGI's serde output.
 """
+
 from __future__ import annotations
 
 import logging
@@ -96,9 +97,11 @@ def stream_response(
 def stream_token_event(index: int, tok: Token) -> bytes:
     """`jsonenc.dumps(stream_response(index, tok, []))` written directly: the hot path of /generate_stream
     (once per token per stream), where building and walking the dict cost more than the bytes."""
-    return (f'{{"index":{index},"token":{{"id":{tok.id},"text":{jsonenc.string(tok.text)},'
-            f'"logprob":{jsonenc.format_f32(tok.logprob)},"special":{"true" if tok.special else "false"}}},'
-            '"generated_text":null,"details":null}').encode()
+    return (
+        f'{{"index":{index},"token":{{"id":{tok.id},"text":{jsonenc.string(tok.text)},'
+        f'"logprob":{jsonenc.format_f32(tok.logprob)},"special":{"true" if tok.special else "false"}}},'
+        '"generated_text":null,"details":null}'
+    ).encode()
 
 
 def stream_details(finish_reason: str, generated_tokens: int, seed: int | None, input_length: int) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """TGI's native routes: /generate, /generate_stream, / (compat), /invocations, /tokenize, /info, /health,
 /ping, GET /, /metrics. Request bodies are read by body.py (axum's rejections); OpenAPI docs per route.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,8 +39,11 @@ def _body_doc(model: type) -> dict[str, Any]:
 
 
 @routes.post(
-    "/generate", response_model=schemas.GenerateResponse, responses=_GENERATE_RESPONSES,
-    openapi_extra=_body_doc(schemas.GenerateRequest), summary="Generate tokens",
+    "/generate",
+    response_model=schemas.GenerateResponse,
+    responses=_GENERATE_RESPONSES,
+    openapi_extra=_body_doc(schemas.GenerateRequest),
+    summary="Generate tokens",
 )
 async def generate(request: Request) -> Response:
     start_time = time.monotonic()
@@ -50,15 +54,23 @@ async def generate(request: Request) -> Response:
 
 
 @routes.post(
-    "/generate_stream", responses={200: {"content": {"text/event-stream": {"schema": {
-        "$ref": "#/components/schemas/StreamResponse"}}}, "description": "Generated Text"}},
-    openapi_extra=_body_doc(schemas.GenerateRequest), summary="Generate a stream of token using Server-Sent Events",
+    "/generate_stream",
+    responses={
+        200: {
+            "content": {"text/event-stream": {"schema": {"$ref": "#/components/schemas/StreamResponse"}}},
+            "description": "Generated Text",
+        }
+    },
+    openapi_extra=_body_doc(schemas.GenerateRequest),
+    summary="Generate a stream of token using Server-Sent Events",
 )
 async def generate_stream(request: Request) -> Response:
     start_time = time.monotonic()
     req = await read_json(request, schemas.GenerateRequest)
     metrics.REQUEST_COUNT.inc()
-    return generate_stream_internal(_state(request), req, start_time, start_request_span("generate_stream", request.headers))
+    return generate_stream_internal(
+        _state(request), req, start_time, start_request_span("generate_stream", request.headers)
+    )
 
 
 async def _compat(request: Request, req: schemas.CompatGenerateRequest) -> Response:
@@ -84,7 +96,9 @@ def _x_headers(response: Response) -> dict[str, str]:
 
 
 @routes.post(
-    "/", response_model=list[schemas.GenerateResponse], responses=_GENERATE_RESPONSES,
+    "/",
+    response_model=list[schemas.GenerateResponse],
+    responses=_GENERATE_RESPONSES,
     openapi_extra=_body_doc(schemas.CompatGenerateRequest),
     summary="Generate tokens if `stream == false` or a stream of token if `stream == true`",
 )
@@ -92,8 +106,11 @@ async def compat_generate(request: Request) -> Response:
     return await _compat(request, await read_json(request, schemas.CompatGenerateRequest))
 
 
-@routes.post("/invocations", summary="Generate tokens from Sagemaker request",
-             openapi_extra=_body_doc(schemas.CompatGenerateRequest))
+@routes.post(
+    "/invocations",
+    summary="Generate tokens from Sagemaker request",
+    openapi_extra=_body_doc(schemas.CompatGenerateRequest),
+)
 async def sagemaker_compatibility(request: Request) -> Response:
     """TGI's untagged union: a generate body (`inputs`), else a chat (`messages`), else a completion (`prompt`)."""
     value = await read_json_value(request)
@@ -105,8 +122,12 @@ async def sagemaker_compatibility(request: Request) -> Response:
     return await _compat(request, parse_model(value, schemas.CompatGenerateRequest))
 
 
-@routes.post("/tokenize", response_model=list[schemas.SimpleToken], openapi_extra=_body_doc(schemas.GenerateRequest),
-             summary="Tokenize inputs")
+@routes.post(
+    "/tokenize",
+    response_model=list[schemas.SimpleToken],
+    openapi_extra=_body_doc(schemas.GenerateRequest),
+    summary="Tokenize inputs",
+)
 async def tokenize(request: Request) -> Response:
     req = await read_json(request, schemas.GenerateRequest)
     state = _state(request)
@@ -140,8 +161,9 @@ _HEALTH_DOC: dict[int | str, dict[str, Any]] = {
     503: {"model": schemas.ErrorResponse, "description": "Text generation inference is down"},
 }
 for _path in ("/health", "/ping", "/"):
-    routes.add_api_route(_path, _health, methods=["GET"], responses=_HEALTH_DOC, summary="Health check method",
-                         response_class=Response)
+    routes.add_api_route(
+        _path, _health, methods=["GET"], responses=_HEALTH_DOC, summary="Health check method", response_class=Response
+    )
 
 
 @routes.get("/metrics", summary="Prometheus metrics scrape endpoint", response_class=Response)

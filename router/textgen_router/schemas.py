@@ -4,6 +4,7 @@ Request models are strict, like TGI's serde structs: `"max_new_tokens": "5"` or 
 unknown fields are ignored, numbers must fit TGI's unsigned types. Response models document the OpenAPI
 spec only; response bodies are written as ordered dicts by `responses.py` in TGI's field order.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal

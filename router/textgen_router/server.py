@@ -3,6 +3,7 @@
 `create_app(state, ...)` builds the FastAPI app; `state` (RouterState) may be None to only render the
 OpenAPI spec (`textgen-router print-schema`). Handlers reach the state through `request.app.state.router`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,8 +22,16 @@ from textgen_router.state import RouterState, package_version
 
 # POST routes that need the API key (TGI leaves info, health, metrics, docs, /v1/models, /chat_tokenize open).
 PROTECTED_PATHS = frozenset(
-    ["/", "/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/vertex", "/invocations",
-     "/tokenize"]
+    [
+        "/",
+        "/generate",
+        "/generate_stream",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/vertex",
+        "/invocations",
+        "/tokenize",
+    ]
 )
 
 

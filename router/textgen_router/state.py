@@ -1,4 +1,5 @@
 """What every route handler needs, built once at startup and stored on `app.state.router`."""
+
 from __future__ import annotations
 
 import os

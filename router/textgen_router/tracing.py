@@ -7,6 +7,7 @@
 - Spans: one per handler (`generate`, `generate_stream`, `compat_generate`, `tokenize`, `health`, ...),
   a `validate` child; the inference side adds its own.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping

@@ -4,6 +4,7 @@ The HTTP layer turns a request body into a `ValidRequest`; the inference side (q
 answers with a stream of `PrefillEvent` / `IntermediateEvent` / `EndEvent`, or raises an `InferError`.
 Neither side imports the other's internals: this module is the whole contract between them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -7,6 +7,7 @@ Tokenization runs in a pool of `validation_workers` threads so a long prompt nev
 Reused by the OpenAI routes: build a `GenerateParameters`, then `await validator.validate(inputs,
 parameters, add_special_tokens=False)` (chat prompts already carry their special tokens).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,7 +81,7 @@ class Validator:
             offsets = [(0, 0)] * len(ids)
         if truncate is not None and truncate < len(ids):
             # Truncation keeps the end of the prompt: the text next to what will be generated.
-            ids, offsets = ids[len(ids) - truncate:], offsets[len(ids) - truncate:]
+            ids, offsets = ids[len(ids) - truncate :], offsets[len(ids) - truncate :]
         return Encoding(ids, offsets)
 
     async def tokenize(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> Encoding:

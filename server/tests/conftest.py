@@ -2,6 +2,7 @@
 
 The real shard processes come from the repo-root conftest (`ShardProcess`, `start_shard`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -12,7 +13,6 @@ from pathlib import Path
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-
 from shard_helpers import HFOracle
 
 

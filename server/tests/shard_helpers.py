@@ -1,4 +1,5 @@
 """Request builders and the transformers oracle shared by the shard tests (imported, not fixtures)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +9,16 @@ from textgen_pb import generate_pb2 as pb
 
 def chooser(**overrides: object) -> pb.NextTokenChooserParameters:
     """TGI's defaults (what the router sends for a plain greedy request), with overrides."""
-    params = dict(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, do_sample=False, seed=0,
-                  repetition_penalty=1.0, frequency_penalty=0.0)
+    params = dict(
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        typical_p=1.0,
+        do_sample=False,
+        seed=0,
+        repetition_penalty=1.0,
+        frequency_penalty=0.0,
+    )
     params.update(overrides)
     return pb.NextTokenChooserParameters(**params)  # type: ignore[arg-type]
 
@@ -43,8 +52,12 @@ def make_request(
 
 
 def make_batch(batch_id: int, requests: list[pb.Request]) -> pb.Batch:
-    return pb.Batch(id=batch_id, requests=requests, size=len(requests),
-                    max_tokens=sum(64 + r.stopping_parameters.max_new_tokens for r in requests))
+    return pb.Batch(
+        id=batch_id,
+        requests=requests,
+        size=len(requests),
+        max_tokens=sum(64 + r.stopping_parameters.max_new_tokens for r in requests),
+    )
 
 
 class HFOracle:

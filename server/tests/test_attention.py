@@ -1,4 +1,5 @@
 """The matmul attention path (half precision on a CPU) computes what SDPA computes, GQA and masks included."""
+
 from __future__ import annotations
 
 import pytest

@@ -56,8 +56,7 @@ def test_tokenizer_round_trips_and_splits_multibyte(llama: Path) -> None:
 def test_chat_template_in_tokenizer_config(llama: Path) -> None:
     assert "chat_template" in json.loads((llama / "tokenizer_config.json").read_text())
     tok = AutoTokenizer.from_pretrained(llama)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.convert_tokens_to_ids("<|im_end|>") != tok.unk_token_id
 
@@ -72,8 +71,9 @@ def test_rebuild_is_identical_and_reuse_is_free(llama: Path, tmp_path: Path) -> 
     assert (llama / "model.safetensors").stat().st_mtime_ns == mtime
 
 
-@pytest.mark.parametrize("arch,cls", [("gpt2", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"),
-                                      ("mistral", "MistralForCausalLM")])
+@pytest.mark.parametrize(
+    "arch,cls", [("gpt2", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"), ("mistral", "MistralForCausalLM")]
+)
 def test_other_archs(tmp_path: Path, arch: str, cls: str) -> None:
     path = build_test_model(tmp_path / arch, arch=arch)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -97,7 +97,9 @@ def test_cli_rejects_an_unknown_arch_in_one_line(tmp_path: Path) -> None:
 
     proc = subprocess.run(
         ["textgen-server", "build-test-model", str(tmp_path / "m"), "--arch", "bloom"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "unknown arch 'bloom'" in proc.stdout

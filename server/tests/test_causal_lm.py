@@ -1,12 +1,13 @@
 """CausalLM and CausalLMBatch in process: the batch state through prefill, filter and concatenate."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
-
 from shard_helpers import HFOracle, make_batch, make_request
+
 from textgen_pb import generate_pb2 as pb
 from textgen_server.layers.decode_attention import kernel_available
 from textgen_server.models import get_model
@@ -92,8 +93,12 @@ def test_eos_token_finishes_with_eos_reason(gpt2: CausalLM, gpt2_oracle: HFOracl
     saved = gpt2.eos_token_ids
     gpt2.eos_token_ids = {eos}  # the random model never picks the real EOS: pretend its 3rd token is one
     try:
-        batch = CausalLMBatch.from_pb(make_batch(1, [make_request(0, PROMPTS[1], 6, ignore_eos=False),
-                                                     make_request(1, PROMPTS[1], 6, ignore_eos=True)]), gpt2)
+        batch = CausalLMBatch.from_pb(
+            make_batch(
+                1, [make_request(0, PROMPTS[1], 6, ignore_eos=False), make_request(1, PROMPTS[1], 6, ignore_eos=True)]
+            ),
+            gpt2,
+        )
         finished: dict[int, pb.GeneratedText] = {}
         current: CausalLMBatch | None = batch
         while current is not None:
@@ -170,8 +175,9 @@ def test_llama_uneven_batch_matches_transformers(tiny_llama: Path, llama_oracle:
 
 
 @pytest.mark.parametrize("decode_kernel", ["1", "0"])
-def test_bfloat16_llama_uneven_batch_matches_transformers_eager(tiny_llama: Path, decode_kernel: str,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bfloat16_llama_uneven_batch_matches_transformers_eager(
+    tiny_llama: Path, decode_kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # bf16 on a CPU: matmul attention; decode steps with the decode attention op over each row's live keys, or
     # (switched off, or where it cannot be built) the matmul over whole KV buffers (PaddedKVCache.whole_decode).
     monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", decode_kernel)

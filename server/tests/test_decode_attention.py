@@ -1,4 +1,5 @@
 """The bf16 CPU decode attention op: what the masked matmul attention computes, reading only live keys."""
+
 from __future__ import annotations
 
 import os
@@ -17,12 +18,14 @@ from textgen_server.layers.decode_attention import (
 
 CPU = torch.device("cpu")
 # Skipped only where torch's builder has no compiler to call; with one, the op must build.
-needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
-                                    reason="no C++ compiler to build the decode attention op")
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the decode attention op"
+)
 
 
-def cache_case(batch: int, heads: int, kv_heads: int, dim: int, capacity: int, offset: int, window: int,
-               lengths: list[int]) -> tuple[torch.Tensor, ...]:
+def cache_case(
+    batch: int, heads: int, kv_heads: int, dim: int, capacity: int, offset: int, window: int, lengths: list[int]
+) -> tuple[torch.Tensor, ...]:
     """q [B, H, 1, D], whole buffers [B, H_kv, capacity, D] whose columns outside each row's live run
     [offset + window - length, offset + window) hold NaN, and the equivalent window mask [B, 1, 1, window]."""
     g = torch.Generator().manual_seed(0)
@@ -34,14 +37,13 @@ def cache_case(batch: int, heads: int, kv_heads: int, dim: int, capacity: int, o
         live = slice(offset + window - n, offset + window)
         keys[b, :, live] = torch.randn(kv_heads, n, dim, generator=g).bfloat16()
         values[b, :, live] = torch.randn(kv_heads, n, dim, generator=g).bfloat16()
-        mask[b, ..., window - n:] = True
+        mask[b, ..., window - n :] = True
     return q, keys, values, mask
 
 
 @needs_compiler
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 12, 64), (4, 2, 64), (6, 3, 24), (4, 1, 16)])
-def test_op_equals_masked_matmul_attention_without_reading_dead_columns(heads: int, kv_heads: int,
-                                                                         dim: int) -> None:
+def test_op_equals_masked_matmul_attention_without_reading_dead_columns(heads: int, kv_heads: int, dim: int) -> None:
     assert kernel_available()
     # Columns left of the window, left padding and spare columns are NaN: one read of them would show.
     lengths = [37, 37, 30, 21, 9, 2, 1, 16]

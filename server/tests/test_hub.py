@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -71,8 +70,11 @@ class StandInHub:
                         return self._error("RepoNotFound")
                     if len(parts) > 5 and parts[5] not in ("main", repo.sha):
                         return self._error("RevisionNotFound")
-                    info = {"id": "/".join(parts[2:4]), "sha": repo.sha,
-                            "siblings": [{"rfilename": name} for name in sorted(repo.files)]}
+                    info = {
+                        "id": "/".join(parts[2:4]),
+                        "sha": repo.sha,
+                        "siblings": [{"rfilename": name} for name in sorted(repo.files)],
+                    }
                     return self._send(json.dumps(info).encode(), {"Content-Type": "application/json"})
                 if len(parts) >= 5 and parts[2] == "resolve":  # /{org}/{name}/resolve/{rev}/{file}
                     repo = hub.repos.get("/".join(parts[:2]))
@@ -85,8 +87,9 @@ class StandInHub:
                     if body is None:
                         return self._error("EntryNotFound")
                     etag = '"' + hashlib.sha256(body).hexdigest() + '"'
-                    return self._send(body, {"X-Repo-Commit": repo.sha, "ETag": etag,
-                                             "Content-Type": "application/octet-stream"})
+                    return self._send(
+                        body, {"X-Repo-Commit": repo.sha, "ETag": etag, "Content-Type": "application/octet-stream"}
+                    )
                 self._error("RepoNotFound")
 
             do_GET = do_HEAD = _route
@@ -99,12 +102,16 @@ def model_files(model_dir: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path,
-        tiny_gpt2: Path) -> Iterator[tuple[StandInHub, str, Path, Path]]:
+def hub(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_gpt2: Path
+) -> Iterator[tuple[StandInHub, str, Path, Path]]:
     root = tmp_path_factory.mktemp("hub")
     llama, gpt2 = tiny_llama, tiny_gpt2
-    sf_files = model_files(llama) | {"training_args.bin": b"not weights", "README.md": b"# tiny",
-                                     "onnx/model.safetensors": b"nested, not fetched"}
+    sf_files = model_files(llama) | {
+        "training_args.bin": b"not weights",
+        "README.md": b"# tiny",
+        "onnx/model.safetensors": b"nested, not fetched",
+    }
     bin_files = {n: b for n, b in model_files(gpt2).items() if n != "model.safetensors"}
     state = load_file(str(gpt2 / "model.safetensors"))
     # transformers saves a tied model with one name; a real .bin checkpoint holds both, sharing storage.
@@ -112,8 +119,13 @@ def hub(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path,
     bin_path = root / "pytorch_model.bin"
     torch.save(state, bin_path)
     bin_files["pytorch_model.bin"] = bin_path.read_bytes()
-    stand_in = StandInHub({"acme/tiny-llama": Repo(sf_files), "acme/tiny-gpt2-bin": Repo(bin_files),
-                           "acme/broken": Repo(sf_files, unserved=frozenset({"model.safetensors"}))})
+    stand_in = StandInHub(
+        {
+            "acme/tiny-llama": Repo(sf_files),
+            "acme/tiny-gpt2-bin": Repo(bin_files),
+            "acme/broken": Repo(sf_files, unserved=frozenset({"model.safetensors"})),
+        }
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), stand_in.handler())
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -127,10 +139,14 @@ def hub(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path,
 
 def download(model_id: str, endpoint: str, cache: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
     child_env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    child_env.update(HF_ENDPOINT=endpoint, HUGGINGFACE_HUB_CACHE=str(cache), HF_HUB_DISABLE_PROGRESS_BARS="1",
-                     **env)
-    return subprocess.run([sys.executable, "-m", "textgen_server.cli", "download-weights", model_id, *extra],
-                          env=child_env, capture_output=True, text=True, timeout=120)
+    child_env.update(HF_ENDPOINT=endpoint, HUGGINGFACE_HUB_CACHE=str(cache), HF_HUB_DISABLE_PROGRESS_BARS="1", **env)
+    return subprocess.run(
+        [sys.executable, "-m", "textgen_server.cli", "download-weights", model_id, *extra],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def snapshot_of(cache: Path, model_id: str) -> Path:
@@ -142,8 +158,9 @@ def error_lines(done: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (done.stdout + done.stderr).splitlines() if "ERROR" in line or "Traceback" in line]
 
 
-def test_safetensors_download_then_offline(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_safetensors_download_then_offline(
+    hub: tuple[StandInHub, str, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     stand_in, endpoint, llama, _ = hub
     stand_in.requests.clear()
     done = download("acme/tiny-llama", endpoint, tmp_path)
@@ -222,8 +239,9 @@ def test_missing_repo_and_revision(hub: tuple[StandInHub, str, Path, Path], tmp_
     assert "is neither a local directory nor a valid model id on the hub" in line
 
 
-def test_local_directory(hub: tuple[StandInHub, str, Path, Path], tmp_path: Path,
-                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_directory(
+    hub: tuple[StandInHub, str, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from textgen_server.hub import ModelNotFoundError, download_weights, resolve_model_dir
 
     stand_in, _, llama, _ = hub

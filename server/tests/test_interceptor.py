@@ -1,4 +1,5 @@
 """ExceptionInterceptor on a real grpc.aio server and unix socket: status mapping and fatal shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,12 +30,15 @@ class Failing(generate_pb2_grpc.TextGenerationServiceServicer):
         raise KeyError("some bug")
 
 
-@pytest.mark.parametrize("method, request_message, code, message, fatal", [
-    ("Health", pb.HealthRequest(), grpc.StatusCode.INTERNAL, "device lost", True),
-    ("Info", pb.InfoRequest(), grpc.StatusCode.INVALID_ARGUMENT, "bad value", False),
-    ("ClearCache", pb.ClearCacheRequest(), grpc.StatusCode.NOT_FOUND, "Batch ID 7 not found in cache.", False),
-    ("ServiceDiscovery", pb.ServiceDiscoveryRequest(), grpc.StatusCode.INTERNAL, "some bug", False),
-])
+@pytest.mark.parametrize(
+    "method, request_message, code, message, fatal",
+    [
+        ("Health", pb.HealthRequest(), grpc.StatusCode.INTERNAL, "device lost", True),
+        ("Info", pb.InfoRequest(), grpc.StatusCode.INVALID_ARGUMENT, "bad value", False),
+        ("ClearCache", pb.ClearCacheRequest(), grpc.StatusCode.NOT_FOUND, "Batch ID 7 not found in cache.", False),
+        ("ServiceDiscovery", pb.ServiceDiscoveryRequest(), grpc.StatusCode.INTERNAL, "some bug", False),
+    ],
+)
 def test_errors_map_to_status_and_runtime_error_shuts_down(
     method: str, request_message: object, code: grpc.StatusCode, message: str, fatal: bool
 ) -> None:

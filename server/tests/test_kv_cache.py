@@ -1,4 +1,5 @@
 """PaddedKVCache must hold exactly what transformers' DynamicCache holds through every batch operation."""
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ count the shard produces (1-row decode, small and large batches, 3-D prefill inp
 not depend on the row count the weight was packed for. For bfloat16, `F.linear` itself: the reordered weight
 feeds the same oneDNN kernels, so the results must be bit-identical.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,12 @@ needs_onednn_bf16 = pytest.mark.skipif(
 )
 
 
-def assert_fp32_accurate(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         ) -> None:
+def assert_fp32_accurate(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> None:
     """|out - exact| <= eps * (sqrt(K) * sum|x w| + |exact|): rounding errors that grow like a random walk over
     the K products, plus the output's own rounding. F.linear stays below 0.4 of it on these shapes."""
     x, weight = x.double(), weight.double()

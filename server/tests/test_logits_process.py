@@ -1,4 +1,5 @@
 """Each logits processor / warper changes the distribution the way its parameter promises."""
+
 from __future__ import annotations
 
 import math
@@ -135,8 +136,12 @@ def test_processors_do_not_modify_their_input() -> None:
     scores = torch.randn(2, 50)
     before = scores.clone()
     counts = torch.ones(2, 50)
-    for warp in (Temperature(torch.tensor([0.5, 2.0])), TopK(torch.tensor([3, 4]), 50),
-                 TopP(torch.tensor([0.5, 0.9])), TypicalP(torch.tensor([0.5, 0.9]))):
+    for warp in (
+        Temperature(torch.tensor([0.5, 2.0])),
+        TopK(torch.tensor([3, 4]), 50),
+        TopP(torch.tensor([0.5, 0.9])),
+        TypicalP(torch.tensor([0.5, 0.9])),
+    ):
         warp(scores)
     RepetitionPenalty(torch.tensor([1.5, 2.0]))(scores, counts)
     FrequencyPenalty(torch.tensor([1.0, 2.0]))(scores, counts)

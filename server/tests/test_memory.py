@@ -1,4 +1,5 @@
 """keep_freed_memory: a freed large activation buffer stays in the process for the next step."""
+
 from __future__ import annotations
 
 import subprocess

@@ -1,4 +1,5 @@
 """The generated protobuf code is current, and the wire contract is TGI's generate.v3."""
+
 from __future__ import annotations
 
 import subprocess
@@ -29,7 +30,14 @@ def test_wire_contract_matches_tgi_generate_v3() -> None:
     assert generate_pb2.DESCRIPTOR.package == "generate.v3"
     service = generate_pb2.DESCRIPTOR.services_by_name["TextGenerationService"]
     assert [m.name for m in service.methods] == [
-        "Info", "ServiceDiscovery", "ClearCache", "FilterBatch", "Warmup", "Prefill", "Decode", "Health",
+        "Info",
+        "ServiceDiscovery",
+        "ClearCache",
+        "FilterBatch",
+        "Warmup",
+        "Prefill",
+        "Decode",
+        "Health",
     ]
     request = _fields("Request")
     assert request["id"] == (1, F.TYPE_UINT64, False)

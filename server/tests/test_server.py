@@ -1,4 +1,5 @@
 """A real `textgen-server serve` process on a real unix socket, driven over gRPC like the router does."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from shard_helpers import chooser, make_batch, make_request
+
 from textgen_pb import generate_pb2 as pb
 
 MAX_INPUT_TOKENS = 48
@@ -144,9 +145,13 @@ def test_single_token_request_finishes_in_prefill(stub) -> None:
 def test_prefill_logprobs_and_top_n_equal_log_softmax_of_logits(stub, llama_oracle) -> None:
     # Two prompts of different lengths so the shorter one is left padded in the batch.
     prompts = {20: "return self._tail + value", 21: "x = 1"}
-    response = stub.Prefill(pb.PrefillRequest(batch=make_batch(5, [
-        make_request(i, text, 1, prefill_logprobs=True, top_n_tokens=3) for i, text in prompts.items()
-    ])))
+    response = stub.Prefill(
+        pb.PrefillRequest(
+            batch=make_batch(
+                5, [make_request(i, text, 1, prefill_logprobs=True, top_n_tokens=3) for i, text in prompts.items()]
+            )
+        )
+    )
     for generation in response.generations:
         text = prompts[generation.request_id]
         reference = llama_oracle.log_softmax(text)
@@ -179,11 +184,14 @@ def test_seeded_sampling_same_alone_and_batched(stub) -> None:
         return tokens[100], finished[100]
 
     alone, alone_text = run(6, [make_request(100, PROMPTS[1], 8, params=sampled)])
-    batched, batched_text = run(7, [
-        make_request(101, PROMPTS[3], 5),
-        make_request(100, PROMPTS[1], 8, params=sampled),
-        make_request(102, PROMPTS[5], 8, params=chooser(do_sample=True, seed=7)),
-    ])
+    batched, batched_text = run(
+        7,
+        [
+            make_request(101, PROMPTS[3], 5),
+            make_request(100, PROMPTS[1], 8, params=sampled),
+            make_request(102, PROMPTS[5], 8, params=chooser(do_sample=True, seed=7)),
+        ],
+    )
     assert alone == batched
     assert alone_text.text == batched_text.text
     assert alone_text.seed == 1234
@@ -210,8 +218,9 @@ def test_warmup_defaults_and_given_limits(stub, llama_oracle) -> None:
     prompt_tokens = sum(len(llama_oracle.tokenizer(p)["input_ids"]) for p in PROMPTS[:4])
     assert derived.max_total_tokens == prompt_tokens
     assert derived.max_input_tokens == prompt_tokens - 1
-    given = stub.Warmup(pb.WarmupRequest(batch=batch, max_prefill_tokens=4096, max_input_tokens=40,
-                                         max_total_tokens=48))
+    given = stub.Warmup(
+        pb.WarmupRequest(batch=batch, max_prefill_tokens=4096, max_input_tokens=40, max_total_tokens=48)
+    )
     assert (given.max_input_tokens, given.max_total_tokens) == (40, 48)
     # The warmup batch is freed, never cached.
     with pytest.raises(grpc.RpcError) as err:
@@ -273,25 +282,35 @@ def test_bad_prefill_is_invalid_argument_and_shard_keeps_serving(stub, case: str
 
 def test_prompt_is_truncated_to_its_last_tokens(stub, llama_oracle) -> None:
     long_prompt = "x = 1\n" * 40  # over --max-input-tokens, but truncate brings it under
-    response = stub.Prefill(pb.PrefillRequest(batch=make_batch(22, [
-        make_request(1, long_prompt, 1, truncate=10, prefill_logprobs=True)
-    ])))
+    response = stub.Prefill(
+        pb.PrefillRequest(batch=make_batch(22, [make_request(1, long_prompt, 1, truncate=10, prefill_logprobs=True)]))
+    )
     ids = llama_oracle.tokenizer(long_prompt)["input_ids"]
     assert list(response.generations[0].prefill_tokens.ids) == ids[-10:]
 
 
 def test_bad_batch_ids_and_filters(stub) -> None:
-    cached = stub.Prefill(pb.PrefillRequest(batch=make_batch(30, [make_request(1, "a", 5), make_request(2, "b", 5)]))).batch
+    cached = stub.Prefill(
+        pb.PrefillRequest(batch=make_batch(30, [make_request(1, "a", 5), make_request(2, "b", 5)]))
+    ).batch
     cases = [
         (lambda: stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=999)])), grpc.StatusCode.NOT_FOUND),
         (lambda: stub.Decode(pb.DecodeRequest(batches=[cached, pb.CachedBatch(id=999)])), grpc.StatusCode.NOT_FOUND),
         (lambda: stub.Decode(pb.DecodeRequest(batches=[])), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda: stub.Decode(pb.DecodeRequest(batches=[cached, cached])), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=999, request_ids=[1])), grpc.StatusCode.NOT_FOUND),
-        (lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=30, request_ids=[])), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=30, request_ids=[1, 77])), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda: stub.Prefill(pb.PrefillRequest(batch=make_batch(31, [make_request(3, "c")]), cached_batch=cached)),
-         grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=30, request_ids=[])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            lambda: stub.FilterBatch(pb.FilterBatchRequest(batch_id=30, request_ids=[1, 77])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            lambda: stub.Prefill(pb.PrefillRequest(batch=make_batch(31, [make_request(3, "c")]), cached_batch=cached)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ]
     for call, code in cases:
         with pytest.raises(grpc.RpcError) as err:
@@ -313,16 +332,22 @@ def test_rpcs_continue_the_routers_trace(stub, otlp_collector) -> None:
     assert spans[0].name.endswith("/Health")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--quantize", "bitsandbytes"], "--quantize bitsandbytes is not supported"),
-    (["--speculate", "2"], "--speculate 2 is not supported"),
-    (["--sharded"], "--sharded requires the environment variables"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--quantize", "bitsandbytes"], "--quantize bitsandbytes is not supported"),
+        (["--speculate", "2"], "--speculate 2 is not supported"),
+        (["--sharded"], "--sharded requires the environment variables"),
+    ],
+)
 def test_unsupported_options_are_startup_errors(tiny_llama: Path, args: list[str], message: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     result = subprocess.run(
         [sys.executable, "-m", "textgen_server.cli", "serve", str(tiny_llama), "--uds-path", "/tmp/tg-never", *args],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert result.returncode != 0
     errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
@@ -331,9 +356,21 @@ def test_unsupported_options_are_startup_errors(tiny_llama: Path, args: list[str
 
 def test_startup_error_is_one_json_line_with_json_output(tiny_llama: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "textgen_server.cli", "serve", str(tiny_llama), "--uds-path", "/tmp/tg-never",
-         "--quantize", "awq", "--json-output"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "textgen_server.cli",
+            "serve",
+            str(tiny_llama),
+            "--uds-path",
+            "/tmp/tg-never",
+            "--quantize",
+            "awq",
+            "--json-output",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 1
     (line,) = [json.loads(line) for line in result.stdout.splitlines()]

@@ -1,8 +1,8 @@
 """StoppingCriteria: length before EOS before stop sequences; stop sequences across token boundaries."""
+
 from __future__ import annotations
 
 from textgen_pb import generate_pb2
-
 from textgen_server.utils.stopping import StoppingCriteria
 
 LENGTH = generate_pb2.FINISH_REASON_LENGTH
@@ -51,7 +51,9 @@ def test_eos_is_checked_before_stop_sequences() -> None:
 def test_stop_sequence_spanning_several_tokens() -> None:
     c = criteria(stop=["o world"])
     assert run(c, [(10, "Hel"), (11, "lo wo"), (12, "rld"), (13, "!")])[:3] == [
-        (False, None), (False, None), (True, STOP)
+        (False, None),
+        (False, None),
+        (True, STOP),
     ]
 
 

@@ -1,4 +1,5 @@
 """HeterogeneousNextTokenChooser and batch_top_tokens: the batch-level token choice contract."""
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,17 @@ def generate(c: HeterogeneousNextTokenChooser, steps: int, seed: int = 0) -> lis
 
 
 SAMPLING = dict(do_sample=True, seed=1234)
-EVERYTHING = dict(do_sample=True, seed=99, temperature=0.7, top_k=20, top_p=0.9, typical_p=0.95,
-                  repetition_penalty=1.3, frequency_penalty=0.5, watermark=True)
+EVERYTHING = dict(
+    do_sample=True,
+    seed=99,
+    temperature=0.7,
+    top_k=20,
+    top_p=0.9,
+    typical_p=0.95,
+    repetition_penalty=1.3,
+    frequency_penalty=0.5,
+    watermark=True,
+)
 
 
 def test_default_rows_are_greedy_with_raw_logprobs() -> None:

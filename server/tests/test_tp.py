@@ -3,6 +3,7 @@
 Oracle: greedy tokens of a left-padded batch, decoded step by step through a DynamicCache exactly as the
 padded CausalLM drives the model, equal `AutoModelForCausalLM.generate` on each unpadded prompt.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,12 +16,15 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import (AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig,
-                          PreTrainedModel)
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel
 
 from testing.launcher import free_port
-from textgen_server.layers.tensor_parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                                   VocabParallelEmbedding)
+from textgen_server.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from textgen_server.models.tp_llama import load_tp_model
 from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 from textgen_server.utils.weights import Weights
@@ -31,16 +35,25 @@ STEPS = 8
 PROMPTS = [[5, 17, 250, 33, 9, 120, 64, 7, 300, 41, 12], [88, 3, 19, 200]]
 
 
-def padded_greedy(model: torch.nn.Module, prompts: list[list[int]], steps: int, own_cache: bool = False,
-                  ) -> tuple[list[list[int]], torch.Tensor]:
+def padded_greedy(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    steps: int,
+    own_cache: bool = False,
+) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens per row and the prefill logits, driving the model like the padded CausalLM does; with
     `own_cache` the model makes its own cache (the TP model's PaddedKVCache), else a transformers DynamicCache."""
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                past_key_values=None if own_cache else DynamicCache(), use_cache=True)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        past_key_values=None if own_cache else DynamicCache(),
+        use_cache=True,
+    )
     prefill_logits = out.logits
     tokens: list[list[int]] = [[] for _ in prompts]
     for _ in range(steps):
@@ -49,21 +62,33 @@ def padded_greedy(model: torch.nn.Module, prompts: list[list[int]], steps: int, 
             row.append(token)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         position_ids = position_ids[:, -1:] + 1
-        out = model(input_ids=nxt, attention_mask=mask, position_ids=position_ids,
-                    past_key_values=out.past_key_values, use_cache=True)
+        out = model(
+            input_ids=nxt,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
     return tokens, prefill_logits
 
 
-def reference(model_dir: Path, steps: int = STEPS, dtype: torch.dtype = torch.float32,
-              attention: str = "sdpa") -> tuple[list[list[int]], torch.Tensor]:
+def reference(
+    model_dir: Path, steps: int = STEPS, dtype: torch.dtype = torch.float32, attention: str = "sdpa"
+) -> tuple[list[list[int]], torch.Tensor]:
     """transformers' greedy `generate` per unpadded prompt, and its prefill logits on the padded batch."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention).eval()
     greedy = []
     with torch.no_grad():
         for prompt in PROMPTS:
-            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
-            greedy.append(out[0, len(prompt):].tolist())
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=steps,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            greedy.append(out[0, len(prompt) :].tolist())
         _, logits = padded_greedy(hf, PROMPTS, 0)
     return greedy, logits
 
@@ -73,8 +98,14 @@ def real_positions() -> torch.Tensor:
     return torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in PROMPTS])
 
 
-def check_against_reference(model_dir: Path, dist: DistInfo, ref: tuple[list[list[int]], torch.Tensor],
-                            dtype: torch.dtype = torch.float32, steps: int = STEPS, own_cache: bool = False) -> None:
+def check_against_reference(
+    model_dir: Path,
+    dist: DistInfo,
+    ref: tuple[list[list[int]], torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    steps: int = STEPS,
+    own_cache: bool = False,
+) -> None:
     config = AutoConfig.from_pretrained(model_dir)
     model = load_tp_model(model_dir, config, dtype, CPU, dist)
     tokens, logits = padded_greedy(model, PROMPTS, steps, own_cache)
@@ -95,19 +126,37 @@ def random_model_dir(root: Path, config: LlamaConfig | MistralConfig) -> Path:
     return root
 
 
-DIMS = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2)
+DIMS = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 VARIANTS = {
     # Tied head, biases on every attention projection, llama3 rope scaling.
-    "llama3-tied-bias": LlamaConfig(**DIMS, max_position_embeddings=64, tie_word_embeddings=True,
-                                    attention_bias=True, mlp_bias=True,
-                                    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                     "original_max_position_embeddings": 8}),
+    "llama3-tied-bias": LlamaConfig(
+        **DIMS,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
     # Sequences (11 + 8 tokens) outgrow max_position_embeddings, so the dynamic frequencies get recomputed.
-    "llama-dynamic-rope": LlamaConfig(**DIMS, max_position_embeddings=12,
-                                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
-                                                       "factor": 2.0}),
+    "llama-dynamic-rope": LlamaConfig(
+        **DIMS,
+        max_position_embeddings=12,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    ),
     # A window shorter than the prompt, and head_dim != hidden / heads.
     "mistral-window": MistralConfig(**DIMS, max_position_embeddings=64, sliding_window=5, head_dim=24),
 }
@@ -140,14 +189,16 @@ def test_config_variants_match_transformers(variant: str, tmp_path: Path) -> Non
 @pytest.mark.parametrize("decode_kernel", ["1", "0"])
 @pytest.mark.parametrize("variant", ["llama-dynamic-rope", "llama3-tied-bias"])
 def test_bfloat16_variants_with_their_own_cache_match_transformers_eager(
-        variant: str, decode_kernel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    variant: str, decode_kernel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The padded cache's decode steps (GQA among the variants): the bf16 decode attention op or, switched off,
     # the matmul over whole buffers. Not mistral-window: in bf16 its left-padded row already parts from
     # transformers' eager tokens at the prefill, with either decode path and with a DynamicCache alike.
     monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", decode_kernel)
     model_dir = random_model_dir(tmp_path, VARIANTS[variant])
-    check_against_reference(model_dir, ONE, reference(model_dir, 16, torch.bfloat16, "eager"), torch.bfloat16, 16,
-                            own_cache=True)
+    check_against_reference(
+        model_dir, ONE, reference(model_dir, 16, torch.bfloat16, "eager"), torch.bfloat16, 16, own_cache=True
+    )
 
 
 def test_unsupported_architecture_and_indivisible_sizes_are_clear_errors(tiny_gpt2: Path, tiny_llama: Path) -> None:
@@ -161,6 +212,7 @@ def test_unsupported_architecture_and_indivisible_sizes_are_clear_errors(tiny_gp
 
 # ---------------------------------------------------------------- world size 2 (spawned ranks, gloo) -----
 
+
 def _layers_against_full(dist: DistInfo, layer_dir: Path) -> None:
     """Column -> row, vocab-parallel embedding (uneven vocab) and LM head (even and uneven) vs unsharded."""
     full = Weights.from_dir(layer_dir, CPU, torch.float32)
@@ -169,8 +221,11 @@ def _layers_against_full(dist: DistInfo, layer_dir: Path) -> None:
     col = ColumnParallelLinear.load_multi(mine, ["col"], bias=True)
     row = RowParallelLinear.load(mine, "row", bias=True, dist=dist)
     assert (col.out_features, col.in_features, row.out_features, row.in_features) == (4, 6, 6, 4)
-    expected = F.linear(F.linear(x, full.get_tensor("col.weight"), full.get_tensor("col.bias")),
-                        full.get_tensor("row.weight"), full.get_tensor("row.bias"))
+    expected = F.linear(
+        F.linear(x, full.get_tensor("col.weight"), full.get_tensor("col.bias")),
+        full.get_tensor("row.weight"),
+        full.get_tensor("row.bias"),
+    )
     torch.testing.assert_close(row(col(x)), expected)
 
     ids = torch.tensor([[0, 5, 6, 10], [3, 9, 1, 8]])
@@ -206,8 +261,9 @@ def _rank_main(rank: int, world_size: int, port: int, layer_dir: Path, refs: dic
 
 def run_ranks(world_size: int, args: tuple, timeout: float) -> None:
     """Spawn `world_size` ranks of `_rank_main`; any rank's exception fails the test; bounded wait."""
-    ctx = mp.start_processes(_rank_main, args=(world_size, free_port(), *args), nprocs=world_size, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _rank_main, args=(world_size, free_port(), *args), nprocs=world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -224,13 +280,22 @@ def test_two_ranks_match_unsharded_layers_and_transformers(tmp_path: Path, built
     g = torch.Generator().manual_seed(0)
     layer_dir = tmp_path / "layers"
     layer_dir.mkdir()
-    save_file({"col.weight": torch.randn(8, 6, generator=g), "col.bias": torch.randn(8, generator=g),
-               "row.weight": torch.randn(6, 8, generator=g), "row.bias": torch.randn(6, generator=g),
-               "emb.weight": torch.randn(11, 6, generator=g), "head.weight": torch.randn(10, 6, generator=g)},
-              str(layer_dir / "layers.safetensors"))
+    save_file(
+        {
+            "col.weight": torch.randn(8, 6, generator=g),
+            "col.bias": torch.randn(8, generator=g),
+            "row.weight": torch.randn(6, 8, generator=g),
+            "row.bias": torch.randn(6, generator=g),
+            "emb.weight": torch.randn(11, 6, generator=g),
+            "head.weight": torch.randn(10, 6, generator=g),
+        },
+        str(layer_dir / "layers.safetensors"),
+    )
     refs = {}
-    for name, model_dir in (("qwen2", built["qwen2"]),
-                            ("tied", random_model_dir(tmp_path / "tied", VARIANTS["llama3-tied-bias"]))):
+    for name, model_dir in (
+        ("qwen2", built["qwen2"]),
+        ("tied", random_model_dir(tmp_path / "tied", VARIANTS["llama3-tied-bias"])),
+    ):
         refs[model_dir] = tmp_path / f"{name}.ref"
         torch.save(reference(model_dir), refs[model_dir])
     run_ranks(2, (layer_dir, refs), timeout=120)

@@ -3,6 +3,7 @@
 Each test drives `textgen-server serve ... --sharded` processes over their unix sockets the way the router
 does: every call goes to every rank at once, and the generations of all ranks are concatenated.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 import pytest
-
 from shard_helpers import HFOracle, chooser, make_batch, make_request
+
 from textgen_pb import generate_pb2
 
 if TYPE_CHECKING:
@@ -30,13 +31,22 @@ MAX_NEW_TOKENS = 8
 
 def requests(sample: bool = False) -> list[generate_pb2.Request]:
     """One request per prompt; sampled ones get distinct seeds. EOS stops them, as it stops `generate`."""
-    return [make_request(i, text, MAX_NEW_TOKENS, ignore_eos=False,
-                         params=chooser(do_sample=True, temperature=0.7, seed=100 + i) if sample else None)
-            for i, text in enumerate(PROMPTS)]
+    return [
+        make_request(
+            i,
+            text,
+            MAX_NEW_TOKENS,
+            ignore_eos=False,
+            params=chooser(do_sample=True, temperature=0.7, seed=100 + i) if sample else None,
+        )
+        for i, text in enumerate(PROMPTS)
+    ]
 
 
-def generate(handle: ShardHandle, batch_requests: list[generate_pb2.Request],
-             ) -> tuple[dict[int, list[int]], list[set[int]]]:
+def generate(
+    handle: ShardHandle,
+    batch_requests: list[generate_pb2.Request],
+) -> tuple[dict[int, list[int]], list[set[int]]]:
     """Prefill then decode to the end on every rank at once, as the router's ShardedClient does.
 
     Returns each request's tokens and, per rank, which request ids that rank reported.
@@ -56,8 +66,9 @@ def generate(handle: ShardHandle, batch_requests: list[generate_pb2.Request],
             if not replies[-1].HasField("batch"):
                 return tokens, reported
             cached = replies[-1].batch
-            replies = list(pool.map(
-                lambda s: s.Decode(generate_pb2.DecodeRequest(batches=[cached]), timeout=60), stubs))
+            replies = list(
+                pool.map(lambda s: s.Decode(generate_pb2.DecodeRequest(batches=[cached]), timeout=60), stubs)
+            )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +83,9 @@ def two_shards(tiny_llama: Path, shard_process: type[ShardProcess]) -> Iterator[
         yield handle
 
 
-def test_two_shards_equal_one_shard_and_transformers(llama_oracle: HFOracle, one_shard: ShardHandle,
-                                                     two_shards: ShardHandle) -> None:
+def test_two_shards_equal_one_shard_and_transformers(
+    llama_oracle: HFOracle, one_shard: ShardHandle, two_shards: ShardHandle
+) -> None:
     tokens_1, _ = generate(one_shard, requests())
     tokens_2, reported = generate(two_shards, requests())
     assert tokens_1 == {i: llama_oracle.greedy(text, MAX_NEW_TOKENS) for i, text in enumerate(PROMPTS)}
@@ -92,16 +104,18 @@ def test_seeded_sampling_is_the_same_on_one_and_two_shards(one_shard: ShardHandl
     assert sampled_1 != greedy  # the requests really sampled
 
 
-def test_a_hung_rank_makes_the_other_exit_within_the_dist_timeout(tiny_llama: Path,
-                                                                  shard_process: type[ShardProcess]) -> None:
+def test_a_hung_rank_makes_the_other_exit_within_the_dist_timeout(
+    tiny_llama: Path, shard_process: type[ShardProcess]
+) -> None:
     timeout_s = 15
     with shard_process(tiny_llama, num_shard=2, env={"TEXTGEN_DIST_TIMEOUT": str(timeout_s)}) as handle:
         handle.processes[1].send_signal(signal.SIGSTOP)
         try:
             start = time.monotonic()
             with pytest.raises(grpc.RpcError) as failure:
-                handle.stub(0).Prefill(generate_pb2.PrefillRequest(batch=make_batch(0, requests()[:1])),
-                                       timeout=timeout_s + 60)
+                handle.stub(0).Prefill(
+                    generate_pb2.PrefillRequest(batch=make_batch(0, requests()[:1])), timeout=timeout_s + 60
+                )
             assert failure.value.code() == grpc.StatusCode.INTERNAL
             assert "Timed out" in failure.value.details()
             assert handle.processes[0].wait(timeout=30) != 0
@@ -110,14 +124,17 @@ def test_a_hung_rank_makes_the_other_exit_within_the_dist_timeout(tiny_llama: Pa
             handle.processes[1].kill()
 
 
-def test_unshardable_models_fail_at_startup_with_a_clear_error(tiny_llama: Path, tiny_gpt2: Path, tmp_path: Path,
-                                                               shard_process: type[ShardProcess]) -> None:
+def test_unshardable_models_fail_at_startup_with_a_clear_error(
+    tiny_llama: Path, tiny_gpt2: Path, tmp_path: Path, shard_process: type[ShardProcess]
+) -> None:
     one_kv_head = tmp_path / "one-kv-head"
     shutil.copytree(tiny_llama, one_kv_head)
     config = json.loads((one_kv_head / "config.json").read_text())
     (one_kv_head / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
-    cases = {tiny_gpt2: "model type 'gpt2' has no tensor-parallel implementation (supported: llama, mistral, qwen2)",
-             one_kv_head: "num_key_value_heads=1 is not divisible by the number of shards (2)"}
+    cases = {
+        tiny_gpt2: "model type 'gpt2' has no tensor-parallel implementation (supported: llama, mistral, qwen2)",
+        one_kv_head: "num_key_value_heads=1 is not divisible by the number of shards (2)",
+    }
     for model_dir, message in cases.items():
         # The first rank to exit fails start-up with its log; the other rank is stopped with it.
         with pytest.raises(RuntimeError, match=re.escape(f"--sharded over 2 shards: {message}")):

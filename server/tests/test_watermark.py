@@ -1,4 +1,5 @@
 """Watermark: a green list seeded by the previous token gets +delta; gamma/delta come from the env."""
+
 from __future__ import annotations
 
 import pytest

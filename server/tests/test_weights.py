@@ -1,4 +1,5 @@
 """`Weights`: name -> file routing over several safetensors files, per-rank blocks, dtype and alias rules."""
+
 from __future__ import annotations
 
 import gc
@@ -16,10 +17,13 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("weights")
-    save_file({"a.weight": torch.arange(35, dtype=torch.float32).reshape(7, 5),
-               "ids": torch.arange(4, dtype=torch.int64)}, str(d / "model-00001-of-00002.safetensors"))
-    save_file({"b.weight": torch.arange(24, dtype=torch.float32).reshape(4, 6)},
-              str(d / "model-00002-of-00002.safetensors"))
+    save_file(
+        {"a.weight": torch.arange(35, dtype=torch.float32).reshape(7, 5), "ids": torch.arange(4, dtype=torch.int64)},
+        str(d / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"b.weight": torch.arange(24, dtype=torch.float32).reshape(4, 6)}, str(d / "model-00002-of-00002.safetensors")
+    )
     return d
 
 
@@ -37,16 +41,19 @@ def test_routes_names_across_files_and_converts_only_floats(model_dir: Path) -> 
 def test_each_rank_reads_its_even_block(model_dir: Path, rank: int) -> None:
     w = Weights.from_dir(model_dir, CPU, torch.float32, rank=rank, world_size=2)
     full = torch.arange(24.0).reshape(4, 6)
-    assert torch.equal(w.get_sharded("b.weight", dim=0), full[2 * rank:2 * rank + 2])
-    assert torch.equal(w.get_sharded("b.weight", dim=1), full[:, 3 * rank:3 * rank + 3])
-    assert torch.equal(w.get_multi_sharded(["b.weight", "b.weight"], dim=1),
-                       torch.cat([full[:, 3 * rank:3 * rank + 3]] * 2, dim=1))
+    assert torch.equal(w.get_sharded("b.weight", dim=0), full[2 * rank : 2 * rank + 2])
+    assert torch.equal(w.get_sharded("b.weight", dim=1), full[:, 3 * rank : 3 * rank + 3])
+    assert torch.equal(
+        w.get_multi_sharded(["b.weight", "b.weight"], dim=1), torch.cat([full[:, 3 * rank : 3 * rank + 3]] * 2, dim=1)
+    )
 
 
 def test_uneven_blocks_are_ceil_sized_with_a_short_last_block(model_dir: Path) -> None:
     full = torch.arange(35.0).reshape(7, 5)
-    blocks = [Weights.from_dir(model_dir, CPU, torch.float32, rank=r, world_size=2).get_partial_sharded("a.weight", 0)
-              for r in range(2)]
+    blocks = [
+        Weights.from_dir(model_dir, CPU, torch.float32, rank=r, world_size=2).get_partial_sharded("a.weight", 0)
+        for r in range(2)
+    ]
     assert torch.equal(blocks[0], full[:4]) and torch.equal(blocks[1], full[4:])
     w = Weights.from_dir(model_dir, CPU, torch.float32, rank=0, world_size=2)
     with pytest.raises(ValueError, match="size 7, which is not divisible by the number of shards \\(2\\)"):

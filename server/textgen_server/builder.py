@@ -57,28 +57,123 @@ CHAT_TEMPLATE = (
 
 # Fixed stdlib files as training text, read in this order: identical bytes on every machine with the same
 # Python minor version. Modules removed in 3.12/3.13 are left out so the list survives upgrades.
-TINY_CORPUS = ("textwrap.py", "string.py", "colorsys.py", "bisect.py", "heapq.py", "fractions.py",
-               "queue.py", "shlex.py")
+TINY_CORPUS = (
+    "textwrap.py",
+    "string.py",
+    "colorsys.py",
+    "bisect.py",
+    "heapq.py",
+    "fractions.py",
+    "queue.py",
+    "shlex.py",
+)
 LARGE_CORPUS = TINY_CORPUS + (
-    "_pydecimal.py", "turtle.py", "inspect.py", "typing.py", "pydoc.py", "tarfile.py", "doctest.py",
-    "argparse.py", "_pyio.py", "pickletools.py", "zipfile.py", "datetime.py", "subprocess.py", "difflib.py",
-    "locale.py", "enum.py", "mailbox.py", "ipaddress.py", "pickle.py", "pdb.py", "ast.py", "optparse.py",
-    "dataclasses.py", "threading.py", "shutil.py", "configparser.py", "imaplib.py", "ssl.py", "pathlib.py",
-    "statistics.py", "smtplib.py", "platform.py", "traceback.py", "os.py", "functools.py", "socket.py",
-    "codecs.py", "ftplib.py", "bdb.py", "random.py", "zipimport.py", "ntpath.py", "_collections_abc.py",
-    "tempfile.py", "pstats.py", "trace.py", "dis.py", "plistlib.py", "uuid.py", "socketserver.py",
-    "contextlib.py", "tokenize.py", "_strptime.py",
+    "_pydecimal.py",
+    "turtle.py",
+    "inspect.py",
+    "typing.py",
+    "pydoc.py",
+    "tarfile.py",
+    "doctest.py",
+    "argparse.py",
+    "_pyio.py",
+    "pickletools.py",
+    "zipfile.py",
+    "datetime.py",
+    "subprocess.py",
+    "difflib.py",
+    "locale.py",
+    "enum.py",
+    "mailbox.py",
+    "ipaddress.py",
+    "pickle.py",
+    "pdb.py",
+    "ast.py",
+    "optparse.py",
+    "dataclasses.py",
+    "threading.py",
+    "shutil.py",
+    "configparser.py",
+    "imaplib.py",
+    "ssl.py",
+    "pathlib.py",
+    "statistics.py",
+    "smtplib.py",
+    "platform.py",
+    "traceback.py",
+    "os.py",
+    "functools.py",
+    "socket.py",
+    "codecs.py",
+    "ftplib.py",
+    "bdb.py",
+    "random.py",
+    "zipimport.py",
+    "ntpath.py",
+    "_collections_abc.py",
+    "tempfile.py",
+    "pstats.py",
+    "trace.py",
+    "dis.py",
+    "plistlib.py",
+    "uuid.py",
+    "socketserver.py",
+    "contextlib.py",
+    "tokenize.py",
+    "_strptime.py",
 )
 # The 1b model's 32000-token vocabulary needs more text than the small one's 16000.
 HUGE_CORPUS = LARGE_CORPUS + (
-    "logging/__init__.py", "unittest/mock.py", "http/client.py", "http/server.py", "urllib/request.py",
-    "urllib/parse.py", "email/_header_value_parser.py", "asyncio/base_events.py", "tkinter/__init__.py",
-    "xml/dom/minidom.py", "multiprocessing/connection.py", "concurrent/futures/_base.py", "calendar.py",
-    "gettext.py", "csv.py", "selectors.py", "weakref.py", "copy.py", "gzip.py", "base64.py", "pprint.py",
-    "types.py", "warnings.py", "mimetypes.py", "fileinput.py", "posixpath.py", "code.py", "cmd.py",
-    "profile.py", "sysconfig.py", "getopt.py", "glob.py", "hmac.py", "netrc.py", "numbers.py", "operator.py",
-    "quopri.py", "sched.py", "signal.py", "struct.py", "symtable.py", "timeit.py", "tracemalloc.py",
-    "wave.py", "webbrowser.py", "zipapp.py", "modulefinder.py", "filecmp.py", "graphlib.py", "runpy.py",
+    "logging/__init__.py",
+    "unittest/mock.py",
+    "http/client.py",
+    "http/server.py",
+    "urllib/request.py",
+    "urllib/parse.py",
+    "email/_header_value_parser.py",
+    "asyncio/base_events.py",
+    "tkinter/__init__.py",
+    "xml/dom/minidom.py",
+    "multiprocessing/connection.py",
+    "concurrent/futures/_base.py",
+    "calendar.py",
+    "gettext.py",
+    "csv.py",
+    "selectors.py",
+    "weakref.py",
+    "copy.py",
+    "gzip.py",
+    "base64.py",
+    "pprint.py",
+    "types.py",
+    "warnings.py",
+    "mimetypes.py",
+    "fileinput.py",
+    "posixpath.py",
+    "code.py",
+    "cmd.py",
+    "profile.py",
+    "sysconfig.py",
+    "getopt.py",
+    "glob.py",
+    "hmac.py",
+    "netrc.py",
+    "numbers.py",
+    "operator.py",
+    "quopri.py",
+    "sched.py",
+    "signal.py",
+    "struct.py",
+    "symtable.py",
+    "timeit.py",
+    "tracemalloc.py",
+    "wave.py",
+    "webbrowser.py",
+    "zipapp.py",
+    "modulefinder.py",
+    "filecmp.py",
+    "graphlib.py",
+    "runpy.py",
 )
 
 
@@ -143,14 +238,32 @@ def train_tokenizer(vocab_size: int, files: tuple[str, ...], add_bos: bool) -> T
 
 def model_config(arch: str, d: Dims, ids: dict[str, int]) -> PretrainedConfig:
     """The transformers config for `arch` at dims `d` with the tokenizer's special ids."""
-    common = dict(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD], vocab_size=d.vocab,
-                  initializer_range=INIT_STD)
+    common = dict(
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        vocab_size=d.vocab,
+        initializer_range=INIT_STD,
+    )
     if arch == "gpt2":
-        return GPT2Config(n_embd=d.hidden, n_layer=d.layers, n_head=d.heads, n_inner=d.intermediate,
-                          n_positions=d.max_positions, **common)
-    llama_like = dict(hidden_size=d.hidden, num_hidden_layers=d.layers, num_attention_heads=d.heads,
-                      num_key_value_heads=d.kv_heads, intermediate_size=d.intermediate,
-                      max_position_embeddings=d.max_positions, tie_word_embeddings=False, **common)
+        return GPT2Config(
+            n_embd=d.hidden,
+            n_layer=d.layers,
+            n_head=d.heads,
+            n_inner=d.intermediate,
+            n_positions=d.max_positions,
+            **common,
+        )
+    llama_like = dict(
+        hidden_size=d.hidden,
+        num_hidden_layers=d.layers,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.kv_heads,
+        intermediate_size=d.intermediate,
+        max_position_embeddings=d.max_positions,
+        tie_word_embeddings=False,
+        **common,
+    )
     if arch == "llama":
         return LlamaConfig(**llama_like)
     if arch == "mistral":
@@ -161,7 +274,10 @@ def model_config(arch: str, d: Dims, ids: dict[str, int]) -> PretrainedConfig:
 
 
 MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
-    "llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
+    "llama": LlamaForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
 }
 
 
@@ -199,8 +315,12 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
 
     raw = train_tokenizer(d.vocab, d.corpus, add_bos=arch in ("llama", "mistral"))
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END], chat_template=CHAT_TEMPLATE,
+        tokenizer_object=raw,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
         model_max_length=d.max_positions,
     )
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json, where TGI looks for it.
@@ -209,8 +329,7 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     ids = {t: raw.token_to_id(t) for t in SPECIAL_TOKENS}
     config = model_config(arch, d, ids)
     model = random_model(arch, config, d.dtype, seed)
-    model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[EOS],
-                                               pad_token_id=ids[PAD])
+    model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / STAMP).write_text(json.dumps(stamp))
 

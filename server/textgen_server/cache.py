@@ -3,6 +3,7 @@
 The router is the authority on membership: a batch stays here until FilterBatch, ClearCache, or the
 Decode that consumes it (which stores the batch it produces under the first batch's id).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

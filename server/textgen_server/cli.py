@@ -4,6 +4,7 @@ serve's contract with the launcher: listens on unix://{--uds-path}-{RANK}; with 
 MASTER_ADDR and MASTER_PORT must be in the environment. Readiness = Health answers on that socket. A
 configuration it cannot honour exits non-zero after one clear log line; SIGTERM/SIGINT exit 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,8 +89,14 @@ def run_serve(args: argparse.Namespace) -> int:
         setup_tracing(args.otlp_endpoint, args.otlp_service_name)
     try:
         model = get_model(
-            args.model_id, args.revision, args.sharded, args.quantize, args.speculate, args.dtype,
-            args.trust_remote_code, args.max_input_tokens,
+            args.model_id,
+            args.revision,
+            args.sharded,
+            args.quantize,
+            args.speculate,
+            args.dtype,
+            args.trust_remote_code,
+            args.max_input_tokens,
         )
     except (UnsupportedConfigError, ModelNotFoundError) as error:
         logger.error("%s", error)

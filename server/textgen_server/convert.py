@@ -101,8 +101,7 @@ def convert_files(bin_files: list[Path]) -> list[Path]:
     if index is not None and index.is_file():
         data = json.loads(index.read_text())
         data["weight_map"] = {
-            name: safetensors_name(Path(file)).name for name, file in data["weight_map"].items()
-            if name not in dropped
+            name: safetensors_name(Path(file)).name for name, file in data["weight_map"].items() if name not in dropped
         }
         (index.parent / SAFETENSORS_INDEX).write_text(json.dumps(data, indent=2))
     return out

@@ -29,8 +29,14 @@ T = TypeVar("T")
 
 CONFIG = "config.json"
 # Fetched beside the weights when the repo has them; the router and shards read them from the same snapshot.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "chat_template.jinja")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 # Top-level weight files whose names say they are not model weights (TGI's filter).
 NOT_WEIGHTS = ("arguments", "args", "training")
 RETRIES = 5
@@ -57,8 +63,9 @@ def cache_dir() -> Path:
 
 def weight_names(names: list[str], extension: str) -> list[str]:
     """Top-level files with `extension` that are model weights, sorted (shard order)."""
-    return sorted(n for n in names if "/" not in n and n.endswith(extension)
-                  and not any(word in n for word in NOT_WEIGHTS))
+    return sorted(
+        n for n in names if "/" not in n and n.endswith(extension) and not any(word in n for word in NOT_WEIGHTS)
+    )
 
 
 def local_weight_files(model_dir: Path, extension: str = ".safetensors") -> list[Path]:
@@ -112,8 +119,12 @@ def resolve_model_dir(model_id: str, revision: str | None = None) -> Path:
 
 def _with_retries(what: str, fetch: Callable[[], T]) -> T:
     """Retry transient failures (network, 5xx); a missing repo, revision or file fails at once."""
-    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError, \
-        RevisionNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     for attempt in range(1, RETRIES + 1):
         try:
@@ -123,8 +134,9 @@ def _with_retries(what: str, fetch: Callable[[], T]) -> T:
         except Exception as exc:  # noqa: BLE001 - any other failure may be transient
             if attempt == RETRIES:
                 raise
-            logger.warning("%s failed (attempt %d/%d): %s; retrying in %.0f s", what, attempt, RETRIES, exc,
-                           RETRY_BACKOFF_S)
+            logger.warning(
+                "%s failed (attempt %d/%d): %s; retrying in %.0f s", what, attempt, RETRIES, exc, RETRY_BACKOFF_S
+            )
             time.sleep(RETRY_BACKOFF_S)
     raise AssertionError("unreachable")
 
@@ -177,8 +189,14 @@ def _download_hub(model_id: str, revision: str | None, extension: str, auto_conv
     for i, name in enumerate(files, start=1):
         rev = info.sha if i > 1 and info.sha else revision
         try:
-            path = Path(_with_retries(f"downloading {name}", lambda name=name, rev=rev: hf_hub_download(
-                model_id, name, revision=rev, cache_dir=cache_dir(), token=token, endpoint=endpoint)))
+            path = Path(
+                _with_retries(
+                    f"downloading {name}",
+                    lambda name=name, rev=rev: hf_hub_download(
+                        model_id, name, revision=rev, cache_dir=cache_dir(), token=token, endpoint=endpoint
+                    ),
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - after retries: one line for the user
             raise ModelNotFoundError(f"Download of {name} of model {model_id} failed: {exc}") from None
         elapsed = time.monotonic() - start
@@ -187,14 +205,19 @@ def _download_hub(model_id: str, revision: str | None, extension: str, auto_conv
     return _convert(snapshot, model_id) if convert else snapshot
 
 
-def download_weights(model_id: str, revision: str | None = None, extension: str = ".safetensors",
-                     auto_convert: bool = True) -> Path:
+def download_weights(
+    model_id: str, revision: str | None = None, extension: str = ".safetensors", auto_convert: bool = True
+) -> Path:
     """Make `model_id`'s files present on this host and return their directory. Raises ModelNotFoundError."""
     local = Path(model_id)
     if local.is_dir() or os.environ.get("WEIGHTS_CACHE_OVERRIDE"):
         model_dir = resolve_model_dir(model_id, revision)
-        if (extension == ".safetensors" and auto_convert and not local_weight_files(model_dir, extension)
-                and local_weight_files(model_dir, ".bin")):
+        if (
+            extension == ".safetensors"
+            and auto_convert
+            and not local_weight_files(model_dir, extension)
+            and local_weight_files(model_dir, ".bin")
+        ):
             _convert(model_dir, model_id)
         return _check_complete(model_dir, model_id, extension)
     snapshot = _snapshot_dir(model_id, revision)
@@ -202,7 +225,5 @@ def download_weights(model_id: str, revision: str | None = None, extension: str 
         logger.info("Files are already present on the host. Skipping download.")
         return snapshot
     if is_offline():
-        raise ModelNotFoundError(
-            f"Model {model_id} is not in the hub cache {cache_dir()} and HF_HUB_OFFLINE is set"
-        )
+        raise ModelNotFoundError(f"Model {model_id} is not in the hub cache {cache_dir()} and HF_HUB_OFFLINE is set")
     return _download_hub(model_id, revision, extension, auto_convert)

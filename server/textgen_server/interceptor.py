@@ -4,6 +4,7 @@ Error contract with the router: an unknown batch id answers NOT_FOUND, bad input
 else INTERNAL, each with `str(error)` as the message. A RuntimeError is treated as a broken device (as TGI
 does): after answering, the shard shuts itself down so the launcher notices and stops the group.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,8 @@ class UnaryInterceptor(grpc.aio.ServerInterceptor):
         """The behaviour to run instead of `inner` for the RPC `details.method`."""
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
@@ -92,7 +94,9 @@ class TracingInterceptor(UnaryInterceptor):
 
         async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
             with self.tracer.start_as_current_span(
-                method, context=parent, kind=trace.SpanKind.SERVER,
+                method,
+                context=parent,
+                kind=trace.SpanKind.SERVER,
                 attributes={"rpc.system": "grpc", "rpc.method": method.rsplit("/", 1)[-1]},
             ):
                 return await inner(request, context)

@@ -1,4 +1,5 @@
 """The generate.v3 servicer (thin glue over Cache and Model) and the shard's grpc.aio server lifecycle."""
+
 from __future__ import annotations
 
 import asyncio

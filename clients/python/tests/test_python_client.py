@@ -1,4 +1,5 @@
 """textgen_client against a real server (tiny llama behind textgen-launcher), plus its error mapping."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +7,7 @@ from typing import Any
 
 import pydantic
 import pytest
+
 from testing.launcher import LauncherProcess
 from textgen_client import AsyncClient, Client
 from textgen_client.errors import (

@@ -4,6 +4,7 @@
 client; `chat` and `completion` use the OpenAI-compatible routes. Any non-200 answer or in-band stream error
 raises the `textgen_client.errors` exception matching its `error_type` / status.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence

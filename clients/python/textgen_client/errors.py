@@ -1,4 +1,5 @@
 """Client exceptions, chosen from a server error's `error_type` first and its HTTP status second."""
+
 from __future__ import annotations
 
 from typing import Any

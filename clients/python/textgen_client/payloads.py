@@ -1,4 +1,5 @@
 """Request bodies and SSE decoding shared by the sync and async clients."""
+
 from __future__ import annotations
 
 import json
@@ -89,7 +90,7 @@ def parse_sse_line(line: str) -> dict[str, Any] | object | None:
     """
     if not line.startswith("data:"):
         return None
-    data = line[len("data:"):].strip()
+    data = line[len("data:") :].strip()
     if data == "[DONE]":
         return DONE
     payload = json.loads(data)

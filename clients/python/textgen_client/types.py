@@ -3,6 +3,7 @@
 Requests are validated on the client before they are sent, with the same rules as TGI's Python client
 (which is slightly stricter than the server: e.g. `frequency_penalty` must be > 0).
 """
+
 from __future__ import annotations
 
 from enum import Enum
@@ -71,8 +72,15 @@ class Parameters(BaseModel):
             )
             if not sampling:
                 raise ValueError("you must use sampling when `best_of` is > 1")
-        for name in ("repetition_penalty", "frequency_penalty", "temperature", "top_k", "truncate",
-                     "top_n_tokens", "max_new_tokens"):
+        for name in (
+            "repetition_penalty",
+            "frequency_penalty",
+            "temperature",
+            "top_k",
+            "truncate",
+            "top_n_tokens",
+            "max_new_tokens",
+        ):
             _strictly_positive(name, getattr(self, name))
         if self.seed is not None and self.seed < 0:
             raise ValueError("`seed` must be positive")

@@ -7,6 +7,7 @@ windows of them (`PaddedKVCache.whole`; `python benchmark/attention.py` measures
 computation transformers' own "eager" attention does, so it also rounds the way the reference model does.
 bf16 decode steps of the padded cache go to the op of decode_attention.py instead, which reads only live keys.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,12 +22,14 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor |
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """torch's fused kernel; without a mask a multi-token query is causal."""
     causal = mask is None and q.shape[2] > 1
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
-def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor:
+def matmul_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v: both products in q's dtype, the softmax in float32.
 
     Grouped-query heads are folded into the query rows ([B, H_kv, G * S, D]) instead of repeating K and V,

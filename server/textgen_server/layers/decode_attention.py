@@ -12,6 +12,7 @@ The op is compiled for this CPU (-march=native) with torch's extension builder (
 once per machine, cached under TORCH_EXTENSIONS_DIR). Where it cannot be built, or with
 TEXTGEN_CPU_DECODE_KERNEL=0, the model keeps the matmul attention over whole buffers.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,8 +47,13 @@ def kernel_available() -> bool:
     from torch.utils.cpp_extension import load
 
     try:
-        load(name=f"textgen_decode_attention_{_cpu_tag()}", sources=[str(SOURCE)],
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], is_python_module=False, verbose=False)
+        load(
+            name=f"textgen_decode_attention_{_cpu_tag()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the matmul path still works
         logger.warning("bfloat16 decode attention kernel unavailable, using matmul attention: %s", err)
         return False
@@ -75,8 +81,15 @@ def first_visible(mask: torch.Tensor | None, batch: int, device: torch.device) -
     return first
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: torch.Tensor,
-                     offset: int, window: int, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    first: torch.Tensor,
+    offset: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
     """Attention of one query per row, q [B, H, 1, D], over whole cache buffers [B, H_kv, C, D]: row b sees
     columns [offset + first[b], offset + window). Returns [B, H, 1, D] in q's dtype (bfloat16). Needs the op
     loaded: `kernel_available()` returned True."""

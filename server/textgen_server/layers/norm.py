@@ -1,4 +1,5 @@
 """RMSNorm as Llama-family models define it: normalise in fp32, cast back, then scale."""
+
 from __future__ import annotations
 
 import torch

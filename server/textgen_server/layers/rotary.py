@@ -3,6 +3,7 @@
 Inverse frequencies come from `transformers.modeling_rope_utils`, and `dynamic_rope_update` recomputes them
 for the dynamic/longrope variants, so positions are encoded exactly as the reference models encode them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,9 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 
-def _default_inv_freq(config: PretrainedConfig, device: torch.device | None = None,
-                      **_: object) -> tuple[torch.Tensor, float]:
+def _default_inv_freq(
+    config: PretrainedConfig, device: torch.device | None = None, **_: object
+) -> tuple[torch.Tensor, float]:
     """Unscaled RoPE: 1 / theta^(2i/d); attention scaling 1."""
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     theta = config.rope_parameters["rope_theta"]

@@ -5,6 +5,7 @@ the input features and sums the partial products with one all_reduce. A column l
 layer (q/k/v -> o, gate/up -> down) therefore costs one all_reduce per block. On one shard every layer is a
 plain linear / embedding and no collective is issued.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,8 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     exist: not on the CPU, not float32 / bfloat16, a torch without oneDNN, or (bfloat16) a CPU without native
     bf16 kernels."""
     dtype_ok = weight.dtype == torch.float32 or (
-        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not dtype_ok:
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
@@ -132,8 +134,9 @@ class ParallelLMHead(Linear):
         self.dist = dist
 
     @classmethod
-    def load(cls, weights: Weights, name: str, dist: DistInfo,
-             embedding: VocabParallelEmbedding | None = None) -> ParallelLMHead:
+    def load(
+        cls, weights: Weights, name: str, dist: DistInfo, embedding: VocabParallelEmbedding | None = None
+    ) -> ParallelLMHead:
         """`embedding` (tied weights): reuse its block when it is exactly this rank's head block."""
         vocab = weights.get_shape(name)[0]
         gather = dist.world_size > 1 and vocab % dist.world_size == 0

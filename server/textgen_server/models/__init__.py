@@ -4,6 +4,7 @@ torch and transformers are imported inside the functions that need them: `textge
 options with `check_options` first, so a configuration it cannot honour fails in a second, not after the
 ~10 s those imports take.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,7 +39,11 @@ def check_options(quantize: str | None, speculate: int | None, dtype: str | None
 
 
 def load_module(
-    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, dist: DistInfo,
+    model_dir: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: DistInfo,
     trust_remote_code: bool,
 ) -> torch.nn.Module:
     """The network: a forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)

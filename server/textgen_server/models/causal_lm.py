@@ -6,6 +6,7 @@ Layout of a batch with B rows after t steps (L = max_input_length, the longest r
   tokens still to come (one is switched on per step, so decode never reallocates the mask);
   past KV per layer [B, kv_heads, L - 1, head_dim], right aligned like the mask (the fed token is not in it).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -17,19 +18,19 @@ import torch
 from transformers import DynamicCache
 
 from textgen_pb import generate_pb2
-from textgen_server.models.model import (
-    Batch,
-    InvalidRequestError,
-    Model,
-    request_text,
-    validate_stopping,
-)
 from textgen_server.models.kv_cache import (
     KVCache,
     concatenate_caches,
     fill_holes_from_tail,
     filter_cache,
     spare_columns,
+)
+from textgen_server.models.model import (
+    Batch,
+    InvalidRequestError,
+    Model,
+    request_text,
+    validate_stopping,
 )
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
@@ -68,8 +69,7 @@ class CausalLMBatch(Batch):
                 ids = ids[len(ids) - r.truncate :]  # TGI truncates on the left: the prompt's end matters
             if model.max_input_tokens is not None and len(ids) > model.max_input_tokens:
                 raise InvalidRequestError(
-                    f"request {r.id}: `inputs` must have less than {model.max_input_tokens} tokens. "
-                    f"Given: {len(ids)}"
+                    f"request {r.id}: `inputs` must have less than {model.max_input_tokens} tokens. Given: {len(ids)}"
                 )
             if not ids:
                 raise InvalidRequestError(f"request {r.id}: the prompt has no tokens")
@@ -169,9 +169,7 @@ class CausalLMBatch(Batch):
         self.top_n_tokens = [self.top_n_tokens[i] for i in keep]
         self.max_input_length = new_max_input_length
         self.padding_right_offset = new_padding_right_offset
-        self.max_tokens = len(keep) * new_max_input_length + sum(
-            s.max_new_tokens - s.current_tokens for s in stopping
-        )
+        self.max_tokens = len(keep) * new_max_input_length + sum(s.max_new_tokens - s.current_tokens for s in stopping)
         return self
 
     @classmethod

@@ -16,6 +16,7 @@ semantics, which is what `CausalLMBatch` relies on:
 - `concatenate_caches(parts, kv_length, reserve)`: stack (cache, newest columns to keep) parts row-wise,
   right-aligned on `kv_length` columns, padding columns zero (the `reserve` columns after them unwritten).
 """
+
 from __future__ import annotations
 
 import torch
@@ -76,15 +77,19 @@ class PaddedKVCache:
             self.length += seq
         return keys[:, :, self.offset : end + seq], values[:, :, self.offset : end + seq]
 
-    def whole(self, layer_idx: int, mask: torch.Tensor | None, window: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def whole(
+        self, layer_idx: int, mask: torch.Tensor | None, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer's whole buffers and `mask` [B or 1, 1, S, window] (None: all visible) widened onto their
         columns, False outside the `window` columns `update` just returned."""
         keys = self.keys[layer_idx]
         if mask is None:
             mask = torch.ones((1, 1, 1, window), dtype=torch.bool, device=keys.device)
-        return keys, self.values[layer_idx], F.pad(mask, (self.offset, keys.shape[2] - self.offset - window),
-                                                       value=False)
+        return (
+            keys,
+            self.values[layer_idx],
+            F.pad(mask, (self.offset, keys.shape[2] - self.offset - window), value=False),
+        )
 
     def spare_zeroed(self, buffer: torch.Tensor, written: int) -> torch.Tensor:
         """`buffer` with its columns from `written` on zeroed if decode reads whole buffers (else unwritten)."""
@@ -97,8 +102,9 @@ class PaddedKVCache:
             columns = seq + self.reserve
             # Uninitialised: a column is written (padding as zeros) before the window ever covers it.
             self.keys = [self.spare_zeroed(key.new_empty(_shape(key, columns)), seq) for _ in range(self.num_layers)]
-            self.values = [self.spare_zeroed(value.new_empty(_shape(value, columns)), seq)
-                           for _ in range(self.num_layers)]
+            self.values = [
+                self.spare_zeroed(value.new_empty(_shape(value, columns)), seq) for _ in range(self.num_layers)
+            ]
             return
         if self.offset + self.length + seq <= self.capacity:
             return

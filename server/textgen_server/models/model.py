@@ -3,6 +3,7 @@
 The servicer never looks inside either: it builds a batch with `Model.batch_type.from_pb`, runs
 `Model.generate_token`, stores the returned batch in the cache, and answers with `Batch.to_pb()`.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -167,9 +168,7 @@ class Model(ABC, Generic[B]):
         a multi-byte character is still split across tokens: emit nothing and keep the offsets so the
         next token completes it.
         """
-        prefix_text = self.tokenizer.decode(
-            all_ids[prefix_offset:read_offset], skip_special_tokens=skip_special_tokens
-        )
+        prefix_text = self.tokenizer.decode(all_ids[prefix_offset:read_offset], skip_special_tokens=skip_special_tokens)
         new_text = self.tokenizer.decode(all_ids[prefix_offset:], skip_special_tokens=skip_special_tokens)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             return new_text[len(prefix_text) :], read_offset, len(all_ids)

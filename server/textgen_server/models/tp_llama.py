@@ -6,6 +6,7 @@ past_key_values: KVCache | None, use_cache=True)` returns `.logits` [B,S,V] over
 (identical on every rank) and `.past_key_values` holding this rank's KV heads
 (num_key_value_heads / world_size of them) — the same shapes an HF causal LM gives on one shard.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class TokenLayout:
     attention scatters them back onto the [B * S] grid, with zeros at padded positions.
     `row_groups` (steps with padding): (first row, end row, first key column any of them attends to).
     """
+
     batch: int
     seq_len: int
     index: torch.Tensor | None
@@ -108,8 +110,15 @@ class TokenLayout:
         if bool(real.all()):
             return cls(batch, seq_len, None, None, None, device)
         flat = real.reshape(-1)
-        return cls(batch, seq_len, flat.nonzero().squeeze(1), real.sum(1), (~flat).nonzero().squeeze(1), device,
-                   _row_groups(attention_mask))
+        return cls(
+            batch,
+            seq_len,
+            flat.nonzero().squeeze(1),
+            real.sum(1),
+            (~flat).nonzero().squeeze(1),
+            device,
+            _row_groups(attention_mask),
+        )
 
     def pack(self, grid: torch.Tensor) -> torch.Tensor:
         """[B * S, ...] -> [T, ...]"""
@@ -151,16 +160,18 @@ def _row_groups(attention_mask: torch.Tensor) -> list[tuple[int, int, int]] | No
 class Attention(nn.Module):
     """This rank's heads: fused q/k/v column projection, RoPE, attention, row-parallel o_proj (one all_reduce)."""
 
-    def __init__(self, config: PretrainedConfig, weights: Weights, prefix: str, layer_idx: int,
-                 dist: DistInfo) -> None:
+    def __init__(self, config: PretrainedConfig, weights: Weights, prefix: str, layer_idx: int, dist: DistInfo) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // dist.world_size
         self.num_kv_heads = config.num_key_value_heads // dist.world_size
         self.scaling = self.head_dim**-0.5
-        self.split = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                      self.num_kv_heads * self.head_dim]
+        self.split = [
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        ]
         # Biases are read from the checkpoint, not the config: qwen2 has q/k/v bias only, llama's
         # attention_bias puts one on o_proj too.
         self.qkv = ColumnParallelLinear.load_multi(
@@ -169,8 +180,16 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", f"{prefix}.o_proj.bias" in weights, dist)
         self.attention = attention_for(weights.dtype, weights.device)
 
-    def forward(self, hidden: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None, first: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        layout: TokenLayout,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        first: torch.Tensor | None,
+    ) -> torch.Tensor:
         """`hidden` [T, hidden] holds the layout's real tokens, `cos`/`sin` [T, 1, head_dim] their angles;
         attention itself runs on the padded [B, S] grid. `first` (a decode step of a PaddedKVCache with the
         decode op, see decode_attention.py): each row's first visible column of the cache window."""
@@ -179,14 +198,22 @@ class Attention(nn.Module):
         # RoPE on the real tokens only, before padding: a W1 prefill grid is ~40% padding.
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        q, k, v = (layout.pad(x.reshape(tokens, -1)).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-                   for x in (q, k, v))
+        q, k, v = (
+            layout.pad(x.reshape(tokens, -1)).view(batch, seq_len, -1, self.head_dim).transpose(1, 2) for x in (q, k, v)
+        )
         groups = layout.row_groups
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
             if first is not None and isinstance(cache, PaddedKVCache):
-                out = decode_attention(q, cache.keys[self.layer_idx], cache.values[self.layer_idx], first,
-                                       cache.offset, k.shape[2], self.scaling)
+                out = decode_attention(
+                    q,
+                    cache.keys[self.layer_idx],
+                    cache.values[self.layer_idx],
+                    first,
+                    cache.offset,
+                    k.shape[2],
+                    self.scaling,
+                )
                 return self.o_proj(out.reshape(batch, -1))
             if seq_len == 1 and isinstance(cache, PaddedKVCache) and cache.whole_decode:
                 # Every column, the ones outside the window masked (see PaddedKVCache): cutting row groups'
@@ -202,8 +229,15 @@ class Attention(nn.Module):
         out = self._attend(q, k, v, mask, groups, shift)
         return self.o_proj(layout.pack(out.transpose(1, 2).reshape(batch * seq_len, -1)))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                groups: list[tuple[int, int, int]] | None, shift: int) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        groups: list[tuple[int, int, int]] | None,
+        shift: int,
+    ) -> torch.Tensor:
         """Attention, per row group when given (group columns count from the mask's first column, `shift`
         columns left of the first key)."""
         if groups is None or mask is None:
@@ -216,8 +250,9 @@ class Attention(nn.Module):
         for lo, hi, start in groups:
             col = max(start - shift, 0)
             q_col = max(start - shift - first_query_col, 0)
-            out[lo:hi, :, q_col:] = self.attention(q[lo:hi, :, q_col:], k[lo:hi, :, col:], v[lo:hi, :, col:],
-                                                   mask[lo:hi, :, q_col:, col:], self.scaling)
+            out[lo:hi, :, q_col:] = self.attention(
+                q[lo:hi, :, q_col:], k[lo:hi, :, col:], v[lo:hi, :, col:], mask[lo:hi, :, q_col:, col:], self.scaling
+            )
         return out
 
 
@@ -229,8 +264,7 @@ class MLP(nn.Module):
         self.gate_up = ColumnParallelLinear.load_multi(
             weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=f"{prefix}.gate_proj.bias" in weights
         )
-        self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", f"{prefix}.down_proj.bias" in weights,
-                                           dist)
+        self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", f"{prefix}.down_proj.bias" in weights, dist)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,8 +282,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = MLP(config, weights, f"{prefix}.mlp", dist)
 
-    def forward(self, hidden: torch.Tensor, layout: TokenLayout, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None, first: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        layout: TokenLayout,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        first: torch.Tensor | None,
+    ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), layout, cos, sin, mask, cache, first)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -277,9 +319,15 @@ class TPCausalLM(nn.Module):
         return PaddedKVCache(self.config.num_hidden_layers, reserve, self.whole_decode)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
-                use_cache: bool = True, logits_to_keep: int = 0) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = True,
+        logits_to_keep: int = 0,
+    ) -> CausalLMOutputWithPast:
         """HF-compatible forward; `logits_to_keep` > 0 computes logits only for the last positions."""
         batch, seq_len = input_ids.shape
         if use_cache and past_key_values is None:
@@ -322,8 +370,9 @@ class TPCausalLM(nn.Module):
         return masks
 
 
-def load_tp_model(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                  dist: DistInfo) -> TPCausalLM:
+def load_tp_model(
+    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, dist: DistInfo
+) -> TPCausalLM:
     """This rank's share of a Llama-family model; ValueError if the architecture or sizes cannot be split."""
     check_shardable(config, dist.world_size)
     aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}

@@ -3,6 +3,7 @@
 Contract with the launcher: every shard process gets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
 environment (TGI's names). WORLD_SIZE == 1 needs no group at all.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,9 +64,7 @@ def initialize_torch_distributed() -> DistInfo:
         return _INFO
     if torch.cuda.is_available():
         if world_size > torch.cuda.device_count():
-            raise RuntimeError(
-                f"WORLD_SIZE={world_size} but only {torch.cuda.device_count()} CUDA devices are visible"
-            )
+            raise RuntimeError(f"WORLD_SIZE={world_size} but only {torch.cuda.device_count()} CUDA devices are visible")
         torch.cuda.set_device(rank % torch.cuda.device_count())
         backend = "nccl"
     else:

@@ -5,6 +5,7 @@ they broadcast over the vocabulary). The chooser in `tokens.py` hands each one o
 it, so a row left at its default value is never touched. Every call is out of place: the caller's logits
 stay untouched (the shard reads the raw logits again for top-n tokens).
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ so every step page-faults that memory in again: on a 64-prompt prefill of the sm
 the time (benchmark/shard_w1.py). Serving such allocations from the heap, and never trimming it, makes the
 process keep its peak activation memory (reached at warmup) for reuse instead.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -6,6 +6,7 @@ streamed text that token added (possibly ""). Checks run in TGI's order: length 
 is also EOS reports LENGTH), then EOS unless ignore_eos_token, then stop sequences at the end of the text
 generated so far, which may span several tokens.
 """
+
 from __future__ import annotations
 
 from textgen_pb import generate_pb2
@@ -34,7 +35,9 @@ class StoppingCriteria:
     def from_pb(cls, pb: generate_pb2.StoppingCriteriaParameters, eos_token_ids: set[int]) -> StoppingCriteria:
         return cls(eos_token_ids, list(pb.stop_sequences), pb.max_new_tokens, pb.ignore_eos_token)
 
-    def __call__(self, last_token_id: int, last_token_text: str) -> tuple[bool, generate_pb2.FinishReason.ValueType | None]:
+    def __call__(
+        self, last_token_id: int, last_token_text: str
+    ) -> tuple[bool, generate_pb2.FinishReason.ValueType | None]:
         """Record one generated token; (True, reason) when the request must stop now."""
         self.current_tokens += 1
         if self.current_tokens >= self.max_new_tokens:

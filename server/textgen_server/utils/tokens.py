@@ -18,6 +18,7 @@ Processing order (TGI's): watermark -> repetition penalty -> frequency penalty -
 top-p -> typical-p -> choice. A processor exists only if some row needs it and sees only those rows.
 Sampling rows draw from their own seeded generator (see `_sample`); the others take the argmax.
 """
+
 from __future__ import annotations
 
 import math
@@ -128,8 +129,15 @@ class HeterogeneousNextTokenChooser:
             validate_parameters(p)
         table = torch.tensor(
             [
-                [p.temperature, min(p.top_k, vocab_size), p.top_p, p.typical_p, p.repetition_penalty,
-                 p.frequency_penalty, float(p.watermark)]
+                [
+                    p.temperature,
+                    min(p.top_k, vocab_size),
+                    p.top_p,
+                    p.typical_p,
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    float(p.watermark),
+                ]
                 for p in params
             ],
             dtype=torch.float32,
@@ -262,8 +270,7 @@ class HeterogeneousNextTokenChooser:
             # Rows from a chooser without history have no penalty, so zero counts leave them unchanged.
             history = torch.cat(
                 [
-                    c.history if c.history is not None
-                    else torch.zeros(len(c), first.vocab_size, device=first.device)
+                    c.history if c.history is not None else torch.zeros(len(c), first.vocab_size, device=first.device)
                     for c in choosers
                 ]
             )

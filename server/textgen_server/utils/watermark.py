@@ -5,6 +5,7 @@ Before each choice, a "green list" of gamma * vocab token ids is drawn from an R
 then count green tokens. gamma and delta come from the shard's environment: WATERMARK_GAMMA (0.5) and
 WATERMARK_DELTA (2.0), which the launcher sets from --watermark-gamma / --watermark-delta.
 """
+
 from __future__ import annotations
 
 import os

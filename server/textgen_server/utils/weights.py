@@ -4,6 +4,7 @@ A shard never reads a whole tensor it does not own: `get_partial_sharded` / `get
 rank's block through safetensors' lazy slices, so per-shard memory is weights / world_size (plus the small
 replicated tensors: norms, row-parallel biases).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,8 +50,15 @@ class Weights:
                 self._routing[name] = i
 
     @classmethod
-    def from_dir(cls, model_dir: Path, device: torch.device, dtype: torch.dtype, rank: int = 0,
-                 world_size: int = 1, aliases: dict[str, list[str]] | None = None) -> Weights:
+    def from_dir(
+        cls,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        aliases: dict[str, list[str]] | None = None,
+    ) -> Weights:
         """All safetensors files directly inside `model_dir`, in name order."""
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
