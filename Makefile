@@ -6,7 +6,7 @@ MODEL_ARCH ?= llama
 MODEL_SIZE ?= tiny
 PORT ?= 3000
 
-.PHONY: install proto run test bench demo-model
+.PHONY: install proto run test lint bench demo-model
 
 # torch first and pinned: the CPU wheel; an unpinned torch pulls several GB of CUDA packages.
 install:
@@ -33,6 +33,12 @@ run: proto demo-model
 
 test: proto
 	$(PYTHON) -m pytest -q
+
+# Formatting, lint (pyflakes, bugbear, import order, complexity) and types; configured in pyproject.toml.
+lint: proto
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy
 
 bench: proto
 	$(PYTHON) benchmark/shard_decode.py
