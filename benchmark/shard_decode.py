@@ -105,7 +105,7 @@ async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int]
     from tokenizers import Tokenizer
 
     from textgen_benchmark.generation import Sampling, make_batch, prompt_of_length
-    from textgen_router.client import ShardedClient
+    from textgen_router.shard_client import ShardedClient
 
     shard = psutil.Process(pid)
     prompt = prompt_of_length(Tokenizer.from_file(str(model_dir / "tokenizer.json")), PROMPT_LEN)

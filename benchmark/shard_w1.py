@@ -68,9 +68,9 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
     from textgen_pb import generate_pb2
     from textgen_router.backend import warmup_batch
     from textgen_router.batching import FINISH_REASONS, keep_requests
-    from textgen_router.client import ShardedClient, StepResult
     from textgen_router.queue import Entry, Queue
     from textgen_router.schemas import GenerateRequest
+    from textgen_router.shard_client import ShardedClient, StepResult
     from textgen_router.validation import Limits, Validator, load_tokenizer
 
     client = await ShardedClient.connect(socket)  # ServiceDiscovery

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from textgen_benchmark.stats import BatchResult, RunSamples
 from textgen_pb import generate_pb2
-from textgen_router.client import ShardedClient
+from textgen_router.shard_client import ShardedClient
 
 LOREM = (
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore et "

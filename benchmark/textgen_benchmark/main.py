@@ -122,7 +122,7 @@ def parameters(args: argparse.Namespace, sampling: Sampling) -> dict[str, object
 
 
 async def _run(args: argparse.Namespace, tokenizer: Tokenizer, sampling: Sampling) -> list[BatchResult]:
-    from textgen_router.client import ShardedClient
+    from textgen_router.shard_client import ShardedClient
 
     client = await ShardedClient.connect(args.master_shard_uds_path)
     try:
@@ -142,7 +142,7 @@ async def _run(args: argparse.Namespace, tokenizer: Tokenizer, sampling: Samplin
 
 
 def main(argv: list[str] | None = None) -> None:
-    from textgen_router.client import ShardError
+    from textgen_router.shard_client import ShardError
 
     args = build_parser().parse_args(argv)
     sampling = sampling_of(args)

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from textgen_pb import generate_pb2
 from textgen_router import metrics
 from textgen_router.backend import StartupError, connect_backend, warmup_batch
-from textgen_router.client import ShardedClient, ShardError, _metadata
+from textgen_router.shard_client import ShardedClient, ShardError, _metadata
 from textgen_router.types import GenerationError
 
 NUM_SHARD = 2  # every call fans out to two ranks; each answers generations for its own rows only

@@ -21,9 +21,9 @@ from textgen_pb import generate_pb2
 
 from . import metrics
 from .batching import Batcher
-from .client import ShardedClient, ShardError
 from .infer import Infer
 from .queue import Queue
+from .shard_client import ShardedClient, ShardError
 
 logger = logging.getLogger("textgen_router.backend")
 

@@ -29,8 +29,8 @@ from opentelemetry import trace
 from textgen_pb import generate_pb2
 
 from . import metrics
-from .client import ShardedClient, ShardError, StepResult
 from .queue import Entry, Queue
+from .shard_client import ShardedClient, ShardError, StepResult
 from .types import EndEvent, GeneratedText, GenerationError, IntermediateEvent, PrefillEvent, StreamEvent, Token
 
 logger = logging.getLogger("textgen_router.batching")

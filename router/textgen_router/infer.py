@@ -25,8 +25,8 @@ from textgen_pb import generate_pb2
 
 from . import metrics
 from .batching import Batcher
-from .client import ShardedClient, ShardError
 from .queue import Entry, Queue
+from .shard_client import ShardedClient, ShardError
 from .types import EndEvent, InferError, OverloadedError, StreamEvent, TokenSink, ValidRequest
 
 LIVENESS_ID = 2**64 - 1

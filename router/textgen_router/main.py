@@ -38,10 +38,10 @@ from starlette.routing import Route
 
 from textgen_launcher.logs import setup_logging
 from textgen_router import metrics
+from textgen_router.app import create_app
 from textgen_router.args import parse_args
 from textgen_router.backend import Backend, StartupError, connect_backend
 from textgen_router.chat_template import ChatTemplate
-from textgen_router.server import create_app
 from textgen_router.state import RouterState
 from textgen_router.tracing import setup_tracing
 from textgen_router.validation import Limits, Validator, load_tokenizer
