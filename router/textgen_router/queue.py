@@ -6,7 +6,8 @@ shards without a block allocator:
   every row to the longest; decode tokens add up every max_new_tokens;
 - other shards: prompts and (window-capped) max_new_tokens are each rounded up to the shard's block size.
 A request that does not fit goes back to the front and closes the batch (no skipping ahead); requests whose
-consumer went away are dropped when reached. Pure logic, no I/O: the batching loop awaits nothing here.
+consumer went away are dropped when reached. `BatchBudget` holds that arithmetic over plain numbers. Pure
+logic, no I/O: the batching loop awaits nothing here.
 """
 
 from __future__ import annotations
@@ -119,6 +120,49 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+@dataclass
+class BatchBudget:
+    """The token accounting of one batch being filled (TGI v3's rules, see the module docstring).
+
+    Pure arithmetic over plain numbers: `admit` says whether one more request fits and, if so, counts it.
+    """
+
+    requires_padding: bool
+    block_size: int
+    window_size: int | None
+    speculate: int
+    prefill_token_budget: int
+    token_budget: int
+    size: int = 0
+    max_input_length: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    def admit(self, input_length: int, max_new_tokens: int) -> bool:
+        """Count a request of `input_length` prompt tokens and `max_new_tokens` if the batch can take it."""
+        max_input_length = self.max_input_length
+        if self.requires_padding:
+            # The shard pads every row to the longest prompt: padding costs tokens too.
+            max_input_length = max(max_input_length, input_length)
+            prefill = (self.size + 1) * max_input_length
+            decode = self.decode_tokens + max_new_tokens
+        else:
+            prefill = self.prefill_tokens + _round_up(input_length, self.block_size)
+            if self.window_size is not None:
+                max_new_tokens = min(max(0, self.window_size - input_length), max_new_tokens)
+            decode = self.decode_tokens + _round_up(max_new_tokens, self.block_size)
+        if prefill > self.prefill_token_budget or prefill + decode + self.speculate > self.token_budget:
+            return False
+        self.size += 1
+        self.max_input_length, self.prefill_tokens, self.decode_tokens = max_input_length, prefill, decode
+        return True
+
+    @property
+    def max_tokens(self) -> int:
+        """The prefill plus decode tokens reserved by the admitted requests (the gRPC Batch.max_tokens)."""
+        return self.prefill_tokens + self.decode_tokens
+
+
 class Queue:
     """FIFO of Entries; ids increase per appended request, batch ids per created batch."""
 
@@ -132,6 +176,12 @@ class Queue:
         self.entries: deque[Entry] = deque()
         self.next_id = 0
         self.next_batch_id = 0
+
+    @classmethod
+    def for_shards(cls, info: generate_pb2.InfoResponse) -> Queue:
+        """The queue for shards that answered Info with `info` (padding, block size, window, speculation)."""
+        window_size = info.window_size if info.HasField("window_size") else None
+        return cls(info.requires_padding, info.block_size, window_size, info.speculate)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -157,51 +207,51 @@ class Queue:
             return None
         if min_size is not None and len(self.entries) < min_size:
             return None
-        prefill_token_budget = _round_up(prefill_token_budget, self.block_size)
+        budget = BatchBudget(
+            self.requires_padding,
+            self.block_size,
+            self.window_size,
+            self.speculate,
+            _round_up(prefill_token_budget, self.block_size),
+            token_budget,
+        )
+        batch = self._take(budget, max_size)
+        if not batch or (min_size is not None and len(batch) < min_size):
+            self.entries.extendleft(reversed(batch))
+            metrics.QUEUE_SIZE.set(len(self.entries))
+            return None
+        return {e.id: e for e in batch}, self._start(batch, budget.max_tokens)
+
+    def _take(self, budget: BatchBudget, max_size: int | None) -> list[Entry]:
+        """Pop entries in order while `budget` admits them (at most `max_size`), dropping abandoned ones."""
         batch: list[Entry] = []
-        max_input_length = prefill_tokens = decode_tokens = 0
         while self.entries:
             entry = self.entries.popleft()
             if entry.dropped:
                 metrics.REQUEST_FAILURE.labels("dropped").inc()
                 entry.finish_span()
                 continue
-            input_length = entry.request.input_length
-            max_new_tokens = entry.request.stopping_parameters.max_new_tokens
-            if self.requires_padding:
-                # The shard pads every row to the longest prompt: padding costs tokens too.
-                max_input_length = max(max_input_length, input_length)
-                entry_prefill = (len(batch) + 1) * max_input_length
-                entry_decode = decode_tokens + max_new_tokens
-            else:
-                entry_prefill = prefill_tokens + _round_up(input_length, self.block_size)
-                if self.window_size is not None:
-                    max_new_tokens = min(max(0, self.window_size - input_length), max_new_tokens)
-                entry_decode = decode_tokens + _round_up(max_new_tokens, self.block_size)
-            if entry_prefill > prefill_token_budget or entry_prefill + entry_decode + self.speculate > token_budget:
+            request = entry.request
+            if not budget.admit(request.input_length, request.stopping_parameters.max_new_tokens):
                 self.entries.appendleft(entry)
                 break
-            prefill_tokens, decode_tokens = entry_prefill, entry_decode
             batch.append(entry)
             if max_size is not None and len(batch) == max_size:
                 break
-        if not batch or (min_size is not None and len(batch) < min_size):
-            self.entries.extendleft(reversed(batch))
-            metrics.QUEUE_SIZE.set(len(self.entries))
-            return None
+        return batch
 
+    def _start(self, batch: list[Entry], max_tokens: int) -> generate_pb2.Batch:
+        """Mark `batch`'s entries as running (time, tracing span) and make their gRPC Batch."""
         now = time.monotonic()
+        requests: list[generate_pb2.Request] = []
         for entry in batch:
             entry.batch_time = now
             entry.finish_span()
             entry.span = tracer.start_span("infer", context=entry.parent)
-        pb = generate_pb2.Batch(
-            id=self.next_batch_id,
-            requests=[e.pb for e in batch],
-            size=len(batch),
-            max_tokens=prefill_tokens + decode_tokens,
-        )
+            assert entry.pb is not None  # set by append
+            requests.append(entry.pb)
+        pb = generate_pb2.Batch(id=self.next_batch_id, requests=requests, size=len(batch), max_tokens=max_tokens)
         self.next_batch_id += 1
         metrics.QUEUE_SIZE.set(len(self.entries))
         metrics.BATCH_NEXT_SIZE.observe(len(batch))
-        return {e.id: e for e in batch}, pb
+        return pb
