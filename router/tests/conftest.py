@@ -3,6 +3,8 @@
 - `router` (session): one real shard + one real `textgen-router` process (router_fixtures.ROUTER_FLAGS),
   shared by the HTTP test modules.
 - `client` (session): an httpx client on it that sends the API key.
+- `shard`, `run`, `oracle` (module): the inference-side tests' shard process, event loop and greedy oracle
+  (inference_harness).
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from inference_harness import oracle, run, shard  # noqa: F401  (fixtures for the test modules)
 from router_fixtures import API_KEY, ROUTER_FLAGS, RouterProcess, root_conftest
 
 
 @pytest.fixture(scope="session")
 def router(request: pytest.FixtureRequest, tiny_llama: Path) -> Iterator[RouterProcess]:
     """One shard + one router (ROUTER_FLAGS) shared by the router's HTTP test modules."""
-    with root_conftest(request.config).ShardProcess(tiny_llama) as shard:
-        with RouterProcess(request.config, shard.socket, tiny_llama, ROUTER_FLAGS) as proc:
+    with root_conftest(request.config).ShardProcess(tiny_llama) as shard_process:
+        with RouterProcess(request.config, shard_process.socket, tiny_llama, ROUTER_FLAGS) as proc:
             yield proc
 
 

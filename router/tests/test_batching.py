@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
+from inference_harness import collect, prompt, valid
 
 from textgen_router import metrics
 from textgen_router.backend import Backend, connect_backend
+from textgen_router.config import RouterConfig
 from textgen_router.infer import Infer
 from textgen_router.types import (
     EndEvent,
@@ -31,7 +33,17 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def backend(shard: Any, run: Any) -> Iterator[Backend]:
-    backend = run(connect_backend(shard.socket, 64, 128, 2048, None, None, 0.3, 20))
+    config = RouterConfig(
+        max_input_tokens=64,
+        max_total_tokens=128,
+        max_batch_prefill_tokens=2048,
+        max_batch_total_tokens=None,
+        max_batch_size=None,
+        waiting_served_ratio=0.3,
+        max_waiting_tokens=20,
+        max_concurrent_requests=128,
+    )
+    backend = run(connect_backend(shard.socket, config))
     yield backend
     run(backend.close())
 
@@ -62,7 +74,7 @@ def test_64_concurrent_requests_get_their_solo_greedy_tokens(infer: Infer, oracl
         return await asyncio.gather(*(collect(infer, r) for r in requests))
 
     results = run(scenario())
-    for r, got in zip(requests, results):
+    for r, got in zip(requests, results, strict=True):
         assert got == oracle(r.inputs, r.stopping_parameters.max_new_tokens), r.inputs
     # All 64 were queued before the loop woke: one prefill of 64, then decodes filtered as rows finished.
     assert metrics.BATCH_NEXT_SIZE.count() == 1 and metrics.BATCH_INFERENCE_COUNT.value("prefill") == 1
@@ -101,8 +113,8 @@ def test_new_requests_join_the_running_batch(infer: Infer, oracle: Any, run: Any
 
 def test_waiting_request_joins_after_max_waiting_tokens(infer: Infer, oracle: Any, run: Any) -> None:
     batcher = infer.batcher
-    saved = batcher.waiting_served_ratio, batcher.max_waiting_tokens
-    batcher.waiting_served_ratio, batcher.max_waiting_tokens = 2.0, 5
+    saved = batcher.limits
+    batcher.limits = dataclasses.replace(saved, waiting_served_ratio=2.0, max_waiting_tokens=5)
     long, late = valid(oracle, prompt(4), 25), valid(oracle, prompt(5), 3)
 
     async def scenario() -> tuple[list[int], list[int], int]:
@@ -118,7 +130,7 @@ def test_waiting_request_joins_after_max_waiting_tokens(infer: Infer, oracle: An
     try:
         got_long, got_late, waited = run(scenario())
     finally:
-        batcher.waiting_served_ratio, batcher.max_waiting_tokens = saved
+        batcher.limits = saved
     assert got_long == oracle(long.inputs, 25) and got_late == oracle(late.inputs, 3)
     # One waiting request is fewer than 2.0 x 1 running: it waits out max_waiting_tokens decode steps.
     assert waited >= 3
@@ -127,7 +139,8 @@ def test_waiting_request_joins_after_max_waiting_tokens(infer: Infer, oracle: An
 
 def test_max_batch_size_holds_requests_back(infer: Infer, oracle: Any, run: Any) -> None:
     batcher = infer.batcher
-    batcher.max_batch_size = 2
+    saved = batcher.limits
+    batcher.limits = dataclasses.replace(saved, max_batch_size=2)
     requests = [valid(oracle, prompt(i), n) for i, n in ((13, 3), (14, 8), (15, 3))]
 
     async def scenario() -> list[list[int]]:
@@ -136,7 +149,7 @@ def test_max_batch_size_holds_requests_back(infer: Infer, oracle: Any, run: Any)
     try:
         got = run(scenario())
     finally:
-        batcher.max_batch_size = None
+        batcher.limits = saved
     assert got == [oracle(r.inputs, r.stopping_parameters.max_new_tokens) for r in requests]
     # Two fit at first; the third joins once the first finished and freed a slot (max_size = 2 - 1).
     assert metrics.BATCH_NEXT_SIZE.count() == 2 and metrics.BATCH_CONCAT.value("backpressure") == 1
@@ -215,7 +228,7 @@ def test_decode_error_fails_the_running_batch_and_health_recovers(
 
     async def scenario() -> None:
         progress: list[list[int]] = [[], []]
-        tasks = [asyncio.ensure_future(collect(infer, r, p)) for r, p in zip(requests, progress)]
+        tasks = [asyncio.ensure_future(collect(infer, r, p)) for r, p in zip(requests, progress, strict=True)]
         await until(lambda: all(len(p) >= 2 for p in progress))
         await backend.client.clear_cache(None)  # the shard loses the running batch: its next step fails
         for task in tasks:

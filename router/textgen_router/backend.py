@@ -1,7 +1,7 @@
 """Router start-up against the shards (TGI v3 `connect_backend`): connect, warm up, settle the limits.
 
-`await connect_backend(...)` connects to the rank-0 socket and every discovered shard, clears their caches
-(the router may have restarted), reads Info, warms the model up with TGI's warmup batch, settles
+`await connect_backend(socket, config)` connects to the rank-0 socket and every discovered shard, clears
+their caches (the router may have restarted), reads Info, warms the model up with TGI's warmup batch, settles
 max_batch_total_tokens, checks the limits against each other and returns a `Backend` whose batching loop
 runs. Any failure raises `StartupError` whose message is TGI's (e.g. "Unable to connect to the Python
 model shards: ..." or "Argument validation error: ...").
@@ -13,7 +13,9 @@ import base64
 import logging
 import struct
 import zlib
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -21,11 +23,13 @@ from textgen_pb import generate_pb2
 
 from . import metrics
 from .batching import Batcher
+from .config import RouterConfig
 from .infer import Infer
 from .queue import Queue
 from .shard_client import ShardedClient, ShardError
 
 logger = logging.getLogger("textgen_router.backend")
+T = TypeVar("T")
 
 
 class StartupError(Exception):
@@ -122,21 +126,15 @@ def _invalid(message: str) -> StartupError:
     return StartupError(f"Argument validation error: {message}")
 
 
-async def connect_backend(
-    master_shard_uds_path: str,
-    max_input_tokens: int | None,
-    max_total_tokens: int | None,
-    max_batch_prefill_tokens: int,
-    max_batch_total_tokens: int | None,
-    max_batch_size: int | None,
-    waiting_served_ratio: float,
-    max_waiting_tokens: int,
-    max_concurrent_requests: int = 128,
-) -> Backend:
+async def connect_backend(master_shard_uds_path: str, config: RouterConfig) -> Backend:
     """TGI's router start-up (see the module docstring); the returned Backend's loop is started."""
-    if max_batch_size is not None and max_batch_size <= 0:
+    if config.max_batch_size is not None and config.max_batch_size <= 0:
         raise _invalid("`max_batch_size` must be > 0")
-    if max_input_tokens is not None and max_total_tokens is not None and max_input_tokens >= max_total_tokens:
+    if (
+        config.max_input_tokens is not None
+        and config.max_total_tokens is not None
+        and config.max_input_tokens >= config.max_total_tokens
+    ):
         raise _invalid("`max_input_tokens` must be < `max_total_tokens`")
 
     try:
@@ -148,104 +146,83 @@ async def connect_backend(
         )
         raise StartupError(f"Unable to connect to the Python model shards: {kind}: {err.message}") from None
     try:
-        return await _warm_up(
-            client,
-            max_input_tokens,
-            max_total_tokens,
-            max_batch_prefill_tokens,
-            max_batch_total_tokens,
-            max_batch_size,
-            waiting_served_ratio,
-            max_waiting_tokens,
-            max_concurrent_requests,
-        )
+        return await _warm_up(client, config)
     except BaseException:
         await client.close()
         raise
 
 
-async def _warm_up(
-    client: ShardedClient,
-    max_input_tokens: int | None,
-    max_total_tokens: int | None,
-    max_batch_prefill_tokens: int,
-    max_batch_total_tokens: int | None,
-    max_batch_size: int | None,
-    waiting_served_ratio: float,
-    max_waiting_tokens: int,
-    max_concurrent_requests: int,
-) -> Backend:
+async def _shard_call(call: Awaitable[T], failure: str) -> T:
+    """`await call`, a shard's error becoming the StartupError "<failure>: Server error: <details>"."""
     try:
-        await client.clear_cache(None)
+        return await call
     except ShardError as err:
-        raise StartupError(f"Unable to clear the Python model shards cache: Server error: {err.message}") from None
-    try:
-        info = await client.info()
-    except ShardError as err:
-        raise StartupError(f"Unable to get the Python model shards info: Server error: {err.message}") from None
+        raise StartupError(f"{failure}: Server error: {err.message}") from None
 
+
+async def _warm_up(client: ShardedClient, config: RouterConfig) -> Backend:
+    await _shard_call(client.clear_cache(None), "Unable to clear the Python model shards cache")
+    info = await _shard_call(client.info(), "Unable to get the Python model shards info")
     if info.support_chunking:
         logger.warning("The shards support chunked prefill; this router schedules whole prompts only")
     logger.info("Warming up model")
-    batch = warmup_batch(max_input_tokens, max_batch_prefill_tokens, max_total_tokens, max_batch_size)
-    try:
-        supported, shard_input, shard_total = await client.warmup(
-            batch, max_input_tokens, max_batch_prefill_tokens, max_total_tokens
-        )
-    except ShardError as err:
-        raise StartupError(f"Unable to warmup the Python model shards: Server error: {err.message}") from None
-
+    batch = warmup_batch(
+        config.max_input_tokens, config.max_batch_prefill_tokens, config.max_total_tokens, config.max_batch_size
+    )
+    supported, shard_input, shard_total = await _shard_call(
+        client.warmup(batch, config.max_input_tokens, config.max_batch_prefill_tokens, config.max_total_tokens),
+        "Unable to warmup the Python model shards",
+    )
     # The shards apply the limits they are given; an answer that differs means they could not.
-    if max_input_tokens is not None and shard_input != max_input_tokens:
-        raise _invalid(f"`max_input_tokens` is {max_input_tokens} but the shards answered {shard_input}")
-    if max_total_tokens is not None and shard_total != max_total_tokens:
-        raise _invalid(f"`max_total_tokens` is {max_total_tokens} but the shards answered {shard_total}")
-    if supported is None:
-        logger.warning("Model does not support automatic max batch total tokens")
-        batch_total = (
-            max_batch_total_tokens
-            if max_batch_total_tokens is not None
-            else max(16000, shard_total, max_batch_prefill_tokens)
-        )
-    else:
-        if max_batch_total_tokens is not None:
-            logger.warning("`--max-batch-total-tokens` is deprecated for Flash Attention models.")
-            logger.warning("Inferred max batch total tokens: %d", supported)
-        if shard_total > supported:
-            raise StartupError(f"Not enough memory to handle `max_total_tokens={shard_total}`")
-        batch_total = supported
+    if config.max_input_tokens is not None and shard_input != config.max_input_tokens:
+        raise _invalid(f"`max_input_tokens` is {config.max_input_tokens} but the shards answered {shard_input}")
+    if config.max_total_tokens is not None and shard_total != config.max_total_tokens:
+        raise _invalid(f"`max_total_tokens` is {config.max_total_tokens} but the shards answered {shard_total}")
+    batch_total = _settle_batch_total_tokens(config, supported, shard_total)
     logger.info("Setting max batch total tokens to %d", batch_total)
     metrics.BATCH_MAX_TOTAL_TOKENS.set(batch_total)
+    _check_limits(shard_input, shard_total, config.max_batch_prefill_tokens, batch_total)
+    metrics.configure_length_buckets(shard_input, shard_total)
 
-    if shard_input >= shard_total:
+    queue = Queue.for_shards(info)
+    batcher = Batcher(client, queue, config.batching(batch_total))
+    infer = Infer(client, queue, batcher, config.max_concurrent_requests)
+    infer.start()
+    return Backend(client, info, shard_input, shard_total, batch_total, infer)
+
+
+def _settle_batch_total_tokens(config: RouterConfig, supported: int | None, shard_total: int) -> int:
+    """TGI's max_batch_total_tokens: what the shards support when they tell, else the flag or a default."""
+    if supported is None:
+        logger.warning("Model does not support automatic max batch total tokens")
+        if config.max_batch_total_tokens is not None:
+            return config.max_batch_total_tokens
+        return max(16000, shard_total, config.max_batch_prefill_tokens)
+    if config.max_batch_total_tokens is not None:
+        logger.warning("`--max-batch-total-tokens` is deprecated for Flash Attention models.")
+        logger.warning("Inferred max batch total tokens: %d", supported)
+    if shard_total > supported:
+        raise StartupError(f"Not enough memory to handle `max_total_tokens={shard_total}`")
+    return supported
+
+
+def _check_limits(max_input_tokens: int, max_total_tokens: int, max_prefill_tokens: int, batch_total: int) -> None:
+    """TGI's checks of the settled limits against each other."""
+    if max_input_tokens >= max_total_tokens:
         raise _invalid("`max_input_tokens` must be < `max_total_tokens`")
     # TGI skips this check for shards that chunk prefills; this router never chunks, so a longer prompt
     # could never be scheduled: the check always applies.
-    if shard_input > max_batch_prefill_tokens:
+    if max_input_tokens > max_prefill_tokens:
         raise _invalid(
             "`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
-            f"Given: {max_batch_prefill_tokens} and {shard_input}"
+            f"Given: {max_prefill_tokens} and {max_input_tokens}"
         )
-    if max_batch_prefill_tokens > batch_total:
+    if max_prefill_tokens > batch_total:
         raise _invalid(
             "`max_batch_prefill_tokens` must be <= `max_batch_total_tokens`. "
-            f"Given: {max_batch_prefill_tokens} and {batch_total}"
+            f"Given: {max_prefill_tokens} and {batch_total}"
         )
-    if shard_total > batch_total:
+    if max_total_tokens > batch_total:
         raise _invalid(
-            f"`max_total_tokens` must be <= `max_batch_total_tokens`. Given: {shard_total} and {batch_total}"
+            f"`max_total_tokens` must be <= `max_batch_total_tokens`. Given: {max_total_tokens} and {batch_total}"
         )
-    metrics.configure_length_buckets(shard_input, shard_total)
-
-    queue = Queue(
-        info.requires_padding,
-        info.block_size,
-        info.window_size if info.HasField("window_size") else None,
-        info.speculate,
-    )
-    batcher = Batcher(
-        client, queue, max_batch_prefill_tokens, batch_total, max_batch_size, waiting_served_ratio, max_waiting_tokens
-    )
-    infer = Infer(client, queue, batcher, max_concurrent_requests)
-    infer.start()
-    return Backend(client, info, shard_input, shard_total, batch_total, infer)

@@ -29,6 +29,7 @@ from opentelemetry import trace
 from textgen_pb import generate_pb2
 
 from . import metrics
+from .config import BatchingLimits
 from .queue import Entry, Queue
 from .shard_client import ShardedClient, ShardError, StepResult
 from .types import EndEvent, GeneratedText, GenerationError, IntermediateEvent, PrefillEvent, StreamEvent, Token
@@ -64,25 +65,20 @@ async def keep_requests(
 
 
 class Batcher:
-    """Owns the running batch; `run()` is the loop task, `notify()` wakes it after an append."""
+    """Owns the running batch; `run()` is the loop task, `notify()` wakes it after an append.
+
+    `limits` is read at every step: replacing it applies from the next one.
+    """
 
     def __init__(
         self,
         client: ShardedClient,
         queue: Queue,
-        max_batch_prefill_tokens: int,
-        max_batch_total_tokens: int,
-        max_batch_size: int | None,
-        waiting_served_ratio: float,
-        max_waiting_tokens: int,
+        limits: BatchingLimits,
     ) -> None:
         self.client = client
         self.queue = queue
-        self.max_batch_prefill_tokens = max_batch_prefill_tokens
-        self.max_batch_total_tokens = max_batch_total_tokens
-        self.max_batch_size = max_batch_size
-        self.waiting_served_ratio = waiting_served_ratio
-        self.max_waiting_tokens = max_waiting_tokens
+        self.limits = limits
         self.running: dict[int, Entry] = {}  # every entry of the running (shard-cached) batch
         self._wakeup = asyncio.Event()
         self._undelivered: list[tuple[Entry, StreamEvent]] = []  # events made since the last shard call was sent
@@ -111,21 +107,24 @@ class Batcher:
                 metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
 
     async def _serve_queue(self) -> None:
-        while (
-            nxt := self.queue.next_batch(
-                None, self.max_batch_size, self.max_batch_prefill_tokens, self.max_batch_total_tokens
-            )
-        ) is not None:
+        while (nxt := self._first_batch()) is not None:
             entries, batch = nxt
             self.running = entries
             cached = await self._prefill(batch, entries)
             waiting_tokens = 1
             while cached is not None:
-                cached, joined = await self._step(cached, waiting_tokens >= self.max_waiting_tokens)
+                cached, joined = await self._step(cached, waiting_tokens >= self.limits.max_waiting_tokens)
                 waiting_tokens = 1 if joined else waiting_tokens + 1
             self.running = {}
             metrics.BATCH_CURRENT_SIZE.set(0)
             metrics.BATCH_CURRENT_MAX_TOKENS.set(0)
+
+    def _first_batch(self) -> tuple[dict[int, Entry], generate_pb2.Batch] | None:
+        """The batch to start from when nothing runs: the whole of every budget is free."""
+        limits = self.limits
+        return self.queue.next_batch(
+            None, limits.max_batch_size, limits.max_batch_prefill_tokens, limits.max_batch_total_tokens
+        )
 
     async def _step(
         self, cached: generate_pb2.CachedBatch, wait_exceeded: bool
@@ -137,10 +136,11 @@ class Batcher:
         batches = [cached]
         metrics.BATCH_CURRENT_SIZE.set(cached.size)
         metrics.BATCH_CURRENT_MAX_TOKENS.set(cached.max_tokens)
-        min_size = None if wait_exceeded else math.floor(cached.size * self.waiting_served_ratio)
-        max_size = None if self.max_batch_size is None else max(0, self.max_batch_size - cached.size)
-        token_budget = max(0, self.max_batch_total_tokens - cached.max_tokens)
-        nxt = self.queue.next_batch(min_size, max_size, self.max_batch_prefill_tokens, token_budget)
+        limits = self.limits
+        min_size = None if wait_exceeded else math.floor(cached.size * limits.waiting_served_ratio)
+        max_size = None if limits.max_batch_size is None else max(0, limits.max_batch_size - cached.size)
+        token_budget = max(0, limits.max_batch_total_tokens - cached.max_tokens)
+        nxt = self.queue.next_batch(min_size, max_size, limits.max_batch_prefill_tokens, token_budget)
         if nxt is not None:
             new_entries, new_batch = nxt
             metrics.BATCH_CONCAT.labels("backpressure" if min_size is not None else "wait_exceeded").inc()

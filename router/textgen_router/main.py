@@ -42,6 +42,7 @@ from textgen_router.app import create_app
 from textgen_router.args import parse_args
 from textgen_router.backend import Backend, StartupError, connect_backend
 from textgen_router.chat_template import ChatTemplate
+from textgen_router.config import RouterConfig
 from textgen_router.state import RouterState
 from textgen_router.tracing import setup_tracing
 from textgen_router.validation import Limits, Validator, load_tokenizer
@@ -161,17 +162,7 @@ async def start(args: Namespace) -> Router:
     # Awaited only after the backend, so a backend failure is still the error reported, as in TGI.
     loading = _in_daemon_thread(_load_text, args)
     try:
-        backend = await connect_backend(
-            args.master_shard_uds_path,
-            args.max_input_tokens,
-            args.max_total_tokens,
-            args.max_batch_prefill_tokens,
-            args.max_batch_total_tokens,
-            args.max_batch_size,
-            args.waiting_served_ratio,
-            args.max_waiting_tokens,
-            args.max_concurrent_requests,
-        )
+        backend = await connect_backend(args.master_shard_uds_path, RouterConfig.from_args(args))
     except BaseException as err:
         loading.cancel()  # a cancelled future's outcome need not be retrieved
         if isinstance(err, StartupError):
