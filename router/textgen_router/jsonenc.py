@@ -106,23 +106,31 @@ def _encode(value: Any, out: list[str]) -> None:
     elif isinstance(value, float):
         out.append(format_f32(value))
     elif isinstance(value, dict):
-        out.append("{")
-        for i, (key, item) in enumerate(value.items()):
-            if i:
-                out.append(",")
-            out.append(string(key))
-            out.append(":")
-            _encode(item, out)
-        out.append("}")
+        _encode_object(value, out)
     elif isinstance(value, (list, tuple)):
-        out.append("[")
-        for i, item in enumerate(value):
-            if i:
-                out.append(",")
-            _encode(item, out)
-        out.append("]")
+        _encode_array(value, out)
     else:
         raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+def _encode_object(value: dict[str, Any], out: list[str]) -> None:
+    out.append("{")
+    for i, (key, item) in enumerate(value.items()):
+        if i:
+            out.append(",")
+        out.append(string(key))
+        out.append(":")
+        _encode(item, out)
+    out.append("}")
+
+
+def _encode_array(value: list[Any] | tuple[Any, ...], out: list[str]) -> None:
+    out.append("[")
+    for i, item in enumerate(value):
+        if i:
+            out.append(",")
+        _encode(item, out)
+    out.append("]")
 
 
 def dumps(value: Any) -> bytes:
