@@ -46,7 +46,7 @@ PREFILL, DECODE = "prefill", "decode"
 
 
 def _tokens(t: generate_pb2.Tokens) -> list[Token]:
-    return [Token(i, text, lp, sp) for i, text, lp, sp in zip(t.ids, t.texts, t.logprobs, t.is_special)]
+    return [Token(i, text, lp, sp) for i, text, lp, sp in zip(t.ids, t.texts, t.logprobs, t.is_special, strict=True)]
 
 
 async def keep_requests(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -106,7 +106,7 @@ async def stream(
     parameters: GenerateParameters,
     add_special_tokens: bool = True,
     sink: TokenSink | None = None,
-) -> AsyncIterator[tuple[ValidRequest, StreamEvent]]:
+) -> AsyncGenerator[tuple[ValidRequest, StreamEvent], None]:
     """Take a permit, validate, enqueue; yield each event of the request until its EndEvent.
 
     Raises InferError subclasses (OverloadedError, ValidationError, GenerationError, ...) from the
@@ -132,7 +132,7 @@ async def generate(
     prefill: list[Token] = []
     tokens: list[Token] = []
     top_tokens: list[list[Token]] = []
-    end: EndEvent | None = None
+    end: tuple[ValidRequest, EndEvent] | None = None
 
     def collect(event: IntermediateEvent) -> bool:
         tokens.append(event.token)
@@ -148,9 +148,10 @@ async def generate(
             tokens.append(event.token)
             top_tokens.append(event.top_tokens)
             if isinstance(event, EndEvent):
-                end = event
+                end = request, event
     assert end is not None  # stream() raises IncompleteGenerationError when no EndEvent came
-    return Generation(request, end.generated_text, end.queued, end.start, prefill, tokens, top_tokens)
+    request, last = end
+    return Generation(request, last.generated_text, last.queued, last.start, prefill, tokens, top_tokens)
 
 
 async def generate_best_of(

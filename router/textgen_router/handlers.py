@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import Any
 
@@ -98,7 +98,7 @@ def _token_event(index: int, ev: IntermediateEvent) -> bytes:
 
 async def _stream_events(
     state: RouterState, req: schemas.GenerateRequest, start_time: float, span: Span, write: ChunkWriter
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The events the batching loop did not write itself (see generation.StreamSink), then the last one."""
     p = req.parameters
     with trace.use_span(span, end_on_exit=True):

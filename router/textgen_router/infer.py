@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from types import TracebackType
 
 from opentelemetry import context as otel_context
@@ -95,7 +95,9 @@ class Infer:
         self.available_permits -= 1
         return Permit(self)
 
-    async def generate_stream(self, request: ValidRequest, sink: TokenSink | None = None) -> AsyncIterator[StreamEvent]:
+    async def generate_stream(
+        self, request: ValidRequest, sink: TokenSink | None = None
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Queue `request` and yield its events as the batching loop produces them (see module docs)."""
         entry = Entry(request, parent=otel_context.get_current(), sink=sink)
         self.queue.append(entry)

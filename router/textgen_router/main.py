@@ -35,6 +35,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from textgen_launcher.logs import setup_logging
 from textgen_router import metrics
@@ -203,14 +204,14 @@ async def start(args: Namespace) -> Router:
     return Router(app, backend, validator)
 
 
-def server(app: object, host: str, port: int) -> uvicorn.Server:
+def server(app: ASGIApp, host: str, port: int) -> uvicorn.Server:
     """A uvicorn server for `app` that leaves signal handling to its caller (set `should_exit` to stop)."""
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         lifespan="off",
-        log_config=None,  # type: ignore[arg-type]
+        log_config=None,
         access_log=False,
         timeout_keep_alive=5,
     )

@@ -20,6 +20,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
 
@@ -55,23 +56,28 @@ def _fmt(value: float) -> str:
 
 
 def _labels(names: Sequence[str], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{n}="{v}"' for n, v in zip(names, values)]
+    parts = [f'{n}="{v}"' for n, v in zip(names, values, strict=True)]
     if extra:
         parts.append(extra)
     return "{" + ",".join(parts) + "}" if parts else ""
 
 
-class _Metric:
+_Child = TypeVar("_Child")
+
+
+class _Metric(Generic[_Child]):
+    """A named metric and its series, one child (`_Child`, what records the values) per label values."""
+
     kind = ""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], object] = {}
+        self._children: dict[tuple[str, ...], _Child] = {}
         REGISTRY.append(self)
 
-    def labels(self, *values: str, **kwargs: str) -> object:
+    def labels(self, *values: str, **kwargs: str) -> _Child:
         """The series for these label values, created (and from then on rendered) on first use."""
         key = tuple(values) if values else tuple(kwargs[n] for n in self.labelnames)
         if len(key) != len(self.labelnames):
@@ -81,12 +87,12 @@ class _Metric:
             child = self._children[key] = self._new_child()
         return child
 
-    def _unlabelled(self) -> object:
+    def _unlabelled(self) -> _Child:
         if self.labelnames:
             raise ValueError(f"{self.name} needs labels {self.labelnames}")
         return self.labels()
 
-    def _new_child(self) -> object:
+    def _new_child(self) -> _Child:
         raise NotImplementedError
 
     def clear(self) -> None:
@@ -101,7 +107,7 @@ class _Metric:
             lines.extend(self._render_child(key, child))
         return lines
 
-    def _render_child(self, key: tuple[str, ...], child: object) -> list[str]:
+    def _render_child(self, key: tuple[str, ...], child: _Child) -> list[str]:
         raise NotImplementedError
 
 
@@ -121,7 +127,7 @@ class _Value:
         self.value = float(value)
 
 
-class Counter(_Metric):
+class Counter(_Metric[_Value]):
     """Monotonic counter; rendered under its bare name, like TGI's (no `_total`)."""
 
     kind = "counter"
@@ -130,15 +136,15 @@ class Counter(_Metric):
         return _Value()
 
     def inc(self, amount: float = 1.0) -> None:
-        self._unlabelled().inc(amount)  # type: ignore[attr-defined]
+        self._unlabelled().inc(amount)
 
     def value(self, *labels: str) -> float:
         """Current value (0 when the series was never recorded)."""
         child = self._children.get(tuple(labels))
-        return child.value if child is not None else 0.0  # type: ignore[attr-defined]
+        return child.value if child is not None else 0.0
 
-    def _render_child(self, key: tuple[str, ...], child: object) -> list[str]:
-        return [f"{self.name}{_labels(self.labelnames, key)} {_fmt(child.value)}"]  # type: ignore[attr-defined]
+    def _render_child(self, key: tuple[str, ...], child: _Value) -> list[str]:
+        return [f"{self.name}{_labels(self.labelnames, key)} {_fmt(child.value)}"]
 
 
 class Gauge(Counter):
@@ -147,10 +153,10 @@ class Gauge(Counter):
     kind = "gauge"
 
     def set(self, value: float) -> None:
-        self._unlabelled().set(value)  # type: ignore[attr-defined]
+        self._unlabelled().set(value)
 
     def dec(self, amount: float = 1.0) -> None:
-        self._unlabelled().dec(amount)  # type: ignore[attr-defined]
+        self._unlabelled().dec(amount)
 
 
 class _HistogramChild:
@@ -168,7 +174,7 @@ class _HistogramChild:
         self.count += 1
 
 
-class Histogram(_Metric):
+class Histogram(_Metric[_HistogramChild]):
     """Histogram with fixed buckets (`_bucket{le=..}`, `_sum`, `_count`)."""
 
     kind = "histogram"
@@ -186,16 +192,15 @@ class Histogram(_Metric):
         return _HistogramChild(self.buckets)
 
     def observe(self, value: float) -> None:
-        self._unlabelled().observe(value)  # type: ignore[attr-defined]
+        self._unlabelled().observe(value)
 
     def count(self, *labels: str) -> int:
         child = self._children.get(tuple(labels))
-        return child.count if child is not None else 0  # type: ignore[attr-defined]
+        return child.count if child is not None else 0
 
-    def _render_child(self, key: tuple[str, ...], child: object) -> list[str]:
-        assert isinstance(child, _HistogramChild)
+    def _render_child(self, key: tuple[str, ...], child: _HistogramChild) -> list[str]:
         lines, cumulative = [], 0
-        for bound, n in zip(child.bounds, child.counts):
+        for bound, n in zip(child.bounds, child.counts[:-1], strict=True):  # the +Inf count follows
             cumulative += n
             le = f'le="{_fmt(bound)}"'
             lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {cumulative}")
@@ -220,7 +225,7 @@ class _SummaryChild:
         self.count += 1
 
 
-class Summary(_Metric):
+class Summary(_Metric[_SummaryChild]):
     """What TGI's exporter makes of a histogram without buckets: quantiles over recent values."""
 
     kind = "summary"
@@ -229,10 +234,9 @@ class Summary(_Metric):
         return _SummaryChild()
 
     def observe(self, value: float) -> None:
-        self._unlabelled().observe(value)  # type: ignore[attr-defined]
+        self._unlabelled().observe(value)
 
-    def _render_child(self, key: tuple[str, ...], child: object) -> list[str]:
-        assert isinstance(child, _SummaryChild)
+    def _render_child(self, key: tuple[str, ...], child: _SummaryChild) -> list[str]:
         values = sorted(child.window)
         lines = []
         for q in SUMMARY_QUANTILES:
@@ -244,7 +248,7 @@ class Summary(_Metric):
         return lines
 
 
-REGISTRY: list[_Metric] = []
+REGISTRY: list[_Metric[Any]] = []
 DURATION_BUCKETS = _duration_buckets()
 # Placeholder until `configure_length_buckets` runs after warmup: TGI's default limits (1024 / 2048).
 _DEFAULT_INPUT, _DEFAULT_TOTAL = 1024, 2048

@@ -170,6 +170,6 @@ async def chat_tokenize(request: Request) -> Response:
         return _rejected(err)
     tokens = [
         {"id": i, "text": prompt[start:stop], "start": start, "stop": stop}
-        for i, (start, stop) in zip(encoding.ids, encoding.offsets)
+        for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
     ]
     return json_response({"tokenize_response": tokens, "templated_text": prompt})

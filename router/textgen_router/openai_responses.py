@@ -126,7 +126,7 @@ class ChunkTemplate:
 def _fill(values: tuple[Any, ...], parts: list[bytes]) -> bytes:
     """Each value encoded, followed by the part after it."""
     out = []
-    for value, part in zip(values, parts):
+    for value, part in zip(values, parts, strict=True):
         out.append(jsonenc.dumps(value))
         out.append(part)
     return b"".join(out)

@@ -8,7 +8,7 @@ generation) is sent in-band as `data:{"error":{"message","http_status_code"}}` o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from opentelemetry import trace
@@ -44,7 +44,7 @@ async def chat_stream(
     start_time: float,
     span: Span,
     write: ChunkWriter,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """One chunk per token (the last with its finish_reason), then the usage chunk if asked for; the batching
     loop writes the token chunks itself while it can (see generation.StreamSink)."""
     chunks = bodies.ChatChunks(env)
@@ -82,7 +82,7 @@ async def completion_stream(
     parameters: GenerateParameters,
     start_time: float,
     span: Span,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Every prompt streams concurrently; their chunks interleave on one SSE stream (TGI's behaviour)."""
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
     chunks = bodies.CompletionChunks(env)

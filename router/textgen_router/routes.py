@@ -138,7 +138,7 @@ async def tokenize(request: Request) -> Response:
             return error_response(err)
     body = [
         {"id": i, "text": req.inputs[start:stop], "start": start, "stop": stop}
-        for i, (start, stop) in zip(encoding.ids, encoding.offsets)
+        for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
     ]
     return json_response(body)
 

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
+from typing import Any
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 KEEP_ALIVE = b":\n\n"
 KEEP_ALIVE_INTERVAL = 15.0
 # Scope key under which an app may hand EventStream the ASGI server's own `send` (see EventStream). That
 # `send` must only ever wait (for the client to read: flow control) before it writes anything, as uvicorn's does.
 DIRECT_SEND = "textgen.direct_send"
+DirectSend = Callable[[Message], Coroutine[Any, Any, None]]
+"""What an app puts under DIRECT_SEND: the server's `send`, a coroutine function (uvicorn's `async def send`)."""
 
 ChunkWriter = Callable[[bytes], bool]
 """Sends one chunk of a streaming EventStream's body at once, from any code on the event loop (the batching
@@ -63,7 +66,7 @@ class EventStream(Response):
 
     def __init__(
         self,
-        source: AsyncIterator[bytes] | Callable[[ChunkWriter], AsyncIterator[bytes]],
+        source: AsyncGenerator[bytes, None] | Callable[[ChunkWriter], AsyncGenerator[bytes, None]],
         headers: Mapping[str, str],
         keep_alive_interval: float = KEEP_ALIVE_INTERVAL,
     ) -> None:
@@ -86,9 +89,9 @@ class EventStream(Response):
 class _Body:
     """The body of one EventStream while it streams (see EventStream for the contract)."""
 
-    def __init__(self, direct_send: Send | None, send: Send, interval: float) -> None:
-        self._direct = direct_send is not None
-        self._send = direct_send or send
+    def __init__(self, direct_send: DirectSend | None, send: Send, interval: float) -> None:
+        self._direct_send = direct_send
+        self._send: Send = direct_send or send
         self._interval = interval
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()  # when a chunk (or keep-alive) was last sent
@@ -97,14 +100,14 @@ class _Body:
         self._streaming = False
         self._client_left = False
 
-    async def stream(self, source: AsyncIterator[bytes], receive: Receive) -> None:
+    async def stream(self, source: AsyncGenerator[bytes, None], receive: Receive) -> None:
         """Send every chunk of `source`; returns early, `source` closed, when the client disconnects."""
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.ensure_future(self._watch(receive, task))
         self._streaming = True
         try:
-            async with contextlib.aclosing(source):  # type: ignore[type-var]
+            async with contextlib.aclosing(source):
                 async for chunk in source:
                     await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
                     self._last = self._loop.time()
@@ -126,10 +129,10 @@ class _Body:
     def write_now(self, chunk: bytes) -> bool:
         """The stream's ChunkWriter: drives the server's `send` coroutine by hand, and drops it unsent if it
         would wait (see DIRECT_SEND)."""
-        if not (self._direct and self._streaming):
+        if self._direct_send is None or not self._streaming:
             return False
         # A coroutine (DIRECT_SEND is uvicorn's `async def send`): one step runs it to the end unless it waits.
-        sending = self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+        sending = self._direct_send({"type": "http.response.body", "body": chunk, "more_body": True})
         try:
             sending.send(None)
         except StopIteration:

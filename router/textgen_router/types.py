@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from textgen_pb import generate_pb2
+
 
 @dataclass
 class ChooserParameters:
@@ -25,7 +27,7 @@ class ChooserParameters:
     frequency_penalty: float = 0.0
     watermark: bool = False
     grammar: str = ""
-    grammar_type: int = 0
+    grammar_type: generate_pb2.GrammarType = generate_pb2.GRAMMAR_TYPE_NONE
 
 
 @dataclass
