@@ -146,7 +146,7 @@ async def connect_backend(master_shard_uds_path: str, config: RouterConfig) -> B
         )
         raise StartupError(f"Unable to connect to the Python model shards: {kind}: {err.message}") from None
     try:
-        return await _warm_up(client, config)
+        return await warm_up(client, config)
     except BaseException:
         await client.close()
         raise
@@ -160,7 +160,9 @@ async def _shard_call(call: Awaitable[T], failure: str) -> T:
         raise StartupError(f"{failure}: Server error: {err.message}") from None
 
 
-async def _warm_up(client: ShardedClient, config: RouterConfig) -> Backend:
+async def warm_up(client: ShardedClient, config: RouterConfig) -> Backend:
+    """The start-up after connecting (clear caches, Info, Warmup, settle and check the limits) on `client`;
+    the returned Backend owns `client` and its batching loop runs. Raises StartupError as connect_backend."""
     await _shard_call(client.clear_cache(None), "Unable to clear the Python model shards cache")
     info = await _shard_call(client.info(), "Unable to get the Python model shards info")
     if info.support_chunking:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import propagate, trace
@@ -67,6 +67,9 @@ def _metadata() -> tuple[tuple[str, str], ...] | None:
     return tuple(carrier.items()) or None
 
 
+_Client = TypeVar("_Client", bound="ShardedClient")
+
+
 class ShardedClient:
     """One grpc.aio channel per shard of the group; build with `await ShardedClient.connect(path)`."""
 
@@ -75,7 +78,7 @@ class ShardedClient:
         self._stubs = [generate_pb2_grpc.TextGenerationServiceStub(c) for c in channels]
 
     @classmethod
-    async def connect(cls, master_uds_path: str) -> ShardedClient:
+    async def connect(cls: type[_Client], master_uds_path: str) -> _Client:
         """Connect to the rank-0 socket (a path or a `unix://` url), discover every shard, connect to each.
 
         Raises ShardError when the master socket cannot be reached or does not answer ServiceDiscovery.
