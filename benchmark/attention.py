@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from shard_decode import copy_bandwidth_gbs
 
+from textgen_benchmark.decode import copy_bandwidth_gbs
 from textgen_server.layers.attention import matmul_attention, sdpa
 from textgen_server.layers.decode_attention import decode_attention, first_visible, kernel_available
 

@@ -22,30 +22,17 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import random
-import re
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
-import psutil
-
 from textgen_benchmark.ports import free_port
+from textgen_benchmark.servers import DECODE, Server, scrape
 from textgen_benchmark.stats import Latency
-
-
-@dataclass
-class Job:
-    prompt: str
-    max_new_tokens: int
-    send_at: float
+from textgen_benchmark.w1 import Budgets, Job, make_workload, request_body, workload_budgets
 
 
 @dataclass
@@ -56,85 +43,6 @@ class Result:
     error: str | None = None
 
 
-def make_workload(tokenizer_dir: str, n: int, seed: int, arrival: str, rate: float) -> list[Job]:
-    """Seeded prompts of 32-256 tokens (decoded from random vocabulary ids), 64-128 new tokens each."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    rng = random.Random(seed)
-    special = set(tok.all_special_ids)
-    ids = [i for i in range(len(tok)) if i not in special]
-    jobs, t = [], 0.0
-    for _ in range(n):
-        length = rng.randint(32, 256)
-        text = tok.decode([rng.choice(ids) for _ in range(length)])
-        # Re-encode and cut so the prompt really has about `length` tokens after tokenization.
-        text = tok.decode(tok(text, add_special_tokens=False)["input_ids"][:length])
-        if arrival == "poisson":
-            t += rng.expovariate(rate)
-        jobs.append(Job(text, rng.randint(64, 128), t))
-    return jobs
-
-
-def request_body(route: str, job: Job, model: str) -> tuple[str, dict]:
-    if route == "generate":
-        return "/generate_stream", {"inputs": job.prompt, "parameters": {"max_new_tokens": job.max_new_tokens}}
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": job.prompt}],
-        "max_tokens": job.max_new_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    return "/v1/chat/completions", body
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """The launcher's token limits for a run; shard_w1.py schedules the shard-only baseline under the same."""
-
-    max_input_tokens: int
-    max_total_tokens: int
-    max_batch_prefill_tokens: int
-    max_batch_total_tokens: int
-
-    @staticmethod
-    def add_arguments(p: argparse.ArgumentParser) -> None:
-        for name in ("max-input-tokens", "max-total-tokens", "max-batch-prefill-tokens", "max-batch-total-tokens"):
-            p.add_argument(f"--{name}", type=int, help="launcher flag (default: what lets every request batch at once)")
-
-    def launcher_args(self) -> list[str]:
-        return [arg for name, value in vars(self).items() for arg in (f"--{name.replace('_', '-')}", str(value))]
-
-
-def workload_budgets(tokenizer_dir: str, jobs: list[Job], args: argparse.Namespace) -> Budgets:
-    """Budgets from `args`, each unset one sized so the whole workload fits one padded prefill.
-
-    The small model's launcher defaults (prefill 2048, batch total 16000) hold only ~7 W1 prompts per prefill,
-    so the router would batch far fewer requests than the shard-only run: like for like needs both to allow
-    n * longest prompt tokens of prefill (the padded rule) plus every max_new_tokens.
-    """
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    # As the router counts: /generate with special tokens, the chat route its templated prompt without.
-    chats = tok.apply_chat_template(
-        [[{"role": "user", "content": j.prompt}] for j in jobs], add_generation_prompt=True, tokenize=False
-    )
-    longest = max(
-        max(len(tok(j.prompt)["input_ids"]) for j in jobs),
-        max(len(tok(c, add_special_tokens=False)["input_ids"]) for c in chats),
-    )
-    max_input = args.max_input_tokens or longest
-    prefill = args.max_batch_prefill_tokens or len(jobs) * max_input
-    return Budgets(
-        max_input_tokens=max_input,
-        max_total_tokens=args.max_total_tokens or max_input + max(j.max_new_tokens for j in jobs),
-        max_batch_prefill_tokens=prefill,
-        max_batch_total_tokens=args.max_batch_total_tokens or prefill + sum(j.max_new_tokens for j in jobs),
-    )
-
-
 def _is_token_event(route: str, payload: dict) -> bool:
     if route == "generate":
         return "token" in payload and not payload["token"].get("special", False)
@@ -142,7 +50,7 @@ def _is_token_event(route: str, payload: dict) -> bool:
     return bool(choices and (choices[0].get("delta") or {}).get("content"))
 
 
-async def _events(host: str, port: int, path: str, body: dict) -> AsyncIterator[tuple[float, bytes]]:
+async def _events(host: str, port: int, path: str, body: dict) -> AsyncGenerator[tuple[float, bytes], None]:
     """POST `body` and yield (arrival time, data) per SSE event of the answer; an HTTP error raises
     RuntimeError. A bare asyncio HTTP/1.1 client: httpx took ~100 us of this process's CPU per event, on the
     cores the server under test runs on (a real client runs on another machine)."""
@@ -181,6 +89,8 @@ async def _one(url: str, route: str, job: Job, t0: float, model: str) -> Result:
     await asyncio.sleep(max(0.0, t0 + job.send_at - time.perf_counter()))
     path, body = request_body(route, job, model)
     address = urlsplit(url)
+    if address.hostname is None or address.port is None:
+        raise ValueError(f"{url}: a server URL needs a host and a port")
     res, start = Result(), time.perf_counter()
     last = start
     try:
@@ -231,60 +141,6 @@ async def run_load(url: str, route: str, jobs: list[Job], model: str = "tgi") ->
     }
 
 
-class Server:
-    """A server process started by this script, in its own process group, waited on until healthy."""
-
-    def __init__(self, name: str, argv: list[str], port: int, health: str, env: dict | None = None) -> None:
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
-        self.log = open(f"/tmp/http_load_{name}.log", "w")
-        self.proc = subprocess.Popen(
-            argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
-        )
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited early; see {self.log.name}")
-            try:
-                if httpx.get(self.url + health, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{name} not healthy after 300 s; see {self.log.name}")
-
-    def cpu_seconds(self, cmd_fragment: str) -> float:
-        procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
-        total = 0.0
-        for p in procs:
-            try:
-                if cmd_fragment in " ".join(p.cmdline()):
-                    t = p.cpu_times()
-                    total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
-
-
-# One exposed sample: name, optional {labels}, value. (prometheus_client's parser would rename TGI's counters,
-# which have no _total suffix, so the series are read as exposed.)
-SAMPLE = re.compile(r"^(\S+?(?:\{[^}]*\})?) (\S+)$", re.M)
-DECODE = '{method="decode"}'
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of the server's /metrics, keyed as exposed: 'name{label="value"}' -> value."""
-    return {series: float(value) for series, value in SAMPLE.findall(httpx.get(url + "/metrics", timeout=10).text)}
-
-
 def dtype_args(dtype: str | None) -> list[str]:
     """`--dtype` for the launcher and `transformers serve` alike; none leaves each its own default (fp32 here)."""
     return [] if dtype is None else ["--dtype", dtype]
@@ -310,6 +166,29 @@ def textgen_server(model: str, budgets: Budgets, env: dict[str, str], dtype: str
     return Server("textgen", argv, port, "/health", env)
 
 
+def step_figures(m0: dict[str, float], m1: dict[str, float], router_cpu: float, client_cpu: float) -> dict:
+    """Per decode step between scrapes `m0` and `m1`: the router's CPU seconds `router_cpu`, and where an e2e
+    step goes: the shard's own forward vs the router's step as it sees it, and the CPU this load client took
+    from the same cores (`client_cpu`; a real client runs on another machine). Milliseconds, NaN without steps.
+    """
+
+    def delta(name: str) -> float:
+        return m1.get(name + DECODE, 0.0) - m0.get(name + DECODE, 0.0)
+
+    steps = delta("tgi_batch_inference_count")
+
+    def per_step(seconds: float) -> float:
+        return seconds / steps * 1e3 if steps else float("nan")
+
+    return {
+        "decode_steps": steps,
+        "router_cpu_ms_per_decode_step": per_step(router_cpu),
+        "forward_ms_per_decode_step": per_step(delta("tgi_batch_forward_duration_sum")),
+        "step_ms_per_decode_step": per_step(delta("tgi_batch_inference_duration_sum")),
+        "client_cpu_ms_per_decode_step": per_step(client_cpu),
+    }
+
+
 def measure_textgen(
     model: str, routes: list[str], jobs: list[Job], budgets: Budgets, env: dict[str, str], dtype: str | None
 ) -> list[dict]:
@@ -320,18 +199,8 @@ def measure_textgen(
             r = asyncio.run(run_load(server.url, route, jobs))
             client = time.process_time() - client0
             cpu = server.cpu_seconds("textgen-router") - cpu0
-            m1 = scrape(server.url)
-            delta = lambda name: m1.get(name + DECODE, 0.0) - m0.get(name + DECODE, 0.0)  # noqa: E731
-            steps = delta("tgi_batch_inference_count")
-            per_step = (lambda seconds: seconds / steps * 1e3) if steps else (lambda seconds: float("nan"))
             r["server"] = "textgen"
-            r["decode_steps"] = steps
-            r["router_cpu_ms_per_decode_step"] = per_step(cpu)
-            # Where an e2e step goes: the shard's own forward vs the router's step as it sees it, and the
-            # CPU this load client took from the same cores (a real client runs on another machine).
-            r["forward_ms_per_decode_step"] = per_step(delta("tgi_batch_forward_duration_sum"))
-            r["step_ms_per_decode_step"] = per_step(delta("tgi_batch_inference_duration_sum"))
-            r["client_cpu_ms_per_decode_step"] = per_step(client)
+            r.update(step_figures(m0, scrape(server.url), cpu, client))
             out.append(r)
     finally:
         server.stop()
@@ -351,10 +220,10 @@ def measure_transformers(model: str, jobs: list[Job], dtype: str | None) -> dict
 
 
 def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: int, dtype: str | None) -> dict:
-    """shard_w1.py's run (W1 over gRPC into one shard, no router) as a row of this script's results."""
-    import shard_w1
+    """shard_w1.py's run (W1 over gRPC into one shard, no router process) as a row of this script's results."""
+    from textgen_benchmark import baseline  # imports torch: only paid when the baseline is asked for
 
-    report = shard_w1.measure(Path(model), jobs, budgets, threads, dtype or "float32")
+    report = baseline.measure(Path(model), jobs, budgets, threads, dtype or "float32")
     return {
         "server": "textgen shard-only",
         "route": "grpc",
@@ -389,7 +258,7 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model directory (also the tokenizer)")
     p.add_argument("--url", help="a running textgen server; default: start one with textgen-launcher")
@@ -418,17 +287,18 @@ def main() -> None:
         help="--dtype of every server measured (default: each one's own, float32 on a CPU)",
     )
     Budgets.add_arguments(p)
-    args = p.parse_args()
+    return p.parse_args()
 
-    jobs = make_workload(args.model, args.requests, args.seed, args.arrival, args.rate)
-    budgets = workload_budgets(args.model, jobs, args)
+
+def measure(args: argparse.Namespace, jobs: list[Job], budgets: Budgets) -> list[dict]:
+    """A result row per route on textgen, then the shard-only and `transformers serve` rows when asked."""
     threads = args.threads
     if threads is None and args.shard_baseline:
-        import shard_w1  # imports torch: only paid when the baseline is asked for
+        from textgen_benchmark import baseline
 
-        # shard_w1's shard always gets OMP_NUM_THREADS set (shard_decode.start_shard): give the launcher's
-        # shard the same explicit value so the two runs differ in the router alone.
-        threads = shard_w1.default_threads()
+        # The baseline's shard always gets OMP_NUM_THREADS set (textgen_benchmark.shard.start_shard): give the
+        # launcher's shard the same explicit value so the two runs differ in the router alone.
+        threads = baseline.default_threads()
     threads_env = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
     routes = args.routes.split(",")
     if args.url:
@@ -445,12 +315,11 @@ def main() -> None:
             results.append(measure_transformers(args.model, jobs, args.dtype))
         except RuntimeError as err:  # keep textgen's figures when the peer cannot start
             print(f"peer not measured: {err}", file=sys.stderr)
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    plot(results, args.plot)
-    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
-    if args.json:
-        print(json.dumps(public, indent=2))
-        return
+    return results
+
+
+def report(args: argparse.Namespace, budgets: Budgets, public: list[dict]) -> None:
+    """The results as a markdown table, then per-step figures, errors and throughput ratios."""
     print(
         f"W1: {args.requests} requests, {args.arrival} arrival, seed {args.seed}, dtype {args.dtype or 'default'}; "
         f"{budgets}"
@@ -474,11 +343,11 @@ def main() -> None:
             f"{r['step_ms_per_decode_step']:.1f} ms (shard forward {r['forward_ms_per_decode_step']:.1f}), "
             f"load client CPU {r['client_cpu_ms_per_decode_step']:.2f} ms/step"
         )
-    if args.shard_baseline:
+    for r in (r for r in public if "decode_step_p50_ms" in r):
         print(
-            f"shard-only: {shard_only['decode_steps']} decode steps, median "
-            f"{shard_only['decode_step_p50_ms']:.1f} ms, prefill {shard_only['prefill_s']:.2f} s, "
-            f"shard CPU {shard_only['shard_cpu_s']:.1f} s"
+            f"shard-only: {r['decode_steps']} decode steps, median "
+            f"{r['decode_step_p50_ms']:.1f} ms, prefill {r['prefill_s']:.2f} s, "
+            f"shard CPU {r['shard_cpu_s']:.1f} s"
         )
     for r in public:
         if r["first_error"]:
@@ -492,6 +361,20 @@ def main() -> None:
             f"{base / r['throughput_tok_s']:.2f}x"
         )
     print(f"plot: {args.plot}", file=sys.stderr)
+
+
+def main() -> None:
+    args = parse_args()
+    jobs = make_workload(args.model, args.requests, args.seed, args.arrival, args.rate)
+    budgets = workload_budgets(args.model, jobs, args)
+    results = measure(args, jobs, budgets)
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    plot(results, args.plot)
+    public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
+    if args.json:
+        print(json.dumps(public, indent=2))
+    else:
+        report(args, budgets, public)
 
 
 if __name__ == "__main__":

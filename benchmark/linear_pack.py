@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from shard_decode import DTYPES, copy_bandwidth_gbs
 
+from textgen_benchmark.decode import copy_bandwidth_gbs
+from textgen_benchmark.shard import DTYPES
 from textgen_server.layers.tensor_parallel import Linear
 
 # (name, out_features, in_features) of the small Llama (hidden 768, intermediate 2048, vocab 16000).

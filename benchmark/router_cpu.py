@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 
 import psutil
-from http_load import DECODE, Server, free_port, scrape
 
+from textgen_benchmark.ports import free_port
+from textgen_benchmark.servers import DECODE, Server, scrape
 from textgen_server.builder import build_test_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"
@@ -71,7 +72,7 @@ async def run_round(port: int, route: str, streams: int, max_new_tokens: int) ->
 
 
 class Launcher(Server):
-    """`textgen-launcher` on the model (http_load's Server), with its router and shard processes found."""
+    """`textgen-launcher` on the model (textgen_benchmark.servers.Server), with its router and shard processes found."""
 
     def __init__(self, model: Path, streams: int) -> None:
         self.port = free_port()

@@ -3,8 +3,8 @@
 N real `textgen-server serve --sharded` processes (gloo on CPU) share --threads cores (threads / N
 threads each, so every run uses the same cores) and are driven over gRPC with textgen-benchmark's loop via
 the router's ShardedClient (Prefill, then Decode to the end; generations of all ranks concatenated).
-Per-shard RSS: VmRSS once loaded (weights + runtime) and VmHWM (peak) at the end. Shared helpers come from
-shard_decode.py.
+Per-shard RSS: VmRSS once loaded (weights + runtime) and VmHWM (peak) at the end. The decode loop and the
+shard helpers are shard_decode.py's (textgen_benchmark.decode, textgen_benchmark.shard).
 
 Usage: python benchmark/tp_decode.py [--shards 1 --shards 2] [--batch 1 --batch 32] [--runs 3] [--model-dir D]
 """
@@ -20,8 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from http_load import free_port
-from shard_decode import bytes_per_step, shard_steps, small_model, stop
+from textgen_benchmark.decode import bytes_per_step, shard_steps
+from textgen_benchmark.ports import free_port
+from textgen_benchmark.shard import small_model, stop
 
 
 def start_shards(

@@ -1,0 +1,92 @@
+"""Shard decode steps over gRPC and their bandwidth roofline, shared by benchmark/shard_decode.py and
+benchmark/tp_decode.py (and the CPU copy bandwidth by attention.py and linear_pack.py)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from textgen_benchmark.shard import cpu_seconds
+
+PROMPT_LEN = 32
+NEW_TOKENS = 17  # 1 from Prefill + 16 Decode steps
+
+
+@dataclass(frozen=True)
+class Step:
+    """Median wall seconds and CPU seconds per decode step (CPU time stays meaningful on a busy machine)."""
+
+    wall: float
+    cpu: float
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int], runs: int) -> dict[int, Step]:
+    """Prefill then Decode until done over gRPC; per-step wall time here and CPU time of the shard process."""
+    from tokenizers import Tokenizer
+
+    from textgen_benchmark.generation import Sampling, make_batch, prompt_of_length
+    from textgen_router.shard_client import ShardedClient
+
+    shard = psutil.Process(pid)
+    prompt = prompt_of_length(Tokenizer.from_file(str(model_dir / "tokenizer.json")), PROMPT_LEN)
+    client = await ShardedClient.connect(socket)
+    out: dict[int, Step] = {}
+    try:
+        await client.clear_cache(None)
+        for b in batches:
+            batch = make_batch(prompt, b, PROMPT_LEN, NEW_TOKENS, Sampling())
+            walls: list[float] = []
+            cpus: list[float] = []
+            for run in range(runs + 1):  # the first run warms up
+                cached = (await client.prefill(batch)).batch
+                cpu, start, calls = cpu_seconds(shard), time.perf_counter(), 0
+                while cached is not None:
+                    cached = (await client.decode([cached])).batch
+                    calls += 1
+                if run:
+                    walls.append((time.perf_counter() - start) / calls)
+                    cpus.append((cpu_seconds(shard) - cpu) / calls)
+                progress(f"shard batch size {b}: {f'run {run}/{runs}' if run else 'warmup'}")
+            out[b] = Step(statistics.median(walls), statistics.median(cpus))
+    finally:
+        await client.close()
+    return out
+
+
+def copy_bandwidth_gbs(threads: int, mib: int = 512) -> float:
+    """Best of 5 large tensor copies (bytes read + written) with `threads` threads: achievable bandwidth."""
+    torch.set_num_threads(threads)
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def bytes_per_step(model_dir: Path, batch: int, itemsize: int = 4) -> float:
+    """Weights read once per step (the embedding table is only gathered) + K and V of the whole batch, at
+    `itemsize` bytes per value."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "embed_tokens" not in k) * itemsize
+    head_dim = config.hidden_size // config.num_attention_heads
+    mean_context = PROMPT_LEN + NEW_TOKENS / 2
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_context * batch * itemsize
+    return weights + kv

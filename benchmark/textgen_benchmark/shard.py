@@ -1,0 +1,70 @@
+"""Real shard processes for benchmarks: the cached "small" model, `start_shard` / `stop`, and CPU time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def small_model() -> Path:
+    """The cached "small" build under models/ (keyed by builder version so a stale build is never used)."""
+    from textgen_server.builder import BUILDER_VERSION, build_test_model
+
+    return build_test_model(REPO / "models" / f"small-llama-v{BUILDER_VERSION}", arch="llama", size="small")
+
+
+DTYPES = ("float32", "bfloat16", "float16")  # a shard's --dtype choices
+
+
+def start_shard(
+    model_dir: Path, uds_path: str, threads: int, timeout: float = 300.0, dtype: str = "float32"
+) -> subprocess.Popen:
+    """A real shard process (`--dtype dtype`) limited to `threads` cores; returns once Health answers (or raises)."""
+    import grpc
+
+    from textgen_pb import generate_pb2, generate_pb2_grpc
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    log = open(Path(tempfile.gettempdir()) / "textgen-bench-shard.log", "wb")  # noqa: SIM115 - child owns it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path", uds_path, "--dtype", dtype],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shard exited with {proc.returncode}; see {log.name}")
+        if os.path.exists(f"{uds_path}-0"):
+            with grpc.insecure_channel(f"unix://{uds_path}-0") as channel:
+                try:
+                    generate_pb2_grpc.TextGenerationServiceStub(channel).Health(generate_pb2.HealthRequest(), timeout=5)
+                    return proc
+                except grpc.RpcError:
+                    pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"shard not ready after {timeout}s; see {log.name}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
