@@ -73,6 +73,7 @@ def main() -> None:
     for b, n in enumerate(lengths):
         mask[b, ..., window.stop - n : window.stop] = True
     first = first_visible(mask[..., window], args.batch, torch.device("cpu"))
+    assert first is not None  # each row's visible columns are one run ending at the window's last column
     print(
         f"batch {args.batch}, window {args.window} of {args.capacity} columns, {LAYERS} layers, "
         f"{args.threads} threads; copy bandwidth {bandwidth:.1f} GB/s"

@@ -13,6 +13,7 @@ roofline).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ def alternate(fns: list[Callable[[], object]], runs: int) -> list[float]:
     for fn in fns:
         fn()  # warm-up: first-touch allocations, thread pool start
     for _ in range(runs):
-        for fn, out in zip(fns, times):
+        for fn, out in zip(fns, times, strict=True):
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
@@ -63,7 +64,9 @@ def main() -> None:
             layer = Linear(weight.clone(), None)
             for rows in args.rows:
                 x = torch.randn(rows, in_f, generator=g).to(dtype)
-                plain, packed = alternate([lambda: F.linear(x, weight), lambda: layer(x)], args.runs)
+                plain, packed = alternate(
+                    [functools.partial(F.linear, x, weight), functools.partial(layer, x)], args.runs
+                )
                 flops = 2 * rows * in_f * out_f
                 line = (
                     f"{name:<9}{rows:>6}{plain * 1e3:>13.3f}{packed * 1e3:>11.3f}{flops / plain / 1e9:>15.1f}"

@@ -121,7 +121,7 @@ def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, r
     wall = time.perf_counter() - t0
     m1, r1, s1 = scrape(launcher.url), cpu(launcher.router), cpu(launcher.shard)
     delta = {k: m1[k] - m0.get(k, 0.0) for k in m1}
-    router_user, router_sys, router_preempted = (b - a for a, b in zip(r0, r1))
+    router_user, router_sys, router_preempted = (b - a for a, b in zip(r0, r1, strict=True))
     router = router_user + router_sys
     steps = delta["tgi_batch_inference_count" + DECODE]
     outside_forward = (

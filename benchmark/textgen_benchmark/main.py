@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from tokenizers import Tokenizer
 
@@ -21,6 +22,7 @@ from textgen_benchmark.generation import Sampling, run_benchmark
 from textgen_benchmark.stats import BatchResult
 from textgen_benchmark.table import report
 
+T = TypeVar("T")
 DEFAULT_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
 
 
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def sampling_of(args: argparse.Namespace) -> Sampling:
     """Unset flags fall back to the neutral values (1.0 / 0 / 1.0 / 1.0 / 1.0 / 0.0)."""
 
-    def given(value: object, default: object) -> object:
+    def given(value: T | None, default: T) -> T:
         return default if value is None else value
 
     return Sampling(
@@ -89,7 +91,7 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
         watermark=args.watermark,
         do_sample=args.do_sample,
         top_n_tokens=given(args.top_n_tokens, 0),
-    )  # type: ignore[arg-type]
+    )
 
 
 def load_tokenizer(name: str, revision: str) -> Tokenizer:
