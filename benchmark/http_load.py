@@ -52,7 +52,7 @@ def _is_token_event(route: str, payload: dict) -> bool:
 
 async def _events(host: str, port: int, path: str, body: dict) -> AsyncGenerator[tuple[float, bytes], None]:
     """POST `body` and yield (arrival time, data) per SSE event of the answer; an HTTP error raises
-    RuntimeError. A bare asyncio HTTP/1.1 client: httpx took ~100 us of this process's CPU per event, on the
+    RuntimeError. A bare asyncio HTTP/1.1 client: httpx took several times its CPU per event (README), on the
     cores the server under test runs on (a real client runs on another machine)."""
     data = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection(host, port)

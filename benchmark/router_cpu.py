@@ -17,7 +17,7 @@ then `--rounds` rounds of `--streams` concurrent requests of `--max-new-tokens` 
   i.e. the time a step spends outside the shard's forward (gRPC, router loop, filtering) as the router sees it.
 
     python benchmark/router_cpu.py [--streams 64] [--max-new-tokens 64] [--rounds 2] [--routes generate,chat]
-    python benchmark/router_cpu.py --model-dir models/small-llama-v1 --size small   # W1's ~80 ms steps
+    python benchmark/router_cpu.py --model-dir models/small-llama-v1 --size small   # steps as long as W1's
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ At batch N, every decode step of the router does at least two things that are no
 This measures both alone, in this process: the writes with plain blocking sockets to a reader process (the
 cheapest way to write; the router goes through uvloop's transport), the call against a trivial grpc.aio
 shard in a child process that answers a canned DecodeResponse. Each step is followed by an idle pause: a short
-one is like the tiny model's steps in router_cpu.py, a long one like W1's ~45 ms steps on the small model,
+one is like the tiny model's steps in router_cpu.py, a long one like W1's steps on the small model,
 during which the router waits for the shard. It prints the process CPU per step of each part (user+system of
 every thread, grpcio's own included) and their sum: no router that streams to N clients over TCP and talks
 generate.v3 through grpcio spends less.

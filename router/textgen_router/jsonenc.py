@@ -48,7 +48,7 @@ def format_f32(value: float) -> str:
     """A float as serde_json prints an f32 (ryu's layout).
 
     Hot path (once per streamed token): logprobs nearly always fall where numpy's C formatter gives the same
-    text, at ~1 us instead of ~6 us for the digit search below.
+    text, several times faster than the digit search below (figures: benchmark/README.md, "Router figures").
     """
     if _NUMPY_MIN <= abs(value) < _NUMPY_END:
         return str(np.float32(value))
@@ -76,7 +76,8 @@ def _ryu_layout(value: float) -> str:
 
 
 # Literals of short strings already written: streamed token texts come from a bounded vocabulary, and a dict
-# lookup costs a tenth of json.dumps. Bounded, so arbitrary client text cannot grow it without limit.
+# lookup costs a fraction of json.dumps (benchmark/README.md, "Router figures"). Bounded, so arbitrary client
+# text cannot grow it without limit.
 _LITERALS: dict[str, str] = {}
 _LITERALS_MAX = 1 << 16
 _LITERAL_MAX_CHARS = 32

@@ -226,9 +226,9 @@ async def serve(args: Namespace) -> int:
         logger.error("%s", err)
         print(f"Error: {err}", file=sys.stderr)
         return 1
-    # Start-up imported torch and transformers: ~350k objects that live as long as the process. A full
-    # collection walks them all (~0.2 s, with the event loop stalled); frozen, collections only walk what
-    # serving allocates.
+    # Start-up imported torch and transformers: hundreds of thousands of objects that live as long as the
+    # process. A full collection walks them all, with the event loop stalled; frozen, collections only walk
+    # what serving allocates (figures: benchmark/README.md, "Router figures").
     gc.freeze()
     try:
         host = listen_host(args.hostname)
@@ -278,14 +278,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     provider = setup_tracing(args.otlp_endpoint, args.otlp_service_name)
     try:
         # uvloop: the per-token path is event-loop work (a task wake and a socket write per stream and step),
-        # cheaper on libuv's loop: router CPU per streamed token 107 -> 95 us (chat 105 -> 90) in
-        # benchmark/router_cpu.py, medians of three alternated runs.
+        # cheaper on libuv's loop (router CPU per streamed token: benchmark/README.md, "Router figures").
         code = uvloop.run(serve(args))
     finally:
         if provider is not None:
             provider.shutdown()
     # Everything is closed. Without this, the interpreter's final collections walk every transformers/torch
-    # object the tokenizer load created: ~1.5 s (more under load) between "Finished" and the exit.
+    # object the tokenizer load created, a visible delay between "Finished" and the exit.
     gc.freeze()
     sys.exit(code)
 

@@ -100,7 +100,8 @@ class ChunkTemplate:
     """A JSON body encoded once with placeholders; each chunk then encodes only the placeholders' values.
 
     The chunks of one stream differ in a few fields only: encoding the rest (model, fingerprint, field
-    names) once per request instead of once per token cuts the router's per-token work by about 10x.
+    names) once per request instead of once per token leaves a fraction of the per-token encoding work
+    (benchmark/README.md, "Router figures").
     `build(markers)` returns the body with `markers[i]` where value i goes; markers are random, so no
     user-supplied string in the body (the echoed model name) can be mistaken for one.
     """

@@ -61,7 +61,8 @@ class EventStream(Response):
     The start and the end of the response go through `send`. The chunks go through `scope[DIRECT_SEND]`
     when the app put the server's own `send` there, promising that no layer in between changes a body
     message once the response started (starlette's and FastAPI's only watch the start and the end): the
-    chain of send wrappers cost ~12% of the router's CPU under 64 streams, once per chunk.
+    chain of send wrappers, run once per chunk, was a sizeable share of the router's CPU under 64 streams
+    (benchmark/README.md, "Router figures").
     """
 
     def __init__(
