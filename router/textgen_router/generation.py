@@ -162,7 +162,7 @@ async def generate_best_of(
     for run in runs:
         if isinstance(run, BaseException):
             raise run
-    finished: list[Generation] = list(runs)  # type: ignore[arg-type]
+    finished = [run for run in runs if not isinstance(run, BaseException)]  # all of them, past the loop
     best = max(range(len(finished)), key=lambda i: finished[i].mean_logprob)
     return finished[best], [g for i, g in enumerate(finished) if i != best]
 

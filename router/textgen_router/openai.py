@@ -139,7 +139,7 @@ async def _complete(
             return error_response(run)
         if isinstance(run, BaseException):
             raise run
-    gens: list[Generation] = list(runs)  # type: ignore[arg-type]
+    gens = [run for run in runs if not isinstance(run, BaseException)]  # all of them, past the loop
     prompt_tokens = sum(g.request.input_length for g in gens)
     completion_tokens = sum(g.generated_text.generated_tokens for g in gens)
     # TGI sums each prompt's timing headers into one set.

@@ -67,7 +67,8 @@ class Envelope:
     def now(cls, model: str) -> Envelope:
         return cls(model, system_fingerprint(), int(time.time()))
 
-    def wrap(self, obj: str, choices: list[dict[str, Any]], usage_: dict[str, int] | None) -> dict[str, Any]:
+    def wrap(self, obj: str, choices: list[dict[str, Any]], usage_: dict[str, int] | str | None) -> dict[str, Any]:
+        """The body of `obj` around `choices`; `usage_` may be a ChunkTemplate marker (a str)."""
         return {
             "object": obj,
             "id": "",
@@ -161,7 +162,7 @@ class CompletionChunks:
     def __init__(self, env: Envelope) -> None:
         def build(m: list[str]) -> dict[str, Any]:
             choice = {"index": m[0], "text": m[1], "logprobs": None, "finish_reason": m[2]}
-            return env.wrap("text_completion", [choice], m[3])  # type: ignore[arg-type]
+            return env.wrap("text_completion", [choice], m[3])
 
         self.template = ChunkTemplate(build, 4)
 

@@ -39,10 +39,10 @@ def setup_tracing(
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}), sampler=ALWAYS_ON)
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    else:
+    elif otlp_endpoint is not None:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        insecure = not otlp_endpoint.startswith("https://")  # type: ignore[union-attr]
+        insecure = not otlp_endpoint.startswith("https://")
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=insecure)))
     trace.set_tracer_provider(provider)
     return provider
