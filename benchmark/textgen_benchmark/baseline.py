@@ -97,18 +97,10 @@ class TimedClient(ShardedClient):
 
 
 def router_config(model_dir: Path, budgets: Budgets, requests: int) -> RouterConfig:
-    """The limits the launcher gives its router for `budgets` (its defaults for the other scheduling flags)."""
-    launcher = launcher_args(["--model-id", str(model_dir), *budgets.launcher_args()])
-    return RouterConfig(
-        max_input_tokens=budgets.max_input_tokens,
-        max_total_tokens=budgets.max_total_tokens,
-        max_batch_prefill_tokens=budgets.max_batch_prefill_tokens,
-        max_batch_total_tokens=budgets.max_batch_total_tokens,
-        max_batch_size=launcher.max_batch_size,
-        waiting_served_ratio=launcher.waiting_served_ratio,
-        max_waiting_tokens=launcher.max_waiting_tokens,
-        max_concurrent_requests=requests,
-    )
+    """The limits the launcher gives its router for `budgets` (its defaults for the other scheduling flags),
+    with a permit for each of the `requests`."""
+    argv = ["--model-id", str(model_dir), "--max-concurrent-requests", str(requests), *budgets.launcher_args()]
+    return RouterConfig.from_args(launcher_args(argv))
 
 
 async def _run_one(infer: Infer, request: ValidRequest, outcome: Outcome) -> int:

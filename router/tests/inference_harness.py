@@ -7,6 +7,7 @@ of their own (`run(coro)`, bounded by a timeout) instead of a fresh loop per tes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,12 +16,28 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from textgen_router.config import RouterConfig
 from textgen_router.infer import Infer
 from textgen_router.types import ChooserParameters, EndEvent, IntermediateEvent, StoppingParameters, ValidRequest
 
 T = TypeVar("T")
 Run = Callable[[Coroutine[Any, Any, T]], T]
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing songs".split()
+
+
+def router_config(**overrides: Any) -> RouterConfig:
+    """The router limits of the inference-side tests (the launcher's scheduling defaults), with `overrides`."""
+    config = RouterConfig(
+        max_input_tokens=64,
+        max_total_tokens=128,
+        max_batch_prefill_tokens=256,
+        max_batch_total_tokens=None,
+        max_batch_size=None,
+        waiting_served_ratio=0.3,
+        max_waiting_tokens=20,
+        max_concurrent_requests=128,
+    )
+    return dataclasses.replace(config, **overrides)
 
 
 def root_conftest(config: pytest.Config) -> Any:

@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inference_harness import collect, prompt, valid
+from inference_harness import collect, prompt, router_config, valid
 
 from textgen_router import metrics
 from textgen_router.backend import Backend, connect_backend
-from textgen_router.config import RouterConfig
 from textgen_router.infer import Infer
 from textgen_router.types import (
     EndEvent,
@@ -33,17 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def backend(shard: Any, run: Any) -> Iterator[Backend]:
-    config = RouterConfig(
-        max_input_tokens=64,
-        max_total_tokens=128,
-        max_batch_prefill_tokens=2048,
-        max_batch_total_tokens=None,
-        max_batch_size=None,
-        waiting_served_ratio=0.3,
-        max_waiting_tokens=20,
-        max_concurrent_requests=128,
-    )
-    backend = run(connect_backend(shard.socket, config))
+    backend = run(connect_backend(shard.socket, router_config(max_batch_prefill_tokens=2048)))
     yield backend
     run(backend.close())
 

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from inference_harness import collect, prompt, valid
+from inference_harness import collect, prompt, router_config, valid
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from textgen_pb import generate_pb2
 from textgen_router import metrics
 from textgen_router.backend import Backend, StartupError, connect_backend, warmup_batch
-from textgen_router.config import RouterConfig
 from textgen_router.shard_client import ShardedClient, ShardError, _metadata
 from textgen_router.types import GenerationError
 
@@ -24,26 +22,14 @@ NUM_SHARD = 2  # every call fans out to two ranks; each answers generations for 
 pytestmark = pytest.mark.timeout(120)
 
 
-CONFIG = RouterConfig(
-    max_input_tokens=64,
-    max_total_tokens=128,
-    max_batch_prefill_tokens=256,
-    max_batch_total_tokens=None,
-    max_batch_size=None,
-    waiting_served_ratio=0.3,
-    max_waiting_tokens=20,
-    max_concurrent_requests=128,
-)
-
-
 def connect(shard: Any, **overrides: Any) -> Coroutine[Any, Any, Backend]:
-    return connect_backend(shard.socket, dataclasses.replace(CONFIG, **overrides))
+    return connect_backend(shard.socket, router_config(**overrides))
 
 
 def test_unreachable_socket(run: Any) -> None:
     path = f"/tmp/tg-missing-{os.getpid()}-0"
     with pytest.raises(StartupError) as err:
-        run(connect_backend(path, CONFIG))
+        run(connect_backend(path, router_config()))
     assert str(err.value).startswith(
         "Unable to connect to the Python model shards: Could not connect to Text Generation server: "
     )
@@ -58,7 +44,7 @@ def test_unreachable_socket(run: Any) -> None:
 )
 def test_argument_checks_before_connecting(run: Any, overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(StartupError, match=f"^Argument validation error: {message}$"):
-        run(connect_backend("/tmp/never-reached-0", dataclasses.replace(CONFIG, **overrides)))
+        run(connect_backend("/tmp/never-reached-0", router_config(**overrides)))
 
 
 @pytest.mark.parametrize(
