@@ -37,8 +37,8 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from textgen_benchmark.ports import free_port
 from textgen_benchmark.stats import Latency
+from textgen_common.ports import free_port
 
 
 @dataclass

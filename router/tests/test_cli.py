@@ -14,8 +14,9 @@ import httpx
 import pytest
 from router_fixtures import RouterProcess, root_conftest
 
+from textgen_common.addresses import listen_address
 from textgen_router.args import parse_args
-from textgen_router.main import listen_host, log_level
+from textgen_router.main import log_level
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,8 +85,8 @@ def test_print_schema_is_a_subcommand() -> None:
 
 
 def test_hostname_and_log_level() -> None:
-    assert listen_host("127.0.0.1") == "127.0.0.1" and listen_host("::1") == "::1"
-    assert listen_host("my-container") == "0.0.0.0"  # Docker's HOSTNAME: TGI falls back to every interface
+    assert listen_address("127.0.0.1") == "127.0.0.1" and listen_address("::1") == "::1"
+    assert listen_address("my-container") == "0.0.0.0"  # Docker's HOSTNAME: TGI falls back to every interface
     assert log_level("info,textgen_router=debug") == "INFO"
     assert log_level("warn") == "WARNING" and log_level("textgen=debug") == "INFO"
 
