@@ -94,6 +94,18 @@ def test_prefill_from_card_flops_and_vram() -> None:
     assert vram_cap(config, ["81559 MiB"], 1, 1.0) > 100_000
 
 
+def test_prefill_estimates_without_the_fields_they_need() -> None:
+    # Configs that name head_dim but lack a field an estimate multiplies by: no estimate rather than a crash.
+    no_heads = parse_config({k: v for k, v in LLAMA_7B.items() if k != "num_attention_heads"} | {"head_dim": 128})
+    assert no_heads is not None and no_heads.num_heads is None
+    assert compute_optimal(no_heads, ["NVIDIA H100 80GB HBM3"], 1) is None
+    assert vram_cap(no_heads, ["81559 MiB"], 1, 1.0) is None
+    unsized = {k: v for k, v in LLAMA_7B.items() if k not in ("hidden_size", "intermediate_size")}
+    moe = parse_config(unsized | {"head_dim": 128, "num_experts_per_tok": 2})
+    assert moe is not None and moe.intermediate_size is None
+    assert vram_cap(moe, ["81559 MiB"], 1, 1.0) is None
+
+
 def test_hub_config_comes_from_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     snapshot = tmp_path / "models--org--model" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
