@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from textgen_launcher.args import parse_args
-from textgen_launcher.attention import resolve_attention
+from textgen_launcher.attention_defaults import resolve_attention
 from textgen_launcher.config import load_config, parse_config
 from textgen_launcher.devices import DEVICE_ENV_VARS, NoDeviceFound, find_num_shards
 from textgen_launcher.environment import rope_env, router_env, shard_env

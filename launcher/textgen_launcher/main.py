@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from textgen_common.logs import setup_logging
 from textgen_launcher.args import parse_args
-from textgen_launcher.attention import resolve_attention
+from textgen_launcher.attention_defaults import resolve_attention
 from textgen_launcher.children import Child, stop_all
 from textgen_launcher.config import load_config
 from textgen_launcher.devices import NoDeviceFound
