@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
+from inference_harness import collect, prompt, valid
 
 from textgen_router import metrics
 from textgen_router.backend import Backend, connect_backend
@@ -62,7 +62,7 @@ def test_64_concurrent_requests_get_their_solo_greedy_tokens(infer: Infer, oracl
         return await asyncio.gather(*(collect(infer, r) for r in requests))
 
     results = run(scenario())
-    for r, got in zip(requests, results):
+    for r, got in zip(requests, results, strict=True):
         assert got == oracle(r.inputs, r.stopping_parameters.max_new_tokens), r.inputs
     # All 64 were queued before the loop woke: one prefill of 64, then decodes filtered as rows finished.
     assert metrics.BATCH_NEXT_SIZE.count() == 1 and metrics.BATCH_INFERENCE_COUNT.value("prefill") == 1
@@ -215,7 +215,7 @@ def test_decode_error_fails_the_running_batch_and_health_recovers(
 
     async def scenario() -> None:
         progress: list[list[int]] = [[], []]
-        tasks = [asyncio.ensure_future(collect(infer, r, p)) for r, p in zip(requests, progress)]
+        tasks = [asyncio.ensure_future(collect(infer, r, p)) for r, p in zip(requests, progress, strict=True)]
         await until(lambda: all(len(p) >= 2 for p in progress))
         await backend.client.clear_cache(None)  # the shard loses the running batch: its next step fails
         for task in tasks:

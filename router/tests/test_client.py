@@ -8,7 +8,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from inference_harness import collect, oracle, prompt, run, shard, valid  # noqa: F401  (fixtures)
+from inference_harness import collect, prompt, valid
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -22,18 +22,19 @@ NUM_SHARD = 2  # every call fans out to two ranks; each answers generations for 
 pytestmark = pytest.mark.timeout(120)
 
 
+CONNECT_ARGS: dict[str, Any] = dict(
+    max_input_tokens=64,
+    max_total_tokens=128,
+    max_batch_prefill_tokens=256,
+    max_batch_total_tokens=None,
+    max_batch_size=None,
+    waiting_served_ratio=0.3,
+    max_waiting_tokens=20,
+)
+
+
 def connect(shard: Any, **overrides: Any) -> Coroutine[Any, Any, Any]:
-    args: dict[str, Any] = dict(
-        max_input_tokens=64,
-        max_total_tokens=128,
-        max_batch_prefill_tokens=256,
-        max_batch_total_tokens=None,
-        max_batch_size=None,
-        waiting_served_ratio=0.3,
-        max_waiting_tokens=20,
-    )
-    args.update(overrides)
-    return connect_backend(shard.socket, **args)
+    return connect_backend(shard.socket, **{**CONNECT_ARGS, **overrides})
 
 
 def test_unreachable_socket(run: Any) -> None:
@@ -54,23 +55,7 @@ def test_unreachable_socket(run: Any) -> None:
 )
 def test_argument_checks_before_connecting(run: Any, overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(StartupError, match=f"^Argument validation error: {message}$"):
-        run(
-            connect_backend(
-                "/tmp/never-reached-0",
-                **{
-                    **dict(
-                        max_input_tokens=64,
-                        max_total_tokens=128,
-                        max_batch_prefill_tokens=256,
-                        max_batch_total_tokens=None,
-                        max_batch_size=None,
-                        waiting_served_ratio=0.3,
-                        max_waiting_tokens=20,
-                    ),
-                    **overrides,
-                },
-            )
-        )
+        run(connect_backend("/tmp/never-reached-0", **{**CONNECT_ARGS, **overrides}))
 
 
 @pytest.mark.parametrize(
