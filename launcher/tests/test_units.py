@@ -222,7 +222,7 @@ def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.M
         num_shard=1, max_input_tokens=None, max_batch_prefill_tokens=512, quantize=None, cuda_graphs=[1]
     )
     cmd = router_command(args, settings)
-    pairs = dict(zip(cmd[1::2], cmd[2::2]))
+    pairs = dict(zip(cmd[1::2], cmd[2::2], strict=False))
     assert pairs["--master-shard-uds-path"] == "/tmp/s-0"
     assert pairs["--tokenizer-name"] == "/models/m"
     assert pairs["--max-batch-prefill-tokens"] == "512" and pairs["--port"] == "8080"
