@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -38,8 +39,11 @@ def unique_uds_path() -> str:
 
 
 @contextlib.contextmanager
-def shard_stub(socket_path: str) -> Iterator[object]:
-    """A sync generate.v3 stub on a shard's unix socket path; the channel is closed on exit."""
+def shard_stub(socket_path: str) -> Iterator[Any]:
+    """A sync generate.v3 stub on a shard's unix socket path; the channel is closed on exit.
+
+    Typed Any: the generated _grpc module has no type stubs (the stub sets its methods in __init__).
+    """
     from textgen_pb import generate_pb2_grpc
 
     channel = grpc.insecure_channel(f"unix://{socket_path}", options=GRPC_OPTIONS)
@@ -82,7 +86,7 @@ class ShardHandle:
         except FileNotFoundError:
             return ""
 
-    def stub(self, rank: int = 0) -> object:
+    def stub(self, rank: int = 0) -> Any:
         from textgen_pb import generate_pb2_grpc
 
         channel = grpc.insecure_channel(self.urls[rank], options=GRPC_OPTIONS)
