@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel
 
-from testing.launcher import free_port
+from textgen_common.ports import free_port
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
