@@ -27,6 +27,7 @@ RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
 WORKDIR /usr/src/textgen
 COPY pyproject.toml README.md Makefile ./
 COPY proto proto
+COPY common common
 COPY server server
 COPY router router
 COPY launcher launcher

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from textgen_benchmark.ports import free_port
 from textgen_benchmark.servers import DECODE, Server, scrape
 from textgen_benchmark.stats import Latency
 from textgen_benchmark.w1 import Budgets, Job, make_workload, request_body, workload_budgets
+from textgen_common.ports import free_port
 
 
 @dataclass

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import psutil
 
-from textgen_benchmark.ports import free_port
 from textgen_benchmark.servers import DECODE, Server, scrape
+from textgen_common.ports import free_port
 from textgen_server.builder import build_test_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from textgen_benchmark.decode import bytes_per_step, shard_steps
-from textgen_benchmark.ports import free_port
 from textgen_benchmark.shard import small_model, stop
+from textgen_common.ports import free_port
 
 
 def start_shards(

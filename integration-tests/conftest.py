@@ -1,6 +1,6 @@
 """Integration fixtures: ONE real `textgen-launcher` for the whole session, and JSON snapshots.
 
-- `llama_server`, `llama_client`, `llama_async_client` (session, from the repo-root conftest): the tiny llama
+- `llama_server`, `llama_client`, `llama_async_client` (session, from testing.fixtures): the tiny llama
   served by `textgen-launcher` as a user starts it, and textgen_client clients on it; the client tests share
   the same process.
 - `response_snapshot`: a syrupy JSON snapshot whose comparison is exact for everything but floats (logprobs),
@@ -54,7 +54,9 @@ def close_enough(actual: Any, expected: Any, path: str = "$") -> list[str]:
     if isinstance(actual, list) and isinstance(expected, list):
         if len(actual) != len(expected):
             return [f"{path}: length {len(actual)} != {len(expected)}"]
-        return [d for i, (a, e) in enumerate(zip(actual, expected)) for d in close_enough(a, e, f"{path}[{i}]")]
+        return [
+            d for i, (a, e) in enumerate(zip(actual, expected, strict=True)) for d in close_enough(a, e, f"{path}[{i}]")
+        ]
     return [f"{path}: {actual!r} != {expected!r}"]
 
 

@@ -106,7 +106,7 @@ def test_top_n_tokens(llama_client: Client, greedy: Response, response_snapshot:
     response = llama_client.generate(PROMPT, max_new_tokens=5, top_n_tokens=3)
     assert response.details is not None and response.details.top_tokens is not None
     assert [len(step) for step in response.details.top_tokens] == [3] * 5
-    for token, top in zip(response.details.tokens, response.details.top_tokens):
+    for token, top in zip(response.details.tokens, response.details.top_tokens, strict=True):
         # Greedy picks the most likely token, which leads its step's top list.
         assert top[0].id == token.id
     assert [t.id for t in response.details.tokens] == [t.id for t in greedy.details.tokens[:5]]  # type: ignore[union-attr]

@@ -23,11 +23,11 @@ def test_load_equals_solo(llama_async_client: AsyncClient) -> None:
     solo = asyncio.run(_run_all(llama_async_client, concurrent=False))
     together = asyncio.run(_run_all(llama_async_client, concurrent=True))
     assert len({r.generated_text for r in solo}) > 1  # distinct requests really produce distinct outputs
-    for (prompt, _), alone, batched in zip(REQUESTS, solo, together):
+    for (prompt, _), alone, batched in zip(REQUESTS, solo, together, strict=True):
         assert batched.details is not None and alone.details is not None
         assert [t.id for t in batched.details.tokens] == [t.id for t in alone.details.tokens], prompt
         assert batched.generated_text == alone.generated_text, prompt
         assert batched.details.finish_reason == alone.details.finish_reason
-        for a, b in zip(alone.details.tokens, batched.details.tokens):
+        for a, b in zip(alone.details.tokens, batched.details.tokens, strict=True):
             # Padding and batch shape move logprobs only in the last float bits.
             assert abs((a.logprob or 0.0) - (b.logprob or 0.0)) < 1e-3

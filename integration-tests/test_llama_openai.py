@@ -82,7 +82,7 @@ def test_completion_many_prompts(llama_client: Client, response_snapshot: Any) -
     response = llama_client.completion(PROMPTS, temperature=0, max_tokens=10)
     assert isinstance(response, Completion)
     assert [c.index for c in response.choices] == [0, 1, 2]
-    for prompt, choice in zip(PROMPTS, response.choices):
+    for prompt, choice in zip(PROMPTS, response.choices, strict=True):
         solo = llama_client.completion(prompt, temperature=0, max_tokens=10)
         assert isinstance(solo, Completion)
         assert choice.text == solo.choices[0].text

@@ -1,1 +1,2 @@
-"""Test helpers shared by every test directory; the repo-root conftest.py exposes them as fixtures."""
+"""Test helpers shared by every test directory; `testing.fixtures` holds the pytest fixtures, registered once by
+the repo-root conftest.py."""

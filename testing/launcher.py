@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from textgen_benchmark.ports import free_port
+from textgen_common.ports import free_port
 
 HEALTH_TIMEOUT_S = 240.0
 LOG_TAIL_CHARS = 8000

@@ -15,7 +15,8 @@ import httpx
 import psutil
 import pytest
 
-from testing.launcher import LauncherProcess, free_port, run_launcher
+from testing.launcher import LauncherProcess, run_launcher
+from textgen_common.ports import free_port
 
 LaunchFactory = Callable[..., LauncherProcess]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from textgen_launcher.args import parse_args
-from textgen_launcher.attention import resolve_attention
+from textgen_launcher.attention_defaults import resolve_attention
 from textgen_launcher.config import load_config, parse_config
 from textgen_launcher.devices import DEVICE_ENV_VARS, NoDeviceFound, find_num_shards
 from textgen_launcher.environment import rope_env, router_env, shard_env
@@ -92,6 +92,18 @@ def test_prefill_from_card_flops_and_vram() -> None:
     # 16 GiB holds the ~13.5 GB of f16 weights and little else; 80 GiB holds far more.
     assert vram_cap(config, ["16384 MiB"], 1, 1.0) < vram_cap(config, ["81559 MiB"], 1, 1.0)
     assert vram_cap(config, ["81559 MiB"], 1, 1.0) > 100_000
+
+
+def test_prefill_estimates_without_the_fields_they_need() -> None:
+    # Configs that name head_dim but lack a field an estimate multiplies by: no estimate rather than a crash.
+    no_heads = parse_config({k: v for k, v in LLAMA_7B.items() if k != "num_attention_heads"} | {"head_dim": 128})
+    assert no_heads is not None and no_heads.num_heads is None
+    assert compute_optimal(no_heads, ["NVIDIA H100 80GB HBM3"], 1) is None
+    assert vram_cap(no_heads, ["81559 MiB"], 1, 1.0) is None
+    unsized = {k: v for k, v in LLAMA_7B.items() if k not in ("hidden_size", "intermediate_size")}
+    moe = parse_config(unsized | {"head_dim": 128, "num_experts_per_tok": 2})
+    assert moe is not None and moe.intermediate_size is None
+    assert vram_cap(moe, ["81559 MiB"], 1, 1.0) is None
 
 
 def test_hub_config_comes_from_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -210,7 +222,7 @@ def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.M
         num_shard=1, max_input_tokens=None, max_batch_prefill_tokens=512, quantize=None, cuda_graphs=[1]
     )
     cmd = router_command(args, settings)
-    pairs = dict(zip(cmd[1::2], cmd[2::2]))
+    pairs = dict(zip(cmd[1::2], cmd[2::2], strict=False))
     assert pairs["--master-shard-uds-path"] == "/tmp/s-0"
     assert pairs["--tokenizer-name"] == "/models/m"
     assert pairs["--max-batch-prefill-tokens"] == "512" and pairs["--port"] == "8080"

@@ -38,13 +38,21 @@ def card_tflops(card_name: str) -> int | None:
     return next((flops for key, flops in CARD_TFLOPS if key in name), None)
 
 
+def known(*values: int | None) -> list[int] | None:
+    """The values when none is None (a config field the estimate needs but the model's config lacks)."""
+    present = [v for v in values if v is not None]
+    return present if len(present) == len(values) else None
+
+
 def flops_per_token(c: ModelConfig) -> int | None:
-    if c.is_vlm or None in (c.num_layers, c.hidden_size, c.head_dim, c.num_heads, c.intermediate_size):
+    dims = known(c.num_layers, c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size)
+    if c.is_vlm or dims is None:
         return None
+    layers, hidden, head_dim, heads, kv_heads, intermediate = dims
     # q, k, v, attention and o projections (k and v on the kv heads), then the MLP of the active experts.
-    attention = 2 * c.hidden_size * c.head_dim * (3 * c.num_heads + 2 * c.num_kv_heads)
-    mlp = 6 * c.hidden_size * c.intermediate_size * (c.experts_per_token + c.shared_experts)
-    return c.num_layers * (attention + mlp)
+    attention = 2 * hidden * head_dim * (3 * heads + 2 * kv_heads)
+    mlp = 6 * hidden * intermediate * (c.experts_per_token + c.shared_experts)
+    return layers * (attention + mlp)
 
 
 def compute_optimal(c: ModelConfig | None, cards: list[str], num_shard: int) -> int | None:
@@ -59,19 +67,29 @@ def compute_optimal(c: ModelConfig | None, cards: list[str], num_shard: int) -> 
 
 def model_bytes(c: ModelConfig) -> int | None:
     """f16 weight bytes; None for quantized models, whose size this estimate cannot know."""
-    if c.quantize or None in (c.vocab_size, c.hidden_size, c.num_layers, c.head_dim, c.intermediate_size):
+    dims = known(
+        c.vocab_size, c.hidden_size, c.num_layers, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
+    )
+    if c.quantize or dims is None:
         return None
-    attention = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    mlp = 3 * c.hidden_size * c.intermediate_size * c.local_experts
-    return F16_BYTES * (2 * c.vocab_size * c.hidden_size + c.num_layers * (attention + mlp))
+    vocab, hidden, layers, head_dim, heads, kv_heads, intermediate = dims
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * intermediate * c.local_experts
+    return F16_BYTES * (2 * vocab * hidden + layers * (attention + mlp))
 
 
 def token_bytes(c: ModelConfig) -> int | None:
-    if None in (c.num_layers, c.num_kv_heads, c.head_dim):
+    """KV bytes per token, plus the active experts' intermediate activations of a MoE model."""
+    dims = known(c.num_layers, c.num_kv_heads, c.head_dim)
+    if dims is None:
         return None
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * F16_BYTES
-    moe = c.intermediate_size * c.experts_per_token * F16_BYTES if c.experts_per_token > 1 else 0
-    return kv + moe
+    layers, kv_heads, head_dim = dims
+    kv = 2 * layers * kv_heads * head_dim * F16_BYTES
+    if c.experts_per_token <= 1:
+        return kv
+    if c.intermediate_size is None:
+        return None
+    return kv + c.intermediate_size * c.experts_per_token * F16_BYTES
 
 
 def vram_cap(c: ModelConfig, memory_mib: list[str], num_shard: int, fraction: float) -> int | None:
@@ -85,7 +103,8 @@ def vram_cap(c: ModelConfig, memory_mib: list[str], num_shard: int, fraction: fl
 
 def default_max_batch_prefill_tokens(c: ModelConfig | None, num_shard: int, memory_fraction: float) -> int:
     cards = nvidia_smi("gpu_name") or []
-    value = compute_optimal(c, cards, num_shard) or MODEL_PREFILL.get(c.model_type if c else None, DEFAULT_PREFILL)
+    model_type = (c.model_type if c else None) or ""
+    value = compute_optimal(c, cards, num_shard) or MODEL_PREFILL.get(model_type, DEFAULT_PREFILL)
     if c is not None and c.max_position_embeddings:
         value = min(value, c.max_position_embeddings)
     cap = vram_cap(c, nvidia_smi("memory.total") or [], num_shard, memory_fraction) if c and cards else None

@@ -14,15 +14,15 @@ import sys
 import time
 from collections.abc import Sequence
 
+from textgen_common.logs import setup_logging
 from textgen_launcher.args import parse_args
-from textgen_launcher.attention import resolve_attention
+from textgen_launcher.attention_defaults import resolve_attention
 from textgen_launcher.children import Child, stop_all
 from textgen_launcher.config import load_config
 from textgen_launcher.devices import NoDeviceFound
 from textgen_launcher.download import download_all
 from textgen_launcher.env_info import runtime_env
 from textgen_launcher.errors import LauncherError, ShardFailed, WebserverFailed
-from textgen_launcher.logs import setup_logging
 from textgen_launcher.ports import check_port_free
 from textgen_launcher.router import spawn_router
 from textgen_launcher.shards import Shard, spawn_shards, wait_ready

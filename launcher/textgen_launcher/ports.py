@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
+from textgen_common.addresses import listen_address
 from textgen_launcher.errors import PortInUse
-
-
-def listen_address(hostname: str) -> str:
-    """The router binds 0.0.0.0 when `--hostname` is not an IP literal (Docker sets HOSTNAME to a name)."""
-    try:
-        ipaddress.ip_address(hostname)
-    except ValueError:
-        return "0.0.0.0"
-    return hostname
 
 
 def check_port_free(hostname: str, port: int, what: str) -> None:

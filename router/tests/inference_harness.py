@@ -1,20 +1,11 @@
-"""Fixtures shared by the inference-side tests: a real shard process and an event loop that outlives tests.
-
-The backend's grpc.aio channels and batching task live on one loop, so module-scoped fixtures drive a loop
-of their own (`run(coro)`, bounded by a timeout) instead of a fresh loop per test.
-"""
+"""Plain helpers of the inference-side tests (their fixtures, `shard`, `run` and `oracle`, are in conftest.py):
+prompts of varied lengths, the ValidRequest the router would build for one, and a stream's token ids."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
-
-import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from textgen_router.config import RouterConfig
 from textgen_router.infer import Infer
@@ -38,52 +29,6 @@ def router_config(**overrides: Any) -> RouterConfig:
         max_concurrent_requests=128,
     )
     return dataclasses.replace(config, **overrides)
-
-
-def root_conftest(config: pytest.Config) -> Any:
-    # Every conftest.py is module "conftest"; fetch the repo root's by its registration path.
-    return config.pluginmanager.get_plugin(str(Path(config.rootpath) / "conftest.py"))
-
-
-@pytest.fixture(scope="module")
-def shard(request: pytest.FixtureRequest, tiny_llama: Path) -> Iterator[Any]:
-    """Real `textgen-server serve` processes of the tiny llama on unique unix sockets, stopped after the
-    module; a module sets `NUM_SHARD = 2` to get a tensor-parallel group."""
-    num_shard = getattr(request.module, "NUM_SHARD", 1)
-    with root_conftest(request.config).ShardProcess(tiny_llama, num_shard=num_shard) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def run() -> Iterator[Run]:
-    """Run a coroutine to completion (90 s at most) on the module's event loop."""
-    loop = asyncio.new_event_loop()
-
-    def run(coro: Coroutine[Any, Any, T]) -> T:
-        return loop.run_until_complete(asyncio.wait_for(coro, 90))
-
-    yield run
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_llama: Path) -> Any:
-    """`oracle(prompt, n)`: the n greedy token ids of transformers `generate` on the prompt alone."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    cache: dict[tuple[str, int], list[int]] = {}
-
-    def greedy(prompt: str, max_new_tokens: int) -> list[int]:
-        key = (prompt, max_new_tokens)
-        if key not in cache:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-            cache[key] = out[0, ids.shape[1] :].tolist()
-        return cache[key]
-
-    greedy.tokenizer = tokenizer  # type: ignore[attr-defined]
-    return greedy
 
 
 def prompt(i: int) -> str:

@@ -1,7 +1,5 @@
 """Helpers of the router HTTP tests: a real `textgen-router` process on loopback, and the shared limits.
 
-- `root_conftest(config)`: the repository root conftest module (shard starters, model builders); every
-  conftest.py is module "conftest", so it is fetched by its registration path.
 - `RouterProcess`: `textgen-router --master-shard-uds-path S --tokenizer-name M --port P ...` in its own
   process, waited for (GET /health, bounded) and killed on exit, with its log kept for failures.
 - `ROUTER_FLAGS`: the small limits and the API key of the shared router (fixtures in conftest.py), so every
@@ -19,10 +17,10 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
-import pytest
+
+from textgen_common.ports import free_port
 
 API_KEY = "Test-Key"
 ALLOWED_ORIGIN = "http://allowed.example"
@@ -48,24 +46,19 @@ ROUTER_FLAGS = (
 )
 
 
-def root_conftest(config: pytest.Config) -> Any:
-    return config.pluginmanager.get_plugin(str(Path(config.rootpath) / "conftest.py"))
-
-
 class RouterProcess(contextlib.AbstractContextManager):
     """A real `textgen-router` serving `model_dir` from the shard on `master_socket`."""
 
     def __init__(
         self,
-        config: pytest.Config,
         master_socket: str,
         model_dir: Path,
         flags: Sequence[str] = (),
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
     ) -> None:
-        self.port = root_conftest(config).free_port()
-        self.prometheus_port = root_conftest(config).free_port()
+        self.port = free_port()
+        self.prometheus_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
             sys.executable,

@@ -1,4 +1,5 @@
-"""`textgen-router` arguments (flags, env vars, precedence), start-up failures and graceful shutdown of the real binary."""
+"""`textgen-router` arguments (flags, env vars, precedence), start-up failures and graceful shutdown of the real
+binary."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_fixtures import RouterProcess, root_conftest
+from router_fixtures import RouterProcess
 
+from testing.shards import ShardProcess
+from textgen_common.addresses import listen_address
+from textgen_common.ports import free_port
 from textgen_router.args import parse_args
-from textgen_router.main import listen_host, log_level
+from textgen_router.main import log_level
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,8 +88,8 @@ def test_print_schema_is_a_subcommand() -> None:
 
 
 def test_hostname_and_log_level() -> None:
-    assert listen_host("127.0.0.1") == "127.0.0.1" and listen_host("::1") == "::1"
-    assert listen_host("my-container") == "0.0.0.0"  # Docker's HOSTNAME: TGI falls back to every interface
+    assert listen_address("127.0.0.1") == "127.0.0.1" and listen_address("::1") == "::1"
+    assert listen_address("my-container") == "0.0.0.0"  # Docker's HOSTNAME: TGI falls back to every interface
     assert log_level("info,textgen_router=debug") == "INFO"
     assert log_level("warn") == "WARNING" and log_level("textgen=debug") == "INFO"
 
@@ -114,17 +118,14 @@ def test_startup_failures_exit_1_with_tgi_messages() -> None:
 
 
 @pytest.fixture(scope="module")
-def shard_socket(request: pytest.FixtureRequest, tiny_llama: Path) -> Iterator[str]:
+def shard_socket(tiny_llama: Path) -> Iterator[str]:
     """One real shard for this module's router processes (one after the other)."""
-    with root_conftest(request.config).ShardProcess(tiny_llama) as shard:
+    with ShardProcess(tiny_llama) as shard:
         yield shard.socket
 
 
-def test_tokenizer_failure_is_reported_once_the_backend_is_up(
-    request: pytest.FixtureRequest, shard_socket: str, tmp_path: Path
-) -> None:
+def test_tokenizer_failure_is_reported_once_the_backend_is_up(shard_socket: str, tmp_path: Path) -> None:
     """The tokenizer loads during warmup, but its failure surfaces after the backend's steps, as in TGI."""
-    free_port = root_conftest(request.config).free_port
     proc = subprocess.run(
         [
             sys.executable,
@@ -154,10 +155,8 @@ def test_tokenizer_failure_is_reported_once_the_backend_is_up(
     assert proc.stdout.index("Setting max batch total tokens") < proc.stdout.index("Unable to load the tokenizer")
 
 
-def test_sigterm_lets_in_flight_streams_finish(
-    request: pytest.FixtureRequest, shard_socket: str, tiny_llama: Path
-) -> None:
-    with RouterProcess(request.config, shard_socket, tiny_llama) as router:
+def test_sigterm_lets_in_flight_streams_finish(shard_socket: str, tiny_llama: Path) -> None:
+    with RouterProcess(shard_socket, tiny_llama) as router:
         # Both listeners are up: the lifecycle-line check below covers two uvicorn servers.
         assert httpx.get(f"http://127.0.0.1:{router.prometheus_port}/metrics", timeout=5).status_code == 200
         body = {"inputs": "Hello", "parameters": {"max_new_tokens": 60}}

@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from router_fixtures import root_conftest
 
+from testing.shards import spawn_shards
+from textgen_common.ports import free_port
 from textgen_router import main as router_main
 from textgen_router.args import parse_args
 from textgen_router.tracing import setup_tracing
@@ -77,11 +78,8 @@ def exporter() -> InMemorySpanExporter:
 
 
 @pytest.fixture(scope="module")
-def shard_and_router(
-    request: pytest.FixtureRequest, tiny_llama: Path, exporter: InMemorySpanExporter
-) -> Iterator[tuple[Any, InProcessRouter]]:
-    root = root_conftest(request.config)
-    shard = root.spawn_shards(tiny_llama)
+def shard_and_router(tiny_llama: Path, exporter: InMemorySpanExporter) -> Iterator[tuple[Any, InProcessRouter]]:
+    shard = spawn_shards(tiny_llama)
     try:
         argv = [
             "--master-shard-uds-path",
@@ -89,7 +87,7 @@ def shard_and_router(
             "--tokenizer-name",
             str(tiny_llama),
             "--port",
-            str(root.free_port()),
+            str(free_port()),
             "--max-input-tokens",
             "32",
             "--max-total-tokens",
@@ -137,7 +135,7 @@ def test_request_and_validation_spans_follow_traceparent(
 
 
 def test_health_after_a_shard_failure_and_recovery(
-    shard_and_router: tuple[Any, InProcessRouter], request: pytest.FixtureRequest, tiny_llama: Path
+    shard_and_router: tuple[Any, InProcessRouter], tiny_llama: Path
 ) -> None:
     shard, router = shard_and_router
     base = router.base_url
@@ -151,7 +149,7 @@ def test_health_after_a_shard_failure_and_recovery(
     assert unhealthy.status_code == 503
     assert unhealthy.json() == {"error": "unhealthy", "error_type": "healthcheck"}
     # A new shard on the same socket: the next check's liveness prefill passes and health comes back.
-    replacement = root_conftest(request.config).spawn_shards(tiny_llama, uds_path=shard.uds_path)
+    replacement = spawn_shards(tiny_llama, uds_path=shard.uds_path)
     try:
         deadline = time.monotonic() + 60
         status = 503

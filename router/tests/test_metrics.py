@@ -15,7 +15,7 @@ def clean() -> Iterator[None]:
     saved = [h.buckets for h in length_histograms]
     metrics.reset()
     yield
-    for histogram, buckets in zip(length_histograms, saved):
+    for histogram, buckets in zip(length_histograms, saved, strict=True):
         histogram.set_buckets(buckets)
     metrics.reset()
 

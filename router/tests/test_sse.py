@@ -47,7 +47,7 @@ def test_stream_bytes(client: httpx.Client) -> None:
     # The logprob digits are the shortest that give back the f32 (serde_json/ryu), taken from /generate's body.
     logprobs = re.findall(rf'"logprob":({NUMBER})', reference.text)
     prompt_tokens = reference.headers["x-prompt-tokens"]
-    for i, (tok, logprob) in enumerate(zip(tokens, logprobs), start=1):
+    for i, (tok, logprob) in enumerate(zip(tokens, logprobs, strict=True), start=1):
         token = '{"id":%d,"text":%s,"logprob":%s,"special":false}' % (
             tok["id"],
             json.dumps(tok["text"], ensure_ascii=False),

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 from router_fixtures import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS
 
@@ -186,7 +187,9 @@ def test_tokenize_equals_the_transformers_tokenizer(
 
 def test_grammar_shape_is_checked_before_support(validator: Validator) -> None:
     assert GrammarParameters(type="regex", value="a+").type == "regex"
-    with pytest.raises(Exception):
+    with pytest.raises(
+        pydantic.ValidationError, match="Input should be 'json', 'json_object', 'regex' or 'json_schema'"
+    ):
         GrammarParameters(type="xml", value="a")  # type: ignore[arg-type]
 
 

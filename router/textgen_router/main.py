@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import contextvars
 import gc
-import ipaddress
 import json
 import logging
 import os
@@ -37,7 +36,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from textgen_launcher.logs import setup_logging
+from textgen_common.addresses import listen_address
+from textgen_common.logs import setup_logging
 from textgen_router import metrics
 from textgen_router.app import create_app
 from textgen_router.args import parse_args
@@ -61,16 +61,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def listen_host(hostname: str) -> str:
-    """TGI binds only IP literals; anything else (Docker sets HOSTNAME to the container name) is 0.0.0.0."""
-    try:
-        ipaddress.ip_address(hostname)
-        return hostname
-    except ValueError:
-        logger.warning("Invalid hostname, defaulting to 0.0.0.0")
-        return "0.0.0.0"
 
 
 # Set inside the Prometheus listener's task only (each asyncio task runs in its own copy of the context).
@@ -231,7 +221,9 @@ async def serve(args: Namespace) -> int:
     # what serving allocates (figures: benchmark/README.md, "Router figures").
     gc.freeze()
     try:
-        host = listen_host(args.hostname)
+        host = listen_address(args.hostname)
+        if host != args.hostname:
+            logger.warning("Invalid hostname, defaulting to 0.0.0.0")
         servers = [server(router.app, host, args.port)]
         listeners = [servers[0].serve()]
         prometheus_socket = _bind(host, args.prometheus_port)

@@ -1,6 +1,6 @@
 """Fixtures for the shard tests: the in-process transformers oracle and a real OTLP collector.
 
-The real shard processes come from the repo-root conftest (`ShardProcess`, `start_shard`).
+The real shard processes come from testing.shards (`ShardProcess`) and the shared `start_shard` fixture.
 """
 
 from __future__ import annotations

@@ -35,66 +35,73 @@ class StandInHub:
     requests: list[str] = field(default_factory=list)
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
-        hub = self
+        """A request handler class bound to this hub (http.server builds one handler per request)."""
+        return type("Handler", (HubRequestHandler,), {"hub": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:  # keep pytest output clean
-                pass
 
-            def _error(self, code: str) -> None:
-                self.send_response(404)
-                self.send_header("X-Error-Code", code)
-                self.send_header("Content-Type", "application/json")
-                body = json.dumps({"error": code}).encode()
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command == "GET":
-                    self.wfile.write(body)
+class HubRequestHandler(BaseHTTPRequestHandler):
+    """Answers GET/HEAD from the repos of `hub` (set on the subclass that StandInHub.handler makes)."""
 
-            def _send(self, body: bytes, headers: dict[str, str]) -> None:
-                self.send_response(200)
-                for key, value in headers.items():
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if self.command == "GET":
-                    self.wfile.write(body)
+    hub: StandInHub
 
-            def _route(self) -> None:
-                path = self.path.split("?")[0]
-                hub.requests.append(f"{self.command} {path}")
-                parts = path.strip("/").split("/")
-                if parts[0] == "api" and parts[1] == "models":  # /api/models/{org}/{name}[/revision/{rev}]
-                    repo = hub.repos.get("/".join(parts[2:4]))
-                    if repo is None:
-                        return self._error("RepoNotFound")
-                    if len(parts) > 5 and parts[5] not in ("main", repo.sha):
-                        return self._error("RevisionNotFound")
-                    info = {
-                        "id": "/".join(parts[2:4]),
-                        "sha": repo.sha,
-                        "siblings": [{"rfilename": name} for name in sorted(repo.files)],
-                    }
-                    return self._send(json.dumps(info).encode(), {"Content-Type": "application/json"})
-                if len(parts) >= 5 and parts[2] == "resolve":  # /{org}/{name}/resolve/{rev}/{file}
-                    repo = hub.repos.get("/".join(parts[:2]))
-                    if repo is None:
-                        return self._error("RepoNotFound")
-                    if parts[3] not in ("main", repo.sha):
-                        return self._error("RevisionNotFound")
-                    name = "/".join(parts[4:])
-                    body = None if name in repo.unserved else repo.files.get(name)
-                    if body is None:
-                        return self._error("EntryNotFound")
-                    etag = '"' + hashlib.sha256(body).hexdigest() + '"'
-                    return self._send(
-                        body, {"X-Repo-Commit": repo.sha, "ETag": etag, "Content-Type": "application/octet-stream"}
-                    )
-                self._error("RepoNotFound")
+    def log_message(self, *args: object) -> None:  # keep pytest output clean
+        pass
 
-            do_GET = do_HEAD = _route
+    def _error(self, code: str) -> None:
+        self.send_response(404)
+        self.send_header("X-Error-Code", code)
+        self.send_header("Content-Type", "application/json")
+        body = json.dumps({"error": code}).encode()
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
 
-        return Handler
+    def _send(self, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(200)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
+
+    def _model_info(self, parts: list[str]) -> None:
+        """/api/models/{org}/{name}[/revision/{rev}]"""
+        repo = self.hub.repos.get("/".join(parts[2:4]))
+        if repo is None:
+            return self._error("RepoNotFound")
+        if len(parts) > 5 and parts[5] not in ("main", repo.sha):
+            return self._error("RevisionNotFound")
+        info = {"id": "/".join(parts[2:4]), "sha": repo.sha, "siblings": [{"rfilename": n} for n in sorted(repo.files)]}
+        self._send(json.dumps(info).encode(), {"Content-Type": "application/json"})
+
+    def _resolve(self, parts: list[str]) -> None:
+        """/{org}/{name}/resolve/{rev}/{file}"""
+        repo = self.hub.repos.get("/".join(parts[:2]))
+        if repo is None:
+            return self._error("RepoNotFound")
+        if parts[3] not in ("main", repo.sha):
+            return self._error("RevisionNotFound")
+        name = "/".join(parts[4:])
+        body = None if name in repo.unserved else repo.files.get(name)
+        if body is None:
+            return self._error("EntryNotFound")
+        etag = '"' + hashlib.sha256(body).hexdigest() + '"'
+        self._send(body, {"X-Repo-Commit": repo.sha, "ETag": etag, "Content-Type": "application/octet-stream"})
+
+    def _route(self) -> None:
+        path = self.path.split("?")[0]
+        self.hub.requests.append(f"{self.command} {path}")
+        parts = path.strip("/").split("/")
+        if parts[0] == "api" and parts[1] == "models":
+            self._model_info(parts)
+        elif len(parts) >= 5 and parts[2] == "resolve":
+            self._resolve(parts)
+        else:
+            self._error("RepoNotFound")
+
+    do_GET = do_HEAD = _route
 
 
 def model_files(model_dir: Path) -> dict[str, bytes]:

@@ -9,12 +9,14 @@ import stat
 import subprocess
 import sys
 import uuid
+from functools import partial
 from pathlib import Path
 
 import grpc
 import pytest
 from shard_helpers import chooser, make_batch, make_request
 
+from testing.shards import ShardProcess, shard_stub
 from textgen_pb import generate_pb2 as pb
 
 MAX_INPUT_TOKENS = 48
@@ -33,11 +35,11 @@ PARENT_SPAN_ID = "b7ad6b7169203331"
 
 
 @pytest.fixture(scope="module")
-def shard(tiny_llama: Path, otlp_collector, shard_process):  # type: ignore[no-untyped-def]
+def shard(tiny_llama: Path, otlp_collector):  # type: ignore[no-untyped-def]
     _, port = otlp_collector
     uds_path = f"/tmp/tg-srv-{uuid.uuid4().hex[:8]}"
     Path(f"{uds_path}-0").write_text("stale")  # left by a crashed run: the shard must replace it
-    with shard_process(
+    with ShardProcess(
         tiny_llama,
         uds_path=uds_path,
         extra_args=["--max-input-tokens", str(MAX_INPUT_TOKENS), "--otlp-endpoint", f"http://127.0.0.1:{port}"],
@@ -77,8 +79,9 @@ def step(stub, call, tokens, texts, finished) -> pb.CachedBatch | None:  # type:
 
 def run_to_end(stub, cached, tokens, texts, finished) -> None:  # type: ignore[no-untyped-def]
     while cached is not None:
-        request = pb.DecodeRequest(batches=[cached])
-        cached = step(stub, lambda: stub.Decode(request, timeout=30), tokens, texts, finished)
+        cached = step(
+            stub, partial(stub.Decode, pb.DecodeRequest(batches=[cached]), timeout=30), tokens, texts, finished
+        )
 
 
 def test_greedy_through_filter_and_concatenate_matches_transformers(stub, llama_oracle) -> None:
@@ -91,8 +94,9 @@ def test_greedy_through_filter_and_concatenate_matches_transformers(stub, llama_
     first = make_batch(1, [make_request(i, PROMPTS[i], new_tokens[i]) for i in range(5)])
     cached = step(stub, lambda: stub.Prefill(pb.PrefillRequest(batch=first), timeout=30), tokens, texts, finished)
     for _ in range(2):
-        request = pb.DecodeRequest(batches=[cached])
-        cached = step(stub, lambda: stub.Decode(request, timeout=30), tokens, texts, finished)
+        cached = step(
+            stub, partial(stub.Decode, pb.DecodeRequest(batches=[cached]), timeout=30), tokens, texts, finished
+        )
     # The router drops requests 1 and 3 (e.g. clients gone): the others must continue exactly.
     cached = stub.FilterBatch(pb.FilterBatchRequest(batch_id=1, request_ids=[0, 2, 4]), timeout=30).batch
     # Row order is the shard's choice (longest prompt first, holes filled from the tail).
@@ -159,7 +163,7 @@ def test_prefill_logprobs_and_top_n_equal_log_softmax_of_logits(stub, llama_orac
         prefill = generation.prefill_tokens
         assert list(prefill.ids) == prompt_ids
         assert math.isnan(prefill.logprobs[0])
-        for position, (token, logprob) in enumerate(zip(prompt_ids[1:], prefill.logprobs[1:])):
+        for position, (token, logprob) in enumerate(zip(prompt_ids[1:], prefill.logprobs[1:], strict=True)):
             assert logprob == pytest.approx(float(reference[position, token]), abs=1e-4)
         assert list(prefill.texts) == [llama_oracle.tokenizer.decode([t]) for t in prompt_ids]
         assert prefill.is_special[0] and not any(prefill.is_special[1:])  # <s> is special
@@ -378,9 +382,9 @@ def test_startup_error_is_one_json_line_with_json_output(tiny_llama: Path) -> No
     assert line["message"] == "--quantize awq is not supported: this shard runs transformers models unquantized"
 
 
-def test_sigterm_stops_cleanly_and_removes_socket(shard, shard_stub_factory) -> None:
+def test_sigterm_stops_cleanly_and_removes_socket(shard) -> None:
     """Last on purpose: it stops the module's shard."""
-    with shard_stub_factory(shard.socket) as stub:
+    with shard_stub(shard.socket) as stub:
         stub.Health(pb.HealthRequest(), timeout=10)
     shard.stop()
     assert shard.process.returncode == 0

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, PreTrainedModel
 
-from testing.launcher import free_port
+from textgen_common.ports import free_port
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -58,7 +58,7 @@ def padded_greedy(
     tokens: list[list[int]] = [[] for _ in prompts]
     for _ in range(steps):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        for row, token in zip(tokens, nxt[:, 0].tolist()):
+        for row, token in zip(tokens, nxt[:, 0].tolist(), strict=True):
             row.append(token)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         position_ids = position_ids[:, -1:] + 1

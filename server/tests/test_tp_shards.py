@@ -13,17 +13,15 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from operator import methodcaller
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 import pytest
 from shard_helpers import HFOracle, chooser, make_batch, make_request
 
+from testing.shards import ShardHandle, ShardProcess
 from textgen_pb import generate_pb2
-
-if TYPE_CHECKING:
-    from conftest import ShardHandle, ShardProcess
 
 PROMPTS = ["def fill(self, text):", "import os\nclass", "The quick brown"]
 MAX_NEW_TOKENS = 8
@@ -57,7 +55,7 @@ def generate(
     reported: list[set[int]] = [set() for _ in ranks]
     batch = make_batch(0, batch_requests)
     with ThreadPoolExecutor(len(stubs)) as pool:
-        replies = list(pool.map(lambda s: s.Prefill(generate_pb2.PrefillRequest(batch=batch), timeout=60), stubs))
+        replies = list(pool.map(methodcaller("Prefill", generate_pb2.PrefillRequest(batch=batch), timeout=60), stubs))
         while True:
             for rank, reply in enumerate(replies):
                 for g in reply.generations:
@@ -65,21 +63,19 @@ def generate(
                     reported[rank].add(g.request_id)
             if not replies[-1].HasField("batch"):
                 return tokens, reported
-            cached = replies[-1].batch
-            replies = list(
-                pool.map(lambda s: s.Decode(generate_pb2.DecodeRequest(batches=[cached]), timeout=60), stubs)
-            )
+            decode = generate_pb2.DecodeRequest(batches=[replies[-1].batch])
+            replies = list(pool.map(methodcaller("Decode", decode, timeout=60), stubs))
 
 
 @pytest.fixture(scope="module")
-def one_shard(tiny_llama: Path, shard_process: type[ShardProcess]) -> Iterator[ShardHandle]:
-    with shard_process(tiny_llama) as handle:
+def one_shard(tiny_llama: Path) -> Iterator[ShardHandle]:
+    with ShardProcess(tiny_llama) as handle:
         yield handle
 
 
 @pytest.fixture(scope="module")
-def two_shards(tiny_llama: Path, shard_process: type[ShardProcess]) -> Iterator[ShardHandle]:
-    with shard_process(tiny_llama, num_shard=2) as handle:
+def two_shards(tiny_llama: Path) -> Iterator[ShardHandle]:
+    with ShardProcess(tiny_llama, num_shard=2) as handle:
         yield handle
 
 
@@ -104,11 +100,9 @@ def test_seeded_sampling_is_the_same_on_one_and_two_shards(one_shard: ShardHandl
     assert sampled_1 != greedy  # the requests really sampled
 
 
-def test_a_hung_rank_makes_the_other_exit_within_the_dist_timeout(
-    tiny_llama: Path, shard_process: type[ShardProcess]
-) -> None:
+def test_a_hung_rank_makes_the_other_exit_within_the_dist_timeout(tiny_llama: Path) -> None:
     timeout_s = 15
-    with shard_process(tiny_llama, num_shard=2, env={"TEXTGEN_DIST_TIMEOUT": str(timeout_s)}) as handle:
+    with ShardProcess(tiny_llama, num_shard=2, env={"TEXTGEN_DIST_TIMEOUT": str(timeout_s)}) as handle:
         handle.processes[1].send_signal(signal.SIGSTOP)
         try:
             start = time.monotonic()
@@ -125,7 +119,7 @@ def test_a_hung_rank_makes_the_other_exit_within_the_dist_timeout(
 
 
 def test_unshardable_models_fail_at_startup_with_a_clear_error(
-    tiny_llama: Path, tiny_gpt2: Path, tmp_path: Path, shard_process: type[ShardProcess]
+    tiny_llama: Path, tiny_gpt2: Path, tmp_path: Path
 ) -> None:
     one_kv_head = tmp_path / "one-kv-head"
     shutil.copytree(tiny_llama, one_kv_head)
@@ -138,5 +132,5 @@ def test_unshardable_models_fail_at_startup_with_a_clear_error(
     for model_dir, message in cases.items():
         # The first rank to exit fails start-up with its log; the other rank is stopped with it.
         with pytest.raises(RuntimeError, match=re.escape(f"--sharded over 2 shards: {message}")):
-            with shard_process(model_dir, num_shard=2, timeout=120):
+            with ShardProcess(model_dir, num_shard=2, timeout=120):
                 pass

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from textgen_launcher.logs import setup_logging
+from textgen_common.logs import setup_logging
 
 logger = logging.getLogger("textgen_server.cli")
 

@@ -1,0 +1,112 @@
+"""The pytest fixtures every test directory shares; the repo-root conftest.py registers this module once.
+
+Models (session-scoped, from testing.models' on-disk cache): `tiny_llama`, `tiny_gpt2`, `tiny_mistral`,
+`tiny_qwen2`: the `Path` of a tiny real model of that architecture.
+
+Real shard processes (testing.shards):
+- `start_shard(model_dir, uds_path=None, env=None, extra_args=(), num_shard=1, timeout=120.0)`:
+  function-scoped factory around `spawn_shards`; every shard it started is stopped at the end of the test.
+  Module- and session-scoped fixtures use `testing.shards.ShardProcess` directly.
+
+Real launchers (testing.launcher):
+- `launcher(model_dir, *args, env=None, wait=True)`: session-scoped factory. Starts `textgen-launcher` on a
+  free loopback port with `args` appended (its own process group, a short unique --shard-uds-path), waits for
+  GET /health (bounded; its log is printed and it is stopped if that fails) unless `wait=False`, and returns a
+  `LauncherProcess` (`.base_url`, `.model_dir`, `.process`, `.log`, `.uds`, `.wait_healthy()`, `.wait_exit()`,
+  `.shard_pids()`, `.survivors()`, `.sockets_left()`, `.stop()`). Whatever is still running at the end of the
+  session is stopped (process group killed, no socket left); narrower scopes call `.stop()` themselves.
+- `llama_server`: the tiny llama behind one default launcher, shared by the whole session (integration and
+  client tests); `llama_client` / `llama_async_client`: textgen_client clients on it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from testing.launcher import LauncherProcess
+from testing.models import build_model
+from testing.shards import ShardHandle, spawn_shards
+
+if TYPE_CHECKING:  # the client package is imported only by sessions that use it
+    from textgen_client import AsyncClient, Client
+
+
+def tiny_model_fixture(arch: str) -> Callable[[], Path]:
+    """A session fixture `tiny_<arch>`: the tiny model of that architecture, from the on-disk cache."""
+
+    @pytest.fixture(scope="session", name=f"tiny_{arch}")
+    def tiny_model() -> Path:
+        return build_model(arch, "tiny")
+
+    return tiny_model
+
+
+tiny_llama = tiny_model_fixture("llama")
+tiny_gpt2 = tiny_model_fixture("gpt2")
+tiny_mistral = tiny_model_fixture("mistral")
+tiny_qwen2 = tiny_model_fixture("qwen2")
+
+
+@pytest.fixture
+def start_shard() -> Iterator[Callable[..., ShardHandle]]:
+    """Factory: `start_shard(model_dir, uds_path=None, env=None, extra_args=(), num_shard=1)`."""
+    handles: list[ShardHandle] = []
+
+    def start(model_dir: str | os.PathLike, **kwargs: object) -> ShardHandle:
+        handle = spawn_shards(model_dir, **kwargs)  # type: ignore[arg-type]
+        handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def launcher() -> Iterator[Callable[..., LauncherProcess]]:
+    """Factory: `launcher(model_dir, *args, env=None, wait=True) -> LauncherProcess` (see the module docstring)."""
+    started: list[LauncherProcess] = []
+
+    def start(
+        model_dir: str | os.PathLike, *args: str, env: dict[str, str] | None = None, wait: bool = True
+    ) -> LauncherProcess:
+        handle = LauncherProcess(model_dir, args, env)
+        started.append(handle)
+        if wait:
+            try:
+                handle.wait_healthy()
+            except BaseException:
+                print(handle.log, file=sys.stderr)
+                handle.stop()
+                raise
+        return handle
+
+    yield start
+    for handle in started:
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_server(launcher: Callable[..., LauncherProcess], tiny_llama: Path) -> LauncherProcess:
+    """The tiny llama behind one default `textgen-launcher`, for every test directory of the session."""
+    return launcher(tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def llama_client(llama_server: LauncherProcess) -> Client:
+    from textgen_client import Client
+
+    return Client(llama_server.base_url, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def llama_async_client(llama_server: LauncherProcess) -> AsyncClient:
+    from textgen_client import AsyncClient
+
+    return AsyncClient(llama_server.base_url, timeout=120)
