@@ -4,8 +4,8 @@ Three phases against one `textgen-launcher` (one shard, loopback only), each bou
 
 1. idle: `--probes` small requests one after another (POST /generate, 5 tokens): their p50 latency;
 2. max-size load: two clients send `--huge-bytes` prompts (1.9 MB: just under the default payload limit) to
-   /generate and /tokenize for `--max-size-seconds` (the requests in flight then finish) while the small
-   request is timed again: p50 under load and its ratio to idle;
+   /generate and /tokenize for `--max-size-seconds`, and the small request is timed again until the last of
+   them has finished: p50 under load and its ratio to idle;
 3. soak: 2 x `--max-concurrent-requests` clients for `--duration` seconds, each looping over greedy requests
    with random prompts (32-256 tokens) and max_new_tokens (1..`--max-new-tokens`), /generate or
    /generate_stream, a tenth of them streams that the client drops after the first event; one more client
@@ -17,9 +17,9 @@ answer, as TGI sends it); lost (neither a response nor an error: the connection 
 status line, or a 200 whose body or event stream ends before its final message); wrong length (a completed
 greedy request that did not stop on EOS or a stop sequence and whose generated token count differs from
 max_new_tokens, or whose reported and received counts disagree); 5xx; 424; other 4xx; other error events
-inside a 200 stream; dropped streams. The router's and the shard's RSS are sampled over all phases (psutil).
-Targets (issue 24): 0 lost, 0 wrong, 0 5xx, RSS flat after warm-up, small-request latency under max-size load
-<= 2x idle.
+inside a 200 stream; dropped streams (lost and 5xx include the hostile requests'). The router's and the
+shard's RSS are sampled over all phases (psutil). Targets (issue 24): 0 lost, 0 wrong, 0 5xx, RSS flat after
+warm-up, small-request latency under max-size load <= 2x idle.
 
     python benchmark/soak.py [--duration 60] [--max-concurrent-requests 16] [--json soak.json]
 """
@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,6 +43,7 @@ from textgen_benchmark.ports import free_port
 from textgen_benchmark.stats import Latency
 from textgen_server.builder import build_test_model
 
+FIRST_EVENT = re.compile(rb"data:[^\n]*\n\n")
 SMALL = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 5}}).encode()
 MAX_INPUT_TOKENS = 300  # above the longest prompt make_workload builds (256 tokens)
 
@@ -81,7 +83,7 @@ async def exchange(port: int, path: str, payload: bytes, timeout: float, drop_af
                 )
                 while chunk := await reader.read(65536):
                     raw += chunk
-                    if drop_after_event and b"\r\n\r\n" in raw and b"data:" in raw.split(b"\r\n\r\n", 1)[1]:
+                    if drop_after_event and FIRST_EVENT.search(raw.partition(b"\r\n\r\n")[2]):
                         break
             finally:
                 writer.close()
@@ -150,18 +152,20 @@ def _outcome(reply: Reply, stream: bool, dropped: bool, max_new_tokens: int) -> 
         return {429: "rejected_429", 424: "failed_424"}.get(
             reply.status, "server_5xx" if reply.status >= 500 else "other_4xx"
         )
-    if dropped:
-        return "dropped_streams"
     try:
-        if not reply.complete:
+        if not (reply.complete or dropped):
             raise ValueError("cut short")
         if stream:
-            events = [json.loads(line[5:]) for line in reply.body.split(b"\n") if line.startswith(b"data:")]
-            if events and "error" in events[-1]:
+            events = [line[5:] for line in reply.body.split(b"\n") if line.startswith(b"data:")]
+            # A dropped stream was cut by the client after its first event: that is the one to look at.
+            last = json.loads(events[0] if dropped else events[-1])
+            if "error" in last:
                 # TGI's streaming routes report errors, a full queue included, as an event in a 200 answer.
-                error_type = events[-1].get("error_type", "unknown")
+                error_type = last.get("error_type", "unknown")
                 return "rejected_429" if error_type == "overloaded" else f"stream_error:{error_type}"
-            details, received = events[-1]["details"], len(events)
+            if dropped:
+                return "dropped_streams"
+            details, received = last["details"], len(events)
         else:
             details = json.loads(reply.body)["details"]
             received = len(details["tokens"])
@@ -245,8 +249,9 @@ class Soak:
             path = "/generate_stream" if stream else "/generate"
             reply = await exchange(self.launcher.port, path, payload, self.args.request_timeout, drop)
             if self.counts.record(reply, stream, drop, max_new_tokens) == "rejected_429":
-                # A real client backs off; without it, rejected clients spin on the cores the server shares.
-                await asyncio.sleep(rng.uniform(0.0, 0.02))
+                # A client backs off (~10 retries/s each): without it the rejected half of the clients spin on
+                # the cores the server shares, and the run measures mostly the 429 path.
+                await asyncio.sleep(rng.uniform(0.05, 0.15))
 
     async def hostile_client(self, until: float) -> None:
         kinds = list(self.hostile)
@@ -262,6 +267,9 @@ class Soak:
             seen = self.counts.hostile.setdefault(kind, {})
             status = str(reply.status) if reply.status is not None else "lost"
             seen[status] = seen.get(status, 0) + 1
+            # A bad input may get a 4xx, never a 5xx or no answer: those count with everyone's.
+            if reply.status is None or reply.status >= 500:
+                self.counts.record(reply, False, False, 0)
             await asyncio.sleep(self.args.hostile_every)
 
     async def run(self, prompts: list[str]) -> dict:
@@ -271,7 +279,8 @@ class Soak:
             self.phase = "max-size"
             until = time.monotonic() + self.args.max_size_seconds
             loaders = [asyncio.create_task(self.max_size_client(p, until)) for p in ("/generate", "/tokenize")]
-            loaded = await self.probe(lambda done: time.monotonic() < until)
+            # Timed for as long as the load lasts: its requests in flight at `until` finish first.
+            loaded = await self.probe(lambda done: time.monotonic() < until or not all(t.done() for t in loaders))
             await asyncio.gather(*loaders)
             self.phase = "soak"
             until = time.monotonic() + self.args.duration
