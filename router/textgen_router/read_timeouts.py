@@ -9,7 +9,7 @@ bounds are ours:
 - headers: a new connection, and each later request from its first byte on, must finish its header block
   within `TEXTGEN_HEADER_TIMEOUT` seconds (default 10);
 - body: once the request is handed to the app, its whole body must arrive within `TEXTGEN_BODY_TIMEOUT`
-  seconds (default 60: a 2 MB payload at 35 kB/s).
+  seconds (default 60: the default 2 MB payload limit at ~33 kB/s).
 
 When a deadline passes, a request that has begun and has no response yet is answered 408 `Request Timeout`
 (plain text, `connection: close`); the connection is then closed. A connection that never sent a byte is
