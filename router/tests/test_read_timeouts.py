@@ -66,9 +66,7 @@ def generate_ok(router: RouterProcess) -> None:
 
 
 @pytest.mark.parametrize("stalled", [PARTIAL_HEADERS, SHORT_BODY], ids=["partial-headers", "short-body"])
-def test_stalled_requests_get_408_and_are_closed_while_others_are_served(
-    router: RouterProcess, stalled: bytes
-) -> None:
+def test_stalled_requests_get_408_and_are_closed_while_others_are_served(router: RouterProcess, stalled: bytes) -> None:
     started = time.monotonic()
     held = [connect(router, stalled) for _ in range(HELD)]
     generate_ok(router)
