@@ -44,6 +44,7 @@ from textgen_router.args import parse_args
 from textgen_router.backend import Backend, StartupError, connect_backend
 from textgen_router.chat_template import ChatTemplate
 from textgen_router.config import RouterConfig
+from textgen_router.read_timeouts import ReadTimeoutProtocol
 from textgen_router.state import RouterState
 from textgen_router.tracing import setup_tracing
 from textgen_router.validation import Limits, Validator, load_tokenizer
@@ -204,6 +205,7 @@ def server(app: ASGIApp, host: str, port: int) -> uvicorn.Server:
         log_config=None,
         access_log=False,
         timeout_keep_alive=5,
+        http=ReadTimeoutProtocol,  # bounded header and body reads (uvicorn bounds only keep-alive idle time)
     )
     return _Server(config)
 
