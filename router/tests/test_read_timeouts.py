@@ -13,7 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_fixtures import RouterProcess, root_conftest
+from router_fixtures import RouterProcess
+
+from testing.shards import ShardProcess
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0
@@ -29,10 +31,10 @@ SHORT_BODY = (
 
 
 @pytest.fixture(scope="module")
-def router(request: pytest.FixtureRequest, tiny_llama: Path) -> Iterator[RouterProcess]:
+def router(tiny_llama: Path) -> Iterator[RouterProcess]:
     env = {"TEXTGEN_HEADER_TIMEOUT": str(HEADER_TIMEOUT_S), "TEXTGEN_BODY_TIMEOUT": str(BODY_TIMEOUT_S)}
-    with root_conftest(request.config).ShardProcess(tiny_llama) as shard:
-        with RouterProcess(request.config, shard.socket, tiny_llama, FLAGS, env=env) as proc:
+    with ShardProcess(tiny_llama) as shard:
+        with RouterProcess(shard.socket, tiny_llama, FLAGS, env=env) as proc:
             yield proc
 
 
