@@ -6,15 +6,12 @@ OpenAPI spec (`textgen-router print-schema`). Handlers reach the state through `
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from textgen_router import openai, schemas
+from textgen_router import openai, openapi_spec
 from textgen_router.body import BodyError
 from textgen_router.routes import routes
 from textgen_router.sse import DIRECT_SEND
@@ -82,7 +79,7 @@ def create_app(
     app.include_router(routes)
     app.include_router(openai.router)
     app.add_exception_handler(BodyError, _body_error)  # type: ignore[arg-type]
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_spec.build(app, PROTECTED_PATHS)  # type: ignore[method-assign]
     # A middleware that rewrites response bodies (gzip, ...) would be bypassed by streams: see _App.
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -97,16 +94,3 @@ def create_app(
 
 async def _body_error(request: Request, err: BodyError) -> Response:
     return err.response()
-
-
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's spec plus the request body schemas that handlers read themselves (see body.py)."""
-    if app.openapi_schema is None:
-        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        components = spec.setdefault("components", {}).setdefault("schemas", {})
-        for model in (schemas.GenerateRequest, schemas.CompatGenerateRequest, schemas.StreamResponse):
-            defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(defs.pop("$defs", {}))
-            components[model.__name__] = defs
-        app.openapi_schema = spec
-    return app.openapi_schema
