@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from textgen_server.layers.attention import attention_for, uses_matmul
+from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary

@@ -17,7 +17,7 @@ from textgen_server.cache import BatchNotFoundError, Cache
 from textgen_server.interceptor import ExceptionInterceptor, TracingInterceptor
 from textgen_server.models.model import Batch, InvalidRequestError, Model
 
-logger = logging.getLogger("textgen_server.server")
+logger = logging.getLogger("textgen_server.servicer")
 
 MAX_MESSAGE_LENGTH = 2**31 - 1
 
