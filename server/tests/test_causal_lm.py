@@ -9,6 +9,7 @@ import torch
 from shard_helpers import HFOracle, make_batch, make_request
 
 from textgen_pb import generate_pb2 as pb
+from textgen_server.config import ServeConfig
 from textgen_server.layers.decode_attention import kernel_available
 from textgen_server.models import get_model
 from textgen_server.models.causal_lm import CausalLM, CausalLMBatch
@@ -18,7 +19,7 @@ PROMPTS = ["def foo(x):", "class", "for i in range(10):\n    print(i)", "x = 1"]
 
 @pytest.fixture(scope="module")
 def gpt2(tiny_gpt2: Path) -> CausalLM:
-    model = get_model(str(tiny_gpt2))
+    model = get_model(ServeConfig(str(tiny_gpt2)))
     assert isinstance(model, CausalLM)
     return model
 
@@ -169,7 +170,7 @@ def check_uneven_batch(model: CausalLM, oracle: HFOracle) -> None:
 
 
 def test_llama_uneven_batch_matches_transformers(tiny_llama: Path, llama_oracle: HFOracle) -> None:
-    model = get_model(str(tiny_llama))
+    model = get_model(ServeConfig(str(tiny_llama)))
     assert isinstance(model, CausalLM)
     check_uneven_batch(model, llama_oracle)
 
@@ -181,7 +182,7 @@ def test_bfloat16_llama_uneven_batch_matches_transformers_eager(
     # bf16 on a CPU: matmul attention; decode steps with the decode attention op over each row's live keys, or
     # (switched off, or where it cannot be built) the matmul over whole KV buffers (PaddedKVCache.whole_decode).
     monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", decode_kernel)
-    model = get_model(str(tiny_llama), dtype="bfloat16")
+    model = get_model(ServeConfig(str(tiny_llama), dtype="bfloat16"))
     assert isinstance(model, CausalLM)
     assert model.module.decode_kernel == (decode_kernel == "1" and kernel_available())
     check_uneven_batch(model, HFOracle(tiny_llama, "bfloat16", "eager"))

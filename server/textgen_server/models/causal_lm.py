@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
+from textgen_server.config import ShardConfig
 from textgen_server.models.kv_cache import (
     KVCache,
     concatenate_caches,
@@ -67,9 +68,10 @@ class CausalLMBatch(Batch):
             ids = tokenizer(request_text(r), add_special_tokens=r.add_special_tokens)["input_ids"]
             if r.truncate and len(ids) > r.truncate:
                 ids = ids[len(ids) - r.truncate :]  # TGI truncates on the left: the prompt's end matters
-            if model.max_input_tokens is not None and len(ids) > model.max_input_tokens:
+            max_input_tokens = model.config.max_input_tokens
+            if max_input_tokens is not None and len(ids) > max_input_tokens:
                 raise InvalidRequestError(
-                    f"request {r.id}: `inputs` must have less than {model.max_input_tokens} tokens. Given: {len(ids)}"
+                    f"request {r.id}: `inputs` must have less than {max_input_tokens} tokens. Given: {len(ids)}"
                 )
             if not ids:
                 raise InvalidRequestError(f"request {r.id}: the prompt has no tokens")
@@ -80,7 +82,7 @@ class CausalLMBatch(Batch):
         requests = [pb.requests[i] for i in order]
         all_input_ids = [all_input_ids[i] for i in order]
         chooser = HeterogeneousNextTokenChooser.from_pb(
-            [r.parameters for r in requests], all_input_ids, model.vocab_size, model.device
+            [r.parameters for r in requests], all_input_ids, model.vocab_size, model.config.device
         )
         stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.eos_token_ids) for r in requests]
 
@@ -101,9 +103,9 @@ class CausalLMBatch(Batch):
             batch_id=pb.id,
             requests=requests,
             requests_idx_mapping={r.id: i for i, r in enumerate(requests)},
-            input_ids=input_ids.to(model.device),
-            attention_mask=attention_mask.to(model.device),
-            position_ids=position_ids.to(model.device),
+            input_ids=input_ids.to(model.config.device),
+            attention_mask=attention_mask.to(model.config.device),
+            position_ids=position_ids.to(model.config.device),
             past_key_values=None,
             all_input_ids=all_input_ids,
             input_lengths=input_lengths,
@@ -219,8 +221,16 @@ class CausalLMBatch(Batch):
 class CausalLM(Model[CausalLMBatch]):
     """Runs padded prefill/decode steps on a causal LM module with the transformers forward signature."""
 
-    def __init__(self, module: torch.nn.Module, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: ShardConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        attention_impl: str = "eager",
+    ) -> None:
+        super().__init__(config, tokenizer, vocab_size, eos_token_ids, attention_impl)
         self.module = module
         params = inspect.signature(module.forward).parameters
         # Prefill without prompt logprobs needs only the last position's logits: skip the LM head elsewhere.
@@ -277,6 +287,7 @@ class CausalLM(Model[CausalLMBatch]):
         generations: list[generate_pb2.Generation] = []
         stopped_all = True
         special = self.all_special_ids
+        rank, world_size = self.config.rank, self.config.world_size
         for i, request in enumerate(batch.requests):
             next_id = int(chosen[0][i])
             ids = batch.all_input_ids[i]
@@ -288,7 +299,7 @@ class CausalLM(Model[CausalLMBatch]):
             stop, reason = criteria(next_id, text)
             stopped_all = stopped_all and stop
             batch.input_lengths[i] += 1
-            if i % self.world_size != self.rank:
+            if i % world_size != rank:
                 continue  # another rank reports this row; the router concatenates all ranks' lists
             generation = generate_pb2.Generation(
                 request_id=request.id,

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
+from textgen_server.config import ShardConfig
 
 
 class InvalidRequestError(ValueError):
@@ -27,7 +28,7 @@ class Batch(ABC):
     @classmethod
     @abstractmethod
     def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> Batch:
-        """Tokenize with `model.tokenizer` and set up a new batch on `model.device`; bad input raises
+        """Tokenize with `model.tokenizer` and set up a new batch on `model.config.device`; bad input raises
         ValueError (InvalidRequestError for the batch's own checks)."""
 
     @abstractmethod
@@ -85,28 +86,17 @@ class Model(ABC, Generic[B]):
 
     def __init__(
         self,
-        model_id: str,
+        config: ShardConfig,
         tokenizer: PreTrainedTokenizerBase,
-        dtype: torch.dtype,
-        device: torch.device,
         vocab_size: int,
         eos_token_ids: set[int],
-        rank: int = 0,
-        world_size: int = 1,
         attention_impl: str = "eager",
-        max_input_tokens: int | None = None,
     ) -> None:
-        self.model_id = model_id
+        self.config = config
         self.tokenizer = tokenizer
-        self.dtype = dtype
-        self.device = device
         self.vocab_size = vocab_size  # width of the logits the model returns
         self.eos_token_ids = eos_token_ids
-        self.rank = rank
-        self.world_size = world_size
         self.attention_impl = attention_impl
-        self.max_input_tokens = max_input_tokens
-        self.max_prefill_tokens: int | None = None
         self.all_special_ids = set(tokenizer.all_special_ids)
 
     @property
@@ -124,17 +114,14 @@ class Model(ABC, Generic[B]):
         # Padded batches with a transformers KV cache: no paging, so no blocks, chunking or prefix cache.
         return generate_pb2.InfoResponse(
             requires_padding=True,
-            dtype=str(self.dtype),
-            device_type=self.device.type,
+            dtype=str(self.config.dtype),
+            device_type=self.config.device.type,
             speculate=0,
             support_chunking=False,
             use_prefix_caching=False,
             attention_impl=self.attention_impl,
             block_size=0,
         )
-
-    def set_max_prefill_tokens(self, max_prefill_tokens: int) -> None:
-        self.max_prefill_tokens = max_prefill_tokens
 
     def warmup(
         self, batch: B, max_input_tokens: int | None, max_total_tokens: int | None
@@ -155,9 +142,9 @@ class Model(ABC, Generic[B]):
 
     def health(self) -> None:
         """A real (tiny) tensor op on the model's device; raises if the device is unusable."""
-        probe = torch.ones((2, 2), dtype=self.dtype, device=self.device)
+        probe = torch.ones((2, 2), dtype=self.config.dtype, device=self.config.device)
         if not bool(torch.isfinite(probe @ probe).all()):
-            raise RuntimeError(f"health probe on {self.device} returned non-finite values")
+            raise RuntimeError(f"health probe on {self.config.device} returned non-finite values")
 
     def decode_token(
         self, all_ids: list[int], prefix_offset: int, read_offset: int, skip_special_tokens: bool = False
