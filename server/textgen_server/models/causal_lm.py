@@ -30,11 +30,28 @@ from textgen_server.models.model import (
     Batch,
     InvalidRequestError,
     Model,
+    prepare_rows,
     request_text,
     validate_stopping,
 )
 from textgen_server.utils.stopping import StoppingCriteria
-from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
+from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens, validate_parameters
+
+
+def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
+    """The request's prompt token ids (truncated on the left to `truncate`), after checking everything about the
+    request that could refuse it: stopping and sampling values, the prompt and its length."""
+    validate_stopping(request)
+    validate_parameters(request.parameters)
+    ids: list[int] = model.tokenizer(request_text(request), add_special_tokens=request.add_special_tokens)["input_ids"]
+    if request.truncate and len(ids) > request.truncate:
+        ids = ids[len(ids) - request.truncate :]  # TGI truncates on the left: the prompt's end matters
+    max_input_tokens = model.config.max_input_tokens
+    if max_input_tokens is not None and len(ids) > max_input_tokens:
+        raise InvalidRequestError(f"`inputs` must have less than {max_input_tokens} tokens. Given: {len(ids)}")
+    if not ids:
+        raise InvalidRequestError("the prompt has no tokens")
+    return ids
 
 
 @dataclass
@@ -61,21 +78,7 @@ class CausalLMBatch(Batch):
     def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> CausalLMBatch:
         if not pb.requests:
             raise InvalidRequestError("Batch must have at least one request")
-        tokenizer = model.tokenizer
-        all_input_ids: list[list[int]] = []
-        for r in pb.requests:
-            validate_stopping(r)
-            ids = tokenizer(request_text(r), add_special_tokens=r.add_special_tokens)["input_ids"]
-            if r.truncate and len(ids) > r.truncate:
-                ids = ids[len(ids) - r.truncate :]  # TGI truncates on the left: the prompt's end matters
-            max_input_tokens = model.config.max_input_tokens
-            if max_input_tokens is not None and len(ids) > max_input_tokens:
-                raise InvalidRequestError(
-                    f"request {r.id}: `inputs` must have less than {max_input_tokens} tokens. Given: {len(ids)}"
-                )
-            if not ids:
-                raise InvalidRequestError(f"request {r.id}: the prompt has no tokens")
-            all_input_ids.append(ids)
+        all_input_ids = prepare_rows(pb.requests, lambda r: prompt_ids(r, model))
         # Longest prompts first: rows of similar length stay neighbours, so decode attention can skip the
         # left padding of each group of rows (TPCausalLM's attention groups).
         order = sorted(range(len(all_input_ids)), key=lambda i: -len(all_input_ids[i]))
@@ -90,7 +93,7 @@ class CausalLMBatch(Batch):
         input_lengths = [len(ids) for ids in all_input_ids]
         max_input_length = max(input_lengths)
         padding_right_offset = max(s.max_new_tokens for s in stopping)
-        pad_id = tokenizer.pad_token_id
+        pad_id = model.tokenizer.pad_token_id
         input_ids = torch.full((size, max_input_length), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((size, max_input_length + padding_right_offset), dtype=torch.long)
         for row, ids in enumerate(all_input_ids):

@@ -7,6 +7,7 @@ The servicer never looks inside either: it builds a batch with `Model.batch_type
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import torch
@@ -20,6 +21,19 @@ class InvalidRequestError(ValueError):
     """A request the shard cannot run as asked (maps to gRPC INVALID_ARGUMENT); the shard keeps serving."""
 
 
+class InvalidRequestsError(InvalidRequestError):
+    """Some requests of a new batch cannot run as asked; the others could.
+
+    Contract with the router (textgen_router.client parses it): the gRPC details, `str(error)`, are one line
+    `request {id}: {reason}` per refused request and nothing else. The refused Prefill cached nothing, so the
+    router fails only those requests, each with its reason, and prefills the others again in a new call.
+    """
+
+    def __init__(self, reasons: dict[int, str]) -> None:
+        self.reasons = reasons
+        super().__init__("\n".join(f"request {request_id}: {reason}" for request_id, reason in reasons.items()))
+
+
 class Batch(ABC):
     """A live batch: token ids, KV cache, sampling and stopping state of every request in it."""
 
@@ -28,8 +42,8 @@ class Batch(ABC):
     @classmethod
     @abstractmethod
     def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> Batch:
-        """Tokenize with `model.tokenizer` and set up a new batch on `model.config.device`; bad input raises
-        ValueError (InvalidRequestError for the batch's own checks)."""
+        """Tokenize with `model.tokenizer` and set up a new batch on `model.config.device`. Invalid requests
+        raise InvalidRequestsError naming each of them (see `prepare_rows`), a bad batch InvalidRequestError."""
 
     @abstractmethod
     def to_pb(self) -> generate_pb2.CachedBatch:
@@ -59,12 +73,29 @@ class Batch(ABC):
 
 
 B = TypeVar("B", bound=Batch)
+T = TypeVar("T")
+
+
+def prepare_rows(requests: Sequence[generate_pb2.Request], prepare: Callable[[generate_pb2.Request], T]) -> list[T]:
+    """`prepare(request)` of every request, in order. A ValueError refuses that request only: once every request
+    was looked at, all refusals are raised together as InvalidRequestsError (so one bad row names itself
+    instead of failing its batch-mates)."""
+    prepared: list[T] = []
+    reasons: dict[int, str] = {}
+    for request in requests:
+        try:
+            prepared.append(prepare(request))
+        except ValueError as error:
+            reasons[request.id] = " ".join(str(error).split())  # one line per request, as the contract says
+    if reasons:
+        raise InvalidRequestsError(reasons)
+    return prepared
 
 
 def validate_stopping(request: generate_pb2.Request) -> None:
-    """Reject stopping values no batch can honour (sampling values are checked by the token chooser)."""
+    """Reject stopping values no batch can honour (sampling values are checked by `validate_parameters`)."""
     if request.stopping_parameters.max_new_tokens == 0:
-        raise InvalidRequestError(f"request {request.id}: `max_new_tokens` must be strictly positive")
+        raise InvalidRequestError("`max_new_tokens` must be strictly positive")
 
 
 def request_text(request: generate_pb2.Request) -> str:
@@ -72,12 +103,12 @@ def request_text(request: generate_pb2.Request) -> str:
     if request.HasField("input_chunks") and request.input_chunks.chunks:
         texts = [c.text for c in request.input_chunks.chunks if c.WhichOneof("chunk") == "text"]
         if len(texts) > 1:
-            raise InvalidRequestError(f"request {request.id}: cannot concatenate more than one text chunk")
+            raise InvalidRequestError("cannot concatenate more than one text chunk")
         text = texts[0] if texts else ""
     else:
         text = request.inputs
     if not text:
-        raise InvalidRequestError(f"request {request.id}: the prompt is empty")
+        raise InvalidRequestError("the prompt is empty")
     return text
 
 
