@@ -45,7 +45,8 @@ def load_module(
         return load_tp_model(model_dir, config, shard.dtype, shard.device, dist)
     # ---- end of the dispatch point ----
     module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=shard.dtype, trust_remote_code=trust_remote_code)
-    return module.to(shard.device).eval()
+    # transformers types PreTrainedModel.to as its functools.wraps wrapper, which drops the bound `self`
+    return module.to(shard.device).eval()  # type: ignore[arg-type]
 
 
 def get_model(serve: ServeConfig) -> Model:

@@ -13,6 +13,7 @@ import inspect
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
@@ -36,6 +37,9 @@ from textgen_server.models.model import (
 )
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens, validate_parameters
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
@@ -178,10 +182,13 @@ class CausalLMBatch(Batch):
         return self
 
     @classmethod
-    def concatenate(cls, batches: list[CausalLMBatch]) -> CausalLMBatch:
+    def concatenate(cls, batches: list[Self]) -> Self:
         """Stack batches row-wise, right-aligning every mask and KV cache on the longest row."""
-        if any(b.past_key_values is None for b in batches):
-            raise InvalidRequestError("only batches that ran a prefill can be concatenated")
+        caches: list[tuple[KVCache, int]] = []
+        for b in batches:
+            if b.past_key_values is None:
+                raise InvalidRequestError("only batches that ran a prefill can be concatenated")
+            caches.append((b.past_key_values, b.max_input_length - 1))
         size = sum(len(b) for b in batches)
         max_input_length = max(b.max_input_length for b in batches)
         padding_right_offset = max(b.padding_right_offset for b in batches)
@@ -195,7 +202,7 @@ class CausalLMBatch(Batch):
             start += len(b)
 
         cache = concatenate_caches(
-            [(b.past_key_values, b.max_input_length - 1) for b in batches],  # type: ignore[misc]
+            caches,
             max_input_length - 1,
             spare_columns(padding_right_offset),
         )
@@ -354,14 +361,14 @@ class CausalLM(Model[CausalLMBatch]):
         )
 
     def _generated_text(
-        self, batch: CausalLMBatch, i: int, criteria: StoppingCriteria, reason: int | None
+        self, batch: CausalLMBatch, i: int, criteria: StoppingCriteria, reason: generate_pb2.FinishReason | None
     ) -> generate_pb2.GeneratedText:
         """The whole generated text, decoded with one token of left context so a leading space survives."""
         ids = batch.all_input_ids[i]
         read = len(ids) - criteria.current_tokens
         prefix = max(read - 1, 0)
-        context = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        context = self.decode(ids[prefix:read], skip_special_tokens=True)
+        full = self.decode(ids[prefix:], skip_special_tokens=True)
         generated = generate_pb2.GeneratedText(
             text=full[len(context) :],
             generated_tokens=criteria.current_tokens,

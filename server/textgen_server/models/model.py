@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class InvalidRequestError(ValueError):
@@ -59,7 +62,7 @@ class Batch(ABC):
 
     @classmethod
     @abstractmethod
-    def concatenate(cls, batches: list[Batch]) -> Batch:
+    def concatenate(cls, batches: list[Self]) -> Self:
         """Merge batches that each ran at least one step into one, under the first batch's id."""
 
     @abstractmethod
@@ -177,6 +180,12 @@ class Model(ABC, Generic[B]):
         if not bool(torch.isfinite(probe @ probe).all()):
             raise RuntimeError(f"health probe on {self.config.device} returned non-finite values")
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (the tokenizer's decode, whose declared type also covers batches of id lists)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # a flat id list decodes to one string
+        return text
+
     def decode_token(
         self, all_ids: list[int], prefix_offset: int, read_offset: int, skip_special_tokens: bool = False
     ) -> tuple[str, int, int]:
@@ -186,8 +195,8 @@ class Model(ABC, Generic[B]):
         a multi-byte character is still split across tokens: emit nothing and keep the offsets so the
         next token completes it.
         """
-        prefix_text = self.tokenizer.decode(all_ids[prefix_offset:read_offset], skip_special_tokens=skip_special_tokens)
-        new_text = self.tokenizer.decode(all_ids[prefix_offset:], skip_special_tokens=skip_special_tokens)
+        prefix_text = self.decode(all_ids[prefix_offset:read_offset], skip_special_tokens)
+        new_text = self.decode(all_ids[prefix_offset:], skip_special_tokens)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             return new_text[len(prefix_text) :], read_offset, len(all_ids)
         return "", prefix_offset, read_offset

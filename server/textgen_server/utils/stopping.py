@@ -35,9 +35,7 @@ class StoppingCriteria:
     def from_pb(cls, pb: generate_pb2.StoppingCriteriaParameters, eos_token_ids: set[int]) -> StoppingCriteria:
         return cls(eos_token_ids, list(pb.stop_sequences), pb.max_new_tokens, pb.ignore_eos_token)
 
-    def __call__(
-        self, last_token_id: int, last_token_text: str
-    ) -> tuple[bool, generate_pb2.FinishReason.ValueType | None]:
+    def __call__(self, last_token_id: int, last_token_text: str) -> tuple[bool, generate_pb2.FinishReason | None]:
         """Record one generated token; (True, reason) when the request must stop now."""
         self.current_tokens += 1
         if self.current_tokens >= self.max_new_tokens:
