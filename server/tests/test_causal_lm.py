@@ -153,7 +153,7 @@ def check_uneven_batch(model: CausalLM, oracle: HFOracle) -> None:
     second batch of three joins after two steps, so the cache is filtered and concatenated."""
     prompts = [" ".join(["word"] * (1 + 3 * i)) + PROMPTS[i % 4] for i in range(13)]
     new_tokens = [3 + i % 5 for i in range(10)] + [4, 12, 9]
-    requests = [make_request(i, p, n) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    requests = [make_request(i, p, n) for i, (p, n) in enumerate(zip(prompts, new_tokens, strict=True))]
     batch = CausalLMBatch.from_pb(make_batch(1, requests[:10]), model)
     lengths = batch.input_lengths
     assert lengths == sorted(lengths, reverse=True)  # longest first: the attention groups rely on it

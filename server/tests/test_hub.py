@@ -34,6 +34,40 @@ class StandInHub:
     repos: dict[str, Repo]
     requests: list[str] = field(default_factory=list)
 
+    def answer(self, parts: list[str]) -> tuple[bytes, dict[str, str]] | str:
+        """(body, headers) of a 200 answer to the path `parts`, or the X-Error-Code of a 404."""
+        if parts[0] == "api" and parts[1] == "models":  # /api/models/{org}/{name}[/revision/{rev}]
+            return self._model_info(parts)
+        if len(parts) >= 5 and parts[2] == "resolve":  # /{org}/{name}/resolve/{rev}/{file}
+            return self._file(parts)
+        return "RepoNotFound"
+
+    def _model_info(self, parts: list[str]) -> tuple[bytes, dict[str, str]] | str:
+        repo = self.repos.get("/".join(parts[2:4]))
+        if repo is None:
+            return "RepoNotFound"
+        if len(parts) > 5 and parts[5] not in ("main", repo.sha):
+            return "RevisionNotFound"
+        info = {
+            "id": "/".join(parts[2:4]),
+            "sha": repo.sha,
+            "siblings": [{"rfilename": name} for name in sorted(repo.files)],
+        }
+        return json.dumps(info).encode(), {"Content-Type": "application/json"}
+
+    def _file(self, parts: list[str]) -> tuple[bytes, dict[str, str]] | str:
+        repo = self.repos.get("/".join(parts[:2]))
+        if repo is None:
+            return "RepoNotFound"
+        if parts[3] not in ("main", repo.sha):
+            return "RevisionNotFound"
+        name = "/".join(parts[4:])
+        body = None if name in repo.unserved else repo.files.get(name)
+        if body is None:
+            return "EntryNotFound"
+        etag = '"' + hashlib.sha256(body).hexdigest() + '"'
+        return body, {"X-Repo-Commit": repo.sha, "ETag": etag, "Content-Type": "application/octet-stream"}
+
     def handler(self) -> type[BaseHTTPRequestHandler]:
         hub = self
 
@@ -63,34 +97,11 @@ class StandInHub:
             def _route(self) -> None:
                 path = self.path.split("?")[0]
                 hub.requests.append(f"{self.command} {path}")
-                parts = path.strip("/").split("/")
-                if parts[0] == "api" and parts[1] == "models":  # /api/models/{org}/{name}[/revision/{rev}]
-                    repo = hub.repos.get("/".join(parts[2:4]))
-                    if repo is None:
-                        return self._error("RepoNotFound")
-                    if len(parts) > 5 and parts[5] not in ("main", repo.sha):
-                        return self._error("RevisionNotFound")
-                    info = {
-                        "id": "/".join(parts[2:4]),
-                        "sha": repo.sha,
-                        "siblings": [{"rfilename": name} for name in sorted(repo.files)],
-                    }
-                    return self._send(json.dumps(info).encode(), {"Content-Type": "application/json"})
-                if len(parts) >= 5 and parts[2] == "resolve":  # /{org}/{name}/resolve/{rev}/{file}
-                    repo = hub.repos.get("/".join(parts[:2]))
-                    if repo is None:
-                        return self._error("RepoNotFound")
-                    if parts[3] not in ("main", repo.sha):
-                        return self._error("RevisionNotFound")
-                    name = "/".join(parts[4:])
-                    body = None if name in repo.unserved else repo.files.get(name)
-                    if body is None:
-                        return self._error("EntryNotFound")
-                    etag = '"' + hashlib.sha256(body).hexdigest() + '"'
-                    return self._send(
-                        body, {"X-Repo-Commit": repo.sha, "ETag": etag, "Content-Type": "application/octet-stream"}
-                    )
-                self._error("RepoNotFound")
+                answer = hub.answer(path.strip("/").split("/"))
+                if isinstance(answer, str):
+                    self._error(answer)
+                else:
+                    self._send(*answer)
 
             do_GET = do_HEAD = _route
 

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import uuid
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -77,8 +78,9 @@ def step(stub, call, tokens, texts, finished) -> pb.CachedBatch | None:  # type:
 
 def run_to_end(stub, cached, tokens, texts, finished) -> None:  # type: ignore[no-untyped-def]
     while cached is not None:
-        request = pb.DecodeRequest(batches=[cached])
-        cached = step(stub, lambda: stub.Decode(request, timeout=30), tokens, texts, finished)
+        cached = step(
+            stub, partial(stub.Decode, pb.DecodeRequest(batches=[cached]), timeout=30), tokens, texts, finished
+        )
 
 
 def test_greedy_through_filter_and_concatenate_matches_transformers(stub, llama_oracle) -> None:
@@ -91,8 +93,9 @@ def test_greedy_through_filter_and_concatenate_matches_transformers(stub, llama_
     first = make_batch(1, [make_request(i, PROMPTS[i], new_tokens[i]) for i in range(5)])
     cached = step(stub, lambda: stub.Prefill(pb.PrefillRequest(batch=first), timeout=30), tokens, texts, finished)
     for _ in range(2):
-        request = pb.DecodeRequest(batches=[cached])
-        cached = step(stub, lambda: stub.Decode(request, timeout=30), tokens, texts, finished)
+        cached = step(
+            stub, partial(stub.Decode, pb.DecodeRequest(batches=[cached]), timeout=30), tokens, texts, finished
+        )
     # The router drops requests 1 and 3 (e.g. clients gone): the others must continue exactly.
     cached = stub.FilterBatch(pb.FilterBatchRequest(batch_id=1, request_ids=[0, 2, 4]), timeout=30).batch
     # Row order is the shard's choice (longest prompt first, holes filled from the tail).
@@ -159,7 +162,7 @@ def test_prefill_logprobs_and_top_n_equal_log_softmax_of_logits(stub, llama_orac
         prefill = generation.prefill_tokens
         assert list(prefill.ids) == prompt_ids
         assert math.isnan(prefill.logprobs[0])
-        for position, (token, logprob) in enumerate(zip(prompt_ids[1:], prefill.logprobs[1:])):
+        for position, (token, logprob) in enumerate(zip(prompt_ids[1:], prefill.logprobs[1:], strict=True)):
             assert logprob == pytest.approx(float(reference[position, token]), abs=1e-4)
         assert list(prefill.texts) == [llama_oracle.tokenizer.decode([t]) for t in prompt_ids]
         assert prefill.is_special[0] and not any(prefill.is_special[1:])  # <s> is special

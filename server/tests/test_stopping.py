@@ -59,7 +59,7 @@ def test_stop_sequence_spanning_several_tokens() -> None:
 
 def test_stop_sequence_longer_than_any_token_and_many_tokens_later() -> None:
     c = criteria(max_new_tokens=500, stop=["STOP HERE"])
-    for i in range(300):  # a long unrelated stream: the bounded tail must not forget the recent text
+    for _ in range(300):  # a long unrelated stream: the bounded tail must not forget the recent text
         assert c(10, "ab") == (False, None)
     assert run(c, [(10, "ST"), (11, "OP"), (12, " "), (13, "H"), (14, "ERE")])[-1] == (True, STOP)
 

@@ -58,7 +58,7 @@ def padded_greedy(
     tokens: list[list[int]] = [[] for _ in prompts]
     for _ in range(steps):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        for row, token in zip(tokens, nxt[:, 0].tolist()):
+        for row, token in zip(tokens, nxt[:, 0].tolist(), strict=True):
             row.append(token)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
         position_ids = position_ids[:, -1:] + 1

@@ -66,9 +66,8 @@ def generate(
             if not replies[-1].HasField("batch"):
                 return tokens, reported
             cached = replies[-1].batch
-            replies = list(
-                pool.map(lambda s: s.Decode(generate_pb2.DecodeRequest(batches=[cached]), timeout=60), stubs)
-            )
+            request = generate_pb2.DecodeRequest(batches=[cached])
+            replies = [call.result() for call in [pool.submit(s.Decode, request, timeout=60) for s in stubs]]
 
 
 @pytest.fixture(scope="module")
