@@ -92,8 +92,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except Exception:
         logger.exception("Error when initializing model")
         return 1
-    # The model load left ~360k long-lived objects (torch, transformers): frozen, the collector never walks
-    # them again, so no step pays a full collection's ~0.18 s.
+    # The model load left hundreds of thousands of long-lived objects (torch, transformers): frozen, the
+    # collector never walks them again, so no step pays for a full collection over them (benchmark/README.md).
     gc.freeze()
     fatal = asyncio.run(serve(model, config))
     return 1 if fatal else 0

@@ -41,8 +41,8 @@ class PaddedKVCache:
     reads each row's live columns straight from the buffers): decode steps attend over every column of a
     buffer (`whole`), the ones outside the window masked. A window is a strided view, and the CPU's
     half-precision matmul copies such an operand whole into a contiguous tensor before every product: reading
-    the dead and spare columns costs less than that copy (bf16 decode attention at batch 64 2.7x faster in
-    benchmark/attention.py). Such a cache keeps every column finite (spare columns are zeroed when allocated),
+    the dead and spare columns costs less than that copy (benchmark/attention.py; figures in
+    benchmark/README.md). Such a cache keeps every column finite (spare columns are zeroed when allocated),
     since a masked column's zero weight times NaN is NaN.
     """
 
@@ -218,7 +218,7 @@ def concatenate_caches(parts: list[tuple[KVCache, int]], kv_length: int, reserve
         ref_k, ref_v = windows[0][layer_idx]
         # Uninitialised, then each part's rows written once: its left padding as zeros (padded keys must be
         # finite), its columns copied. The reserve stays unwritten, as PaddedKVCache allows. Zero-filling the
-        # whole buffer first wrote every byte twice (see benchmark/README.md, "Figures behind the shard's code").
+        # whole buffer first wrote every byte twice (benchmark/README.md, "Figures behind the shard's code").
         keys = ref_k.new_empty((size, ref_k.shape[1], columns, ref_k.shape[3]))
         values = ref_v.new_empty((size, ref_v.shape[1], columns, ref_v.shape[3]))
         del ref_k, ref_v

@@ -196,7 +196,7 @@ class Attention(nn.Module):
         decode op, see decode_attention.py): each row's first visible column of the cache window."""
         batch, seq_len, tokens = layout.batch, layout.seq_len, hidden.shape[0]
         q, k, v = self.qkv(hidden).split(self.split, dim=-1)
-        # RoPE on the real tokens only, before padding: a W1 prefill grid is ~40% padding.
+        # RoPE on the real tokens only, before padding: much of a W1 prefill grid is padding.
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         q, k, v = (

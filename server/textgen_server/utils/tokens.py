@@ -215,7 +215,7 @@ class HeterogeneousNextTokenChooser:
         if not self._sampling_rows:
             next_ids = scores.argmax(dim=-1)
         else:
-            # softmax, not logprobs.exp(): exp of the -inf/very negative entries is ~10x slower on CPU.
+            # softmax, not logprobs.exp(): exp of the -inf/very negative entries is slow on CPU (benchmark/README.md).
             drawn = self._sample(_take(scores, self._sampling_index).softmax(dim=-1))
             if self._sampling_index is None:
                 next_ids = drawn
@@ -230,7 +230,8 @@ class HeterogeneousNextTokenChooser:
 
         Each row's draw uses one uniform from its own generator and that row's probabilities only, so a seed
         yields the same tokens whether the request runs alone or in any batch. (TGI divides by Exp(1) noise
-        over the whole vocabulary instead, which draws V random numbers per row: ~50x the cost on CPU.)
+        over the whole vocabulary instead, which draws V random numbers per row: far more costly on CPU, see
+        benchmark/README.md.)
         """
         uniforms = torch.cat(
             [torch.rand(1, generator=self.generators[row], device=self.device) for row in self._sampling_rows]
