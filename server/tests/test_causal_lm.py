@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -91,8 +92,9 @@ def test_gpt2_greedy_through_filter_and_concatenate_matches_transformers(gpt2: C
 def test_eos_token_finishes_with_eos_reason(gpt2: CausalLM, gpt2_oracle: HFOracle) -> None:
     expected = gpt2_oracle.greedy(PROMPTS[1], 6)
     eos = expected[2]
-    saved = gpt2.eos_token_ids
-    gpt2.eos_token_ids = {eos}  # the random model never picks the real EOS: pretend its 3rd token is one
+    saved = gpt2.config
+    # the random model never picks the real EOS: pretend its 3rd token is one
+    gpt2.config = dataclasses.replace(saved, eos_token_ids=frozenset({eos}))
     try:
         batch = CausalLMBatch.from_pb(
             make_batch(
@@ -109,7 +111,7 @@ def test_eos_token_finishes_with_eos_reason(gpt2: CausalLM, gpt2_oracle: HFOracl
                 live = [r.id for r in current.requests if r.id not in finished]
                 current = current.filter(live) if live else None
     finally:
-        gpt2.eos_token_ids = saved
+        gpt2.config = saved
     assert finished[0].finish_reason == pb.FINISH_REASON_EOS_TOKEN and finished[0].generated_tokens == 3
     assert finished[1].finish_reason == pb.FINISH_REASON_LENGTH and finished[1].generated_tokens == 6
 

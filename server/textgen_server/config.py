@@ -4,8 +4,9 @@ Two frozen records instead of loose parameters threaded through the CLI, `get_mo
 
 - `ServeConfig`: the serve options as given on the command line (strings, as the launcher passes them).
   `check()` refuses what this shard cannot honour before any model is loaded.
-- `ShardConfig`: what `get_model` resolved from them: the torch dtype and device, this shard's place in
-  the tensor-parallel group, and the input limit. `Model` keeps it as `model.config`.
+- `ShardConfig`: what `get_model` resolved from them and the model's files: the torch dtype and device, the
+  vocabulary width and end-of-sequence ids, this shard's place in the tensor-parallel group, and the input
+  limit. `Model` keeps it as `model.config`.
 
 torch is imported only for type checking: the CLI builds and checks a ServeConfig before paying for torch.
 """
@@ -80,11 +81,14 @@ class ServeConfig:
 
 @dataclass(frozen=True)
 class ShardConfig:
-    """What one loaded shard runs with (resolved by `get_model` from a ServeConfig)."""
+    """What one loaded shard runs with (resolved by `get_model` from a ServeConfig and the model's files)."""
 
     model_id: str
     dtype: torch.dtype
     device: torch.device
+    vocab_size: int  # width of the logits the model returns
+    eos_token_ids: frozenset[int]  # every id that ends a sequence
+    attention_impl: str = "eager"  # reported by Info
     rank: int = 0  # this shard's rank in the tensor-parallel group; it reports the rows i % world_size == rank
     world_size: int = 1
     max_input_tokens: int | None = None  # prompts longer than this (after truncation) are refused

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 def load_module(
     model_dir: Path,
     config: PretrainedConfig,
-    shard: ShardConfig,
+    dtype: torch.dtype,
+    device: torch.device,
     dist: DistInfo,
     trust_remote_code: bool,
 ) -> torch.nn.Module:
@@ -42,11 +43,11 @@ def load_module(
             check_shardable(config, dist.world_size)
         except ValueError as error:
             raise UnsupportedConfigError(f"--sharded over {dist.world_size} shards: {error}") from error
-        return load_tp_model(model_dir, config, shard.dtype, shard.device, dist)
+        return load_tp_model(model_dir, config, dtype, device, dist)
     # ---- end of the dispatch point ----
-    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=shard.dtype, trust_remote_code=trust_remote_code)
+    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     # transformers types PreTrainedModel.to as its functools.wraps wrapper, which drops the bound `self`
-    return module.to(shard.device).eval()  # type: ignore[arg-type]
+    return module.to(device).eval()  # type: ignore[arg-type]
 
 
 def get_model(serve: ServeConfig) -> Model:
@@ -62,14 +63,7 @@ def get_model(serve: ServeConfig) -> Model:
     device = torch.device(f"cuda:{dist.rank}") if torch.cuda.is_available() else torch.device("cpu")
     # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
     default_dtype = torch.float16 if device.type == "cuda" else torch.float32
-    shard = ShardConfig(
-        model_id=serve.model_id,
-        dtype=getattr(torch, serve.dtype) if serve.dtype else default_dtype,
-        device=device,
-        rank=dist.rank,
-        world_size=dist.world_size,
-        max_input_tokens=serve.max_input_tokens,
-    )
+    dtype = getattr(torch, serve.dtype) if serve.dtype else default_dtype
 
     # a local dir, or the snapshot download-weights fetched
     model_dir = resolve_model_dir(serve.model_id, serve.revision)
@@ -90,17 +84,21 @@ def get_model(serve: ServeConfig) -> Model:
             tokenizer.add_special_tokens({"pad_token": "[PAD]"})
 
     dist.barrier()
-    module = load_module(model_dir, config, shard, dist, serve.trust_remote_code)
+    module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code)
     dist.barrier()
-    return CausalLM(
-        module,
-        shard,
-        tokenizer=tokenizer,
+    shard = ShardConfig(
+        model_id=serve.model_id,
+        dtype=dtype,
+        device=device,
         vocab_size=config.get_text_config().vocab_size,
-        eos_token_ids=eos_token_ids(model_dir, config, tokenizer.eos_token_id),
+        eos_token_ids=frozenset(eos_token_ids(model_dir, config, tokenizer.eos_token_id)),
         # What transformers resolved at load time; the tensor-parallel modules use SDPA.
         attention_impl=getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa",
+        rank=dist.rank,
+        world_size=dist.world_size,
+        max_input_tokens=serve.max_input_tokens,
     )
+    return CausalLM(module, shard, tokenizer)
 
 
 def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int | None) -> set[int]:

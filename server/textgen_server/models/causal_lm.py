@@ -89,9 +89,9 @@ class CausalLMBatch(Batch):
         requests = [pb.requests[i] for i in order]
         all_input_ids = [all_input_ids[i] for i in order]
         chooser = HeterogeneousNextTokenChooser.from_pb(
-            [r.parameters for r in requests], all_input_ids, model.vocab_size, model.config.device
+            [r.parameters for r in requests], all_input_ids, model.config.vocab_size, model.config.device
         )
-        stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.eos_token_ids) for r in requests]
+        stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.config.eos_token_ids) for r in requests]
 
         size = len(requests)
         input_lengths = [len(ids) for ids in all_input_ids]
@@ -231,16 +231,8 @@ class CausalLMBatch(Batch):
 class CausalLM(Model[CausalLMBatch]):
     """Runs padded prefill/decode steps on a causal LM module with the transformers forward signature."""
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        config: ShardConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        vocab_size: int,
-        eos_token_ids: set[int],
-        attention_impl: str = "eager",
-    ) -> None:
-        super().__init__(config, tokenizer, vocab_size, eos_token_ids, attention_impl)
+    def __init__(self, module: torch.nn.Module, config: ShardConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__(config, tokenizer)
         self.module = module
         params = inspect.signature(module.forward).parameters
         # Prefill without prompt logprobs needs only the last position's logits: skip the LM head elsewhere.

@@ -118,19 +118,9 @@ def request_text(request: generate_pb2.Request) -> str:
 class Model(ABC, Generic[B]):
     """A loaded model shard: runs prefill/decode steps on batches of `batch_type`."""
 
-    def __init__(
-        self,
-        config: ShardConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        vocab_size: int,
-        eos_token_ids: set[int],
-        attention_impl: str = "eager",
-    ) -> None:
+    def __init__(self, config: ShardConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size  # width of the logits the model returns
-        self.eos_token_ids = eos_token_ids
-        self.attention_impl = attention_impl
         self.all_special_ids = set(tokenizer.all_special_ids)
 
     @property
@@ -153,7 +143,7 @@ class Model(ABC, Generic[B]):
             speculate=0,
             support_chunking=False,
             use_prefix_caching=False,
-            attention_impl=self.attention_impl,
+            attention_impl=self.config.attention_impl,
             block_size=0,
         )
 
