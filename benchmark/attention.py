@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from textgen_benchmark.decode import copy_bandwidth_gbs
-from textgen_server.layers.attention import matmul_attention, sdpa
+from textgen_server.layers.attention_kernels import matmul_attention, sdpa
 from textgen_server.layers.decode_attention import decode_attention, first_visible, kernel_available
 
 LAYERS, HEADS, HEAD_DIM = 12, 12, 64

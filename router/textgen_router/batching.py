@@ -12,7 +12,8 @@ The events are delivered only once the next Prefill/Decode is sent (or the loop 
 writer, see types.TokenSink) takes its IntermediateEvents right there, in this task; the other events wake the
 request's task.
 A failing Prefill fails only its new requests; a failing Decode fails the whole running batch; either way the
-shard caches of the failed batches are cleared.
+shard caches of the failed batches are cleared. A Prefill the shards refuse for some of its requests only
+(`ShardError.refused`) fails just those, each with its reason, and the others are prefilled again.
 TGI's chunked-prefill branch is not implemented: our shards never report `support_chunking`.
 """
 
@@ -158,10 +159,30 @@ class Batcher:
             try:
                 result = await self.client.prefill(batch, sent=self._deliver_soon)
             except ShardError as err:
-                await self._fail([batch.id], entries, err)
                 metrics.BATCH_INFERENCE_FAILURE.labels(PREFILL).inc()
-                return None
-            return await self._after(PREFILL, result, entries, [batch.id], start)
+                rest = self._refuse(batch, entries, err.refused)
+                if rest is None:
+                    await self._fail([batch.id], entries, err)
+                    return None
+            else:
+                return await self._after(PREFILL, result, entries, [batch.id], start)
+        # Every refusal ends an entry, so these retries stop.
+        return await self._prefill(rest, entries) if rest.requests else None
+
+    def _refuse(
+        self, batch: generate_pb2.Batch, entries: dict[int, Entry], refused: dict[int, str]
+    ) -> generate_pb2.Batch | None:
+        """End the requests the shards refused, each with its own reason, and return `batch` without them.
+
+        None (nothing ended) when the failure refused no request of `batch` in particular. The refused call
+        cached nothing, so the rest keeps the batch id; its `max_tokens` still covers the rest.
+        """
+        if not refused or not refused.keys() <= entries.keys():
+            return None
+        for request_id, reason in refused.items():
+            self._end(entries.pop(request_id), f"Server error: {reason}")
+        requests = [r for r in batch.requests if r.id not in refused]
+        return generate_pb2.Batch(id=batch.id, requests=requests, size=len(requests), max_tokens=batch.max_tokens)
 
     async def _decode(
         self, batches: Sequence[generate_pb2.CachedBatch], entries: dict[int, Entry]
@@ -277,12 +298,17 @@ class Batcher:
                 logger.exception("Unable to clear the cache of failed batch %d", batch_id)
         message = f"Server error: {err.message}"
         for entry in entries.values():
-            error = GenerationError(message)  # one instance per stream: each consumer raises its own
-            metrics.REQUEST_FAILURE.labels("generation").inc()
-            logger.error("%s", error)
-            entry.events.put_nowait(error)
-            entry.finish_span()
+            self._end(entry, message)
         entries.clear()
+
+    @staticmethod
+    def _end(entry: Entry, message: str) -> None:
+        """End one request with GenerationError(message)."""
+        error = GenerationError(message)  # one instance per stream: each consumer raises its own
+        metrics.REQUEST_FAILURE.labels("generation").inc()
+        logger.error("%s", error)
+        entry.events.put_nowait(error)
+        entry.finish_span()
 
     def fail_all(self, message: str, queued: bool = True) -> None:
         """End every running request (and every queued one if `queued`) with GenerationError(message)."""

@@ -10,11 +10,16 @@ them concurrently and awaited together. Answers are merged per TGI:
   the next cached batch of the last shard and the timings of the slowest shard (by total_ns).
 Every call carries the current OpenTelemetry context as gRPC metadata (`traceparent`) so shard spans join
 the router's trace. Any gRPC failure surfaces as `ShardError(details)`.
+
+A shard refusing some requests of a new batch (and only them) answers INVALID_ARGUMENT with details made of
+one line `request {id}: {reason}` per refused request (textgen_server's InvalidRequestsError);
+`ShardError.refused` holds those reasons by request id. Any other failure leaves it empty.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,13 +34,24 @@ tracer = trace.get_tracer("textgen_router")
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1), ("grpc.max_send_message_length", 2**31 - 1)]
 
 
+REFUSED_REQUEST = re.compile(r"request (\d+): (.+)")
+
+
 class ShardError(Exception):
-    """A shard call failed; `message` is the gRPC status details (what TGI shows after `Server error: `)."""
+    """A shard call failed; `message` is the gRPC status details (what TGI shows after `Server error: `).
+
+    `refused`: reason by request id when the shard refused only those requests (see the module docstring).
+    """
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.refused: dict[int, str] = {}
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            lines = [REFUSED_REQUEST.fullmatch(line) for line in message.split("\n")]
+            if all(lines):
+                self.refused = {int(m[1]): m[2] for m in lines if m is not None}
 
 
 def _shard_error(err: grpc.aio.AioRpcError) -> ShardError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from shard_helpers import HFOracle, make_batch, make_request
 
 from textgen_pb import generate_pb2 as pb
+from textgen_server.config import ServeConfig
 from textgen_server.layers.decode_attention import kernel_available
 from textgen_server.models import get_model
 from textgen_server.models.causal_lm import CausalLM, CausalLMBatch
@@ -18,7 +20,7 @@ PROMPTS = ["def foo(x):", "class", "for i in range(10):\n    print(i)", "x = 1"]
 
 @pytest.fixture(scope="module")
 def gpt2(tiny_gpt2: Path) -> CausalLM:
-    model = get_model(str(tiny_gpt2))
+    model = get_model(ServeConfig(str(tiny_gpt2)))
     assert isinstance(model, CausalLM)
     return model
 
@@ -90,8 +92,9 @@ def test_gpt2_greedy_through_filter_and_concatenate_matches_transformers(gpt2: C
 def test_eos_token_finishes_with_eos_reason(gpt2: CausalLM, gpt2_oracle: HFOracle) -> None:
     expected = gpt2_oracle.greedy(PROMPTS[1], 6)
     eos = expected[2]
-    saved = gpt2.eos_token_ids
-    gpt2.eos_token_ids = {eos}  # the random model never picks the real EOS: pretend its 3rd token is one
+    saved = gpt2.config
+    # the random model never picks the real EOS: pretend its 3rd token is one
+    gpt2.config = dataclasses.replace(saved, eos_token_ids=frozenset({eos}))
     try:
         batch = CausalLMBatch.from_pb(
             make_batch(
@@ -108,7 +111,7 @@ def test_eos_token_finishes_with_eos_reason(gpt2: CausalLM, gpt2_oracle: HFOracl
                 live = [r.id for r in current.requests if r.id not in finished]
                 current = current.filter(live) if live else None
     finally:
-        gpt2.eos_token_ids = saved
+        gpt2.config = saved
     assert finished[0].finish_reason == pb.FINISH_REASON_EOS_TOKEN and finished[0].generated_tokens == 3
     assert finished[1].finish_reason == pb.FINISH_REASON_LENGTH and finished[1].generated_tokens == 6
 
@@ -169,7 +172,7 @@ def check_uneven_batch(model: CausalLM, oracle: HFOracle) -> None:
 
 
 def test_llama_uneven_batch_matches_transformers(tiny_llama: Path, llama_oracle: HFOracle) -> None:
-    model = get_model(str(tiny_llama))
+    model = get_model(ServeConfig(str(tiny_llama)))
     assert isinstance(model, CausalLM)
     check_uneven_batch(model, llama_oracle)
 
@@ -181,7 +184,7 @@ def test_bfloat16_llama_uneven_batch_matches_transformers_eager(
     # bf16 on a CPU: matmul attention; decode steps with the decode attention op over each row's live keys, or
     # (switched off, or where it cannot be built) the matmul over whole KV buffers (PaddedKVCache.whole_decode).
     monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", decode_kernel)
-    model = get_model(str(tiny_llama), dtype="bfloat16")
+    model = get_model(ServeConfig(str(tiny_llama), dtype="bfloat16"))
     assert isinstance(model, CausalLM)
     assert model.module.decode_kernel == (decode_kernel == "1" and kernel_available())
     check_uneven_batch(model, HFOracle(tiny_llama, "bfloat16", "eager"))

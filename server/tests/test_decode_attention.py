@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from textgen_server.layers.attention import matmul_attention
+from textgen_server.layers.attention_kernels import matmul_attention
 from textgen_server.layers.decode_attention import (
     decode_attention,
     first_visible,

@@ -284,6 +284,39 @@ def test_bad_prefill_is_invalid_argument_and_shard_keeps_serving(stub, case: str
     stub.ClearCache(pb.ClearCacheRequest(id=20))
 
 
+def test_prefill_names_each_invalid_row_and_the_rest_runs_alone(stub, llama_oracle) -> None:
+    """Issue 24: a row whose temperature is 0 in float32 (1e-300 as sent), a NaN one and one with no new tokens,
+    among valid rows. The refusal names exactly those rows, one `request {id}: {reason}` line each (what the
+    router parses), caches nothing, and the valid rows prefilled again alone generate what transformers does."""
+    good = {1: PROMPTS[0], 4: PROMPTS[1], 6: PROMPTS[3]}
+    mixed = [
+        make_request(1, good[1], 5),
+        make_request(2, "x", params=chooser(temperature=1e-300, do_sample=True)),
+        make_request(3, "y", params=chooser(temperature=float("nan"))),
+        make_request(4, good[4], 5),
+        make_request(5, "z", 0),
+        make_request(6, good[6], 5),
+    ]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Prefill(pb.PrefillRequest(batch=make_batch(40, mixed)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().split("\n") == [
+        "request 2: `temperature` must be strictly positive, got 0.0",
+        "request 3: `temperature` must be strictly positive, got nan",
+        "request 5: `max_new_tokens` must be strictly positive",
+    ]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=40)]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # the refused Prefill cached nothing
+
+    tokens: dict[int, list[int]] = {}
+    finished: dict[int, pb.GeneratedText] = {}
+    rest = make_batch(40, [r for r in mixed if r.id in good])
+    cached = step(stub, lambda: stub.Prefill(pb.PrefillRequest(batch=rest), timeout=30), tokens, {}, finished)
+    run_to_end(stub, cached, tokens, {}, finished)
+    assert tokens == {i: llama_oracle.greedy(text, 5) for i, text in good.items()}
+
+
 def test_prompt_is_truncated_to_its_last_tokens(stub, llama_oracle) -> None:
     long_prompt = "x = 1\n" * 40  # over --max-input-tokens, but truncate brings it under
     response = stub.Prefill(

@@ -20,6 +20,7 @@ import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -236,9 +237,20 @@ def train_tokenizer(vocab_size: int, files: tuple[str, ...], add_bos: bool) -> T
     return tok
 
 
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """The id of each of SPECIAL_TOKENS in the trained tokenizer (the trainer adds them all first)."""
+    ids: dict[str, int] = {}
+    for token in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise RuntimeError(f"the trained tokenizer lacks the special token {token}")
+        ids[token] = token_id
+    return ids
+
+
 def model_config(arch: str, d: Dims, ids: dict[str, int]) -> PretrainedConfig:
     """The transformers config for `arch` at dims `d` with the tokenizer's special ids."""
-    common = dict(
+    common: dict[str, Any] = dict(
         bos_token_id=ids[BOS],
         eos_token_id=ids[EOS],
         pad_token_id=ids[PAD],
@@ -254,7 +266,7 @@ def model_config(arch: str, d: Dims, ids: dict[str, int]) -> PretrainedConfig:
             n_positions=d.max_positions,
             **common,
         )
-    llama_like = dict(
+    llama_like: dict[str, Any] = dict(
         hidden_size=d.hidden,
         num_hidden_layers=d.layers,
         num_attention_heads=d.heads,
@@ -289,7 +301,8 @@ def random_model(arch: str, config: PretrainedConfig, dtype: torch.dtype, seed: 
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, INIT_STD)
-    return model.to(dtype).eval()
+    # transformers types PreTrainedModel.to as its functools.wraps wrapper, which drops the bound `self`
+    return model.to(dtype).eval()  # type: ignore[arg-type]
 
 
 def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
@@ -326,7 +339,7 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json, where TGI looks for it.
     tokenizer.save_pretrained(tmp, save_jinja_files=False)
 
-    ids = {t: raw.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids = special_token_ids(raw)
     config = model_config(arch, d, ids)
     model = random_model(arch, config, d.dtype, seed)
     model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])

@@ -15,6 +15,7 @@ import os
 import sys
 
 from textgen_common.logs import setup_logging
+from textgen_server.config import DTYPES, ServeConfig, UnsupportedConfigError
 
 logger = logging.getLogger("textgen_server.cli")
 
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--sharded", action="store_true")
     serve.add_argument("--quantize")
     serve.add_argument("--speculate", type=int)
-    serve.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    serve.add_argument("--dtype", choices=DTYPES)
     serve.add_argument("--kv-cache-dtype")
     serve.add_argument("--trust-remote-code", action="store_true")
     serve.add_argument("--uds-path", default="/tmp/textgen-server")
@@ -62,18 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from textgen_server.models import UnsupportedConfigError, check_options
-
-    if args.sharded:
+    config = ServeConfig.from_args(args)
+    if config.sharded:
         missing = [name for name in SHARDED_ENV if name not in os.environ]
         if missing:
             logger.error("--sharded requires the environment variables %s", ", ".join(missing))
             return 1
-    if args.kv_cache_dtype:
-        logger.error("--kv-cache-dtype %s is not supported: the KV cache uses the model dtype", args.kv_cache_dtype)
-        return 1
     try:
-        check_options(args.quantize, args.speculate, args.dtype)
+        config.check()
     except UnsupportedConfigError as error:
         logger.error("%s", error)
         return 1
@@ -81,33 +78,24 @@ def run_serve(args: argparse.Namespace) -> int:
     from textgen_server.hub import ModelNotFoundError
     from textgen_server.interceptor import setup_tracing
     from textgen_server.models import get_model
-    from textgen_server.server import serve
+    from textgen_server.servicer import serve
     from textgen_server.utils.memory import keep_freed_memory
 
     keep_freed_memory()
-    if args.otlp_endpoint:
-        setup_tracing(args.otlp_endpoint, args.otlp_service_name)
+    if config.otlp_endpoint:
+        setup_tracing(config.otlp_endpoint, config.otlp_service_name)
     try:
-        model = get_model(
-            args.model_id,
-            args.revision,
-            args.sharded,
-            args.quantize,
-            args.speculate,
-            args.dtype,
-            args.trust_remote_code,
-            args.max_input_tokens,
-        )
+        model = get_model(config)
     except (UnsupportedConfigError, ModelNotFoundError) as error:
         logger.error("%s", error)
         return 1
     except Exception:
         logger.exception("Error when initializing model")
         return 1
-    # The model load left ~360k long-lived objects (torch, transformers): frozen, the collector never walks
-    # them again, so no step pays a full collection's ~0.18 s.
+    # The model load left hundreds of thousands of long-lived objects (torch, transformers): frozen, the
+    # collector never walks them again, so no step pays for a full collection over them (benchmark/README.md).
     gc.freeze()
-    fatal = asyncio.run(serve(model, args.uds_path, args.sharded, tracing=bool(args.otlp_endpoint)))
+    fatal = asyncio.run(serve(model, config))
     return 1 if fatal else 0
 
 

@@ -61,7 +61,7 @@ def deduplicate(state: dict[str, torch.Tensor], discard: set[str]) -> tuple[dict
         seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
         for name in sorted(names, key=lambda n: (n in discard, n)):
             t = state[name]
-            view = (t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            view = (int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
             if view in seen:
                 dropped.add(name)
                 continue

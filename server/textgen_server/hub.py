@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -192,8 +193,14 @@ def _download_hub(model_id: str, revision: str | None, extension: str, auto_conv
             path = Path(
                 _with_retries(
                     f"downloading {name}",
-                    lambda name=name, rev=rev: hf_hub_download(
-                        model_id, name, revision=rev, cache_dir=cache_dir(), token=token, endpoint=endpoint
+                    partial(
+                        hf_hub_download,
+                        model_id,
+                        name,
+                        revision=rev,
+                        cache_dir=cache_dir(),
+                        token=token,
+                        endpoint=endpoint,
                     ),
                 )
             )

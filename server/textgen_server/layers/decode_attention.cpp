@@ -25,8 +25,8 @@
 
 namespace {
 
-// A core's own stream of misses bounds the op (13.5 GB/s on one Zen 5 core, 24 on two): asking for the 128-byte
-// row AHEAD rows on, besides the hardware prefetcher, made a W1-like step ~7% faster (benchmark/attention.py).
+// A core's own stream of misses bounds the op: asking for the 128-byte row AHEAD rows on, besides the hardware
+// prefetcher, made a W1-like step faster (benchmark/attention.py; figures in benchmark/README.md).
 // Prefetches past the end of a buffer are harmless: they never fault.
 #define AHEAD 32
 #define PREFETCH(p)                 \

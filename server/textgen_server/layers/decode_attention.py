@@ -1,15 +1,15 @@
 """bfloat16 decode attention on a CPU that reads only each row's live keys: a small C++ op built at first use.
 
-A batch-64 W1 decode step spent ~60% of its time in the two bf16 matmuls of `matmul_attention`, reading whole
-KV buffers: left padding, spare columns and all (`PaddedKVCache.whole`), at about half the memory bandwidth.
+A batch-64 W1 decode step spent most of its time in the two bf16 matmuls of `matmul_attention`, reading whole
+KV buffers: left padding, spare columns and all (`PaddedKVCache.whole`), well below the memory bandwidth.
 `textgen::decode_attention` (decode_attention.cpp) reads, per row and KV head, the contiguous run of columns the
-row attends to, once for all the query heads of its group: a W1-like step's attention 42.8-58 -> 16.5-19.5 ms
-(`python benchmark/attention.py`), W1's decode steps in one process 65-72 -> 43 ms (p50). It rounds where the
-matmul attention rounds, so its output differs from it only where float32 sums taken in another order round to
-another bfloat16 (about 0.1% of the values, by one unit in the last place).
+row attends to, once for all the query heads of its group, which cuts the attention's and the decode step's time
+(figures and commands: benchmark/README.md, "Figures behind the shard's code"). It rounds where the matmul
+attention rounds, so its output differs from it only where float32 sums taken in another order round to another
+bfloat16 (a few values, by one unit in the last place).
 
-The op is compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; ~10 s,
-once per machine, cached under TORCH_EXTENSIONS_DIR). Where it cannot be built, or with
+The op is compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; once
+per machine, cached under TORCH_EXTENSIONS_DIR). Where it cannot be built, or with
 TEXTGEN_CPU_DECODE_KERNEL=0, the model keeps the matmul attention over whole buffers.
 """
 

@@ -25,6 +25,8 @@ def _default_inv_freq(
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for `position_ids`; attribute names follow what `dynamic_rope_update` expects."""
 
+    inv_freq: torch.Tensor  # a registered buffer (nn.Module's attribute lookup alone types it Tensor | Module)
+
     def __init__(self, config: PretrainedConfig, device: torch.device) -> None:
         super().__init__()
         self.config = config

@@ -37,13 +37,12 @@ class Linear(nn.Module):
     """y = x @ W^T + b; on a CPU in float32 or bfloat16, W lives only in oneDNN's blocked layout.
 
     Why: unpacked, the GEMM library reorders W into its own layout on every call; reordered once at load the
-    products are faster at every row count (torch 2.13, 2-core Zen 5, `benchmark/linear_pack.py`):
-    - float32: 2.2-2.8x faster than `F.linear` from 8 rows up, 1.0-3.0x at 1 row (F.linear goes through MKL,
-      whose fp32 kernels are slow on this AMD CPU; MKL's own packed layout, used here before, was no faster
-      than F.linear there). The product sums in a different order than `F.linear`: the same fp32 accuracy,
-      not the same bits.
-    - bfloat16: the same bits as `F.linear` (itself oneDNN), 2.1-2.7x faster at 1 row, 1.4-1.8x at 8,
-      1.1-1.2x at 64 and ~1.05x in prefills.
+    products are faster at every row count, most for decode rows (`benchmark/linear_pack.py`; figures in
+    benchmark/README.md, "Figures behind the shard's code"):
+    - float32: F.linear goes through MKL, whose fp32 kernels are slow on AMD CPUs (MKL's own packed layout, used
+      here before, was no faster than F.linear there). The product sums in a different order than `F.linear`:
+      the same fp32 accuracy, not the same bits.
+    - bfloat16: the same bits as `F.linear` (itself oneDNN).
     The unpacked copy is dropped so the model's memory does not double.
     """
 
@@ -56,6 +55,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
+            assert self.weight is not None  # kept exactly when there is no packed copy
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

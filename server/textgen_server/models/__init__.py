@@ -1,8 +1,8 @@
-"""get_model: from a model id and the serve options to a loaded `Model` (one shard of it when sharded).
+"""get_model: from the serve options to a loaded `Model` (one shard of it when sharded).
 
 torch and transformers are imported inside the functions that need them: `textgen-server serve` checks its
-options with `check_options` first, so a configuration it cannot honour fails in a second, not after the
-~10 s those imports take.
+options with `ServeConfig.check` first, so a configuration it cannot honour fails at once, not after the
+imports of torch and transformers.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
 from textgen_server.hub import resolve_model_dir
 
 if TYPE_CHECKING:
@@ -18,24 +19,6 @@ if TYPE_CHECKING:
 
     from textgen_server.models.model import Model
     from textgen_server.utils.dist import DistInfo
-
-DTYPES = ("float32", "float16", "bfloat16")
-
-
-class UnsupportedConfigError(ValueError):
-    """The shard cannot serve the model as asked; the CLI reports it as one clear line and exits."""
-
-
-def check_options(quantize: str | None, speculate: int | None, dtype: str | None) -> None:
-    """Reject serve options this shard cannot honour, before any model is loaded."""
-    if quantize:
-        raise UnsupportedConfigError(
-            f"--quantize {quantize} is not supported: this shard runs transformers models unquantized"
-        )
-    if speculate:
-        raise UnsupportedConfigError(f"--speculate {speculate} is not supported: the padded CausalLM never speculates")
-    if dtype is not None and dtype not in DTYPES:
-        raise UnsupportedConfigError(f"--dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
 
 
 def load_module(
@@ -63,36 +46,30 @@ def load_module(
         return load_tp_model(model_dir, config, dtype, device, dist)
     # ---- end of the dispatch point ----
     module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
-    return module.to(device).eval()
+    # transformers types PreTrainedModel.to as its functools.wraps wrapper, which drops the bound `self`
+    return module.to(device).eval()  # type: ignore[arg-type]
 
 
-def get_model(
-    model_id: str,
-    revision: str | None = None,
-    sharded: bool = False,
-    quantize: str | None = None,
-    speculate: int | None = None,
-    dtype: str | None = None,
-    trust_remote_code: bool = False,
-    max_input_tokens: int | None = None,
-) -> Model:
-    """Load `model_id` for this shard; options it cannot honour raise UnsupportedConfigError."""
-    check_options(quantize, speculate, dtype)
+def get_model(serve: ServeConfig) -> Model:
+    """Load `serve.model_id` for this shard; options it cannot honour raise UnsupportedConfigError."""
+    serve.check()
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
     from textgen_server.models.causal_lm import CausalLM
     from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 
-    dist = initialize_torch_distributed() if sharded else DistInfo(0, 1, None)
+    dist = initialize_torch_distributed() if serve.sharded else DistInfo(0, 1, None)
     device = torch.device(f"cuda:{dist.rank}") if torch.cuda.is_available() else torch.device("cpu")
     # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
-    torch_dtype = getattr(torch, dtype) if dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    default_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, serve.dtype) if serve.dtype else default_dtype
 
-    model_dir = resolve_model_dir(model_id, revision)  # a local dir, or the snapshot download-weights fetched
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    # a local dir, or the snapshot download-weights fetched
+    model_dir = resolve_model_dir(serve.model_id, serve.revision)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=serve.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(
-        model_dir, trust_remote_code=trust_remote_code, padding_side="left", truncation_side="left"
+        model_dir, trust_remote_code=serve.trust_remote_code, padding_side="left", truncation_side="left"
     )
     if tokenizer.pad_token_id is None:
         # TGI's fallback order: config pad, config eos, tokenizer eos, then a new [PAD] token.
@@ -107,22 +84,21 @@ def get_model(
             tokenizer.add_special_tokens({"pad_token": "[PAD]"})
 
     dist.barrier()
-    module = load_module(model_dir, config, torch_dtype, device, dist, trust_remote_code)
+    module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code)
     dist.barrier()
-    return CausalLM(
-        module,
-        model_id=model_id,
-        tokenizer=tokenizer,
-        dtype=torch_dtype,
+    shard = ShardConfig(
+        model_id=serve.model_id,
+        dtype=dtype,
         device=device,
         vocab_size=config.get_text_config().vocab_size,
-        eos_token_ids=eos_token_ids(model_dir, config, tokenizer.eos_token_id),
-        rank=dist.rank,
-        world_size=dist.world_size,
+        eos_token_ids=frozenset(eos_token_ids(model_dir, config, tokenizer.eos_token_id)),
         # What transformers resolved at load time; the tensor-parallel modules use SDPA.
         attention_impl=getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa",
-        max_input_tokens=max_input_tokens,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        max_input_tokens=serve.max_input_tokens,
     )
+    return CausalLM(module, shard, tokenizer)
 
 
 def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int | None) -> set[int]:

@@ -13,11 +13,13 @@ import inspect
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
+from textgen_server.config import ShardConfig
 from textgen_server.models.kv_cache import (
     KVCache,
     concatenate_caches,
@@ -29,11 +31,31 @@ from textgen_server.models.model import (
     Batch,
     InvalidRequestError,
     Model,
+    prepare_rows,
     request_text,
     validate_stopping,
 )
 from textgen_server.utils.stopping import StoppingCriteria
-from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
+from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens, validate_parameters
+
+if TYPE_CHECKING:
+    from typing import Self
+
+
+def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
+    """The request's prompt token ids (truncated on the left to `truncate`), after checking everything about the
+    request that could refuse it: stopping and sampling values, the prompt and its length."""
+    validate_stopping(request)
+    validate_parameters(request.parameters)
+    ids: list[int] = model.tokenizer(request_text(request), add_special_tokens=request.add_special_tokens)["input_ids"]
+    if request.truncate and len(ids) > request.truncate:
+        ids = ids[len(ids) - request.truncate :]  # TGI truncates on the left: the prompt's end matters
+    max_input_tokens = model.config.max_input_tokens
+    if max_input_tokens is not None and len(ids) > max_input_tokens:
+        raise InvalidRequestError(f"`inputs` must have less than {max_input_tokens} tokens. Given: {len(ids)}")
+    if not ids:
+        raise InvalidRequestError("the prompt has no tokens")
+    return ids
 
 
 @dataclass
@@ -60,35 +82,22 @@ class CausalLMBatch(Batch):
     def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> CausalLMBatch:
         if not pb.requests:
             raise InvalidRequestError("Batch must have at least one request")
-        tokenizer = model.tokenizer
-        all_input_ids: list[list[int]] = []
-        for r in pb.requests:
-            validate_stopping(r)
-            ids = tokenizer(request_text(r), add_special_tokens=r.add_special_tokens)["input_ids"]
-            if r.truncate and len(ids) > r.truncate:
-                ids = ids[len(ids) - r.truncate :]  # TGI truncates on the left: the prompt's end matters
-            if model.max_input_tokens is not None and len(ids) > model.max_input_tokens:
-                raise InvalidRequestError(
-                    f"request {r.id}: `inputs` must have less than {model.max_input_tokens} tokens. Given: {len(ids)}"
-                )
-            if not ids:
-                raise InvalidRequestError(f"request {r.id}: the prompt has no tokens")
-            all_input_ids.append(ids)
+        all_input_ids = prepare_rows(pb.requests, lambda r: prompt_ids(r, model))
         # Longest prompts first: rows of similar length stay neighbours, so decode attention can skip the
         # left padding of each group of rows (TPCausalLM's attention groups).
         order = sorted(range(len(all_input_ids)), key=lambda i: -len(all_input_ids[i]))
         requests = [pb.requests[i] for i in order]
         all_input_ids = [all_input_ids[i] for i in order]
         chooser = HeterogeneousNextTokenChooser.from_pb(
-            [r.parameters for r in requests], all_input_ids, model.vocab_size, model.device
+            [r.parameters for r in requests], all_input_ids, model.config.vocab_size, model.config.device
         )
-        stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.eos_token_ids) for r in requests]
+        stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.config.eos_token_ids) for r in requests]
 
         size = len(requests)
         input_lengths = [len(ids) for ids in all_input_ids]
         max_input_length = max(input_lengths)
         padding_right_offset = max(s.max_new_tokens for s in stopping)
-        pad_id = tokenizer.pad_token_id
+        pad_id = model.tokenizer.pad_token_id
         input_ids = torch.full((size, max_input_length), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((size, max_input_length + padding_right_offset), dtype=torch.long)
         for row, ids in enumerate(all_input_ids):
@@ -101,9 +110,9 @@ class CausalLMBatch(Batch):
             batch_id=pb.id,
             requests=requests,
             requests_idx_mapping={r.id: i for i, r in enumerate(requests)},
-            input_ids=input_ids.to(model.device),
-            attention_mask=attention_mask.to(model.device),
-            position_ids=position_ids.to(model.device),
+            input_ids=input_ids.to(model.config.device),
+            attention_mask=attention_mask.to(model.config.device),
+            position_ids=position_ids.to(model.config.device),
             past_key_values=None,
             all_input_ids=all_input_ids,
             input_lengths=input_lengths,
@@ -173,10 +182,13 @@ class CausalLMBatch(Batch):
         return self
 
     @classmethod
-    def concatenate(cls, batches: list[CausalLMBatch]) -> CausalLMBatch:
+    def concatenate(cls, batches: list[Self]) -> Self:
         """Stack batches row-wise, right-aligning every mask and KV cache on the longest row."""
-        if any(b.past_key_values is None for b in batches):
-            raise InvalidRequestError("only batches that ran a prefill can be concatenated")
+        caches: list[tuple[KVCache, int]] = []
+        for b in batches:
+            if b.past_key_values is None:
+                raise InvalidRequestError("only batches that ran a prefill can be concatenated")
+            caches.append((b.past_key_values, b.max_input_length - 1))
         size = sum(len(b) for b in batches)
         max_input_length = max(b.max_input_length for b in batches)
         padding_right_offset = max(b.padding_right_offset for b in batches)
@@ -190,7 +202,7 @@ class CausalLMBatch(Batch):
             start += len(b)
 
         cache = concatenate_caches(
-            [(b.past_key_values, b.max_input_length - 1) for b in batches],  # type: ignore[misc]
+            caches,
             max_input_length - 1,
             spare_columns(padding_right_offset),
         )
@@ -219,8 +231,8 @@ class CausalLMBatch(Batch):
 class CausalLM(Model[CausalLMBatch]):
     """Runs padded prefill/decode steps on a causal LM module with the transformers forward signature."""
 
-    def __init__(self, module: torch.nn.Module, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, module: torch.nn.Module, config: ShardConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__(config, tokenizer)
         self.module = module
         params = inspect.signature(module.forward).parameters
         # Prefill without prompt logprobs needs only the last position's logits: skip the LM head elsewhere.
@@ -277,6 +289,7 @@ class CausalLM(Model[CausalLMBatch]):
         generations: list[generate_pb2.Generation] = []
         stopped_all = True
         special = self.all_special_ids
+        rank, world_size = self.config.rank, self.config.world_size
         for i, request in enumerate(batch.requests):
             next_id = int(chosen[0][i])
             ids = batch.all_input_ids[i]
@@ -288,7 +301,7 @@ class CausalLM(Model[CausalLMBatch]):
             stop, reason = criteria(next_id, text)
             stopped_all = stopped_all and stop
             batch.input_lengths[i] += 1
-            if i % self.world_size != self.rank:
+            if i % world_size != rank:
                 continue  # another rank reports this row; the router concatenates all ranks' lists
             generation = generate_pb2.Generation(
                 request_id=request.id,
@@ -340,14 +353,14 @@ class CausalLM(Model[CausalLMBatch]):
         )
 
     def _generated_text(
-        self, batch: CausalLMBatch, i: int, criteria: StoppingCriteria, reason: int | None
+        self, batch: CausalLMBatch, i: int, criteria: StoppingCriteria, reason: generate_pb2.FinishReason | None
     ) -> generate_pb2.GeneratedText:
         """The whole generated text, decoded with one token of left context so a leading space survives."""
         ids = batch.all_input_ids[i]
         read = len(ids) - criteria.current_tokens
         prefix = max(read - 1, 0)
-        context = self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+        context = self.decode(ids[prefix:read], skip_special_tokens=True)
+        full = self.decode(ids[prefix:], skip_special_tokens=True)
         generated = generate_pb2.GeneratedText(
             text=full[len(context) :],
             generated_tokens=criteria.current_tokens,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 # Columns a full buffer grows by beyond what the current step needs: one regrowth every GROW decode steps.
 GROW = 128
@@ -40,8 +41,8 @@ class PaddedKVCache:
     reads each row's live columns straight from the buffers): decode steps attend over every column of a
     buffer (`whole`), the ones outside the window masked. A window is a strided view, and the CPU's
     half-precision matmul copies such an operand whole into a contiguous tensor before every product: reading
-    the dead and spare columns costs less than that copy (bf16 decode attention at batch 64 2.7x faster in
-    benchmark/attention.py). Such a cache keeps every column finite (spare columns are zeroed when allocated),
+    the dead and spare columns costs less than that copy (benchmark/attention.py; figures in
+    benchmark/README.md). Such a cache keeps every column finite (spare columns are zeroed when allocated),
     since a masked column's zero weight times NaN is NaN.
     """
 
@@ -167,19 +168,39 @@ def filter_cache(cache: KVCache, order: list[int], keep_positions: int) -> None:
     if isinstance(cache, PaddedKVCache):
         cache.filter(order, keep_positions)
         return
-    index = torch.tensor(order, dtype=torch.long, device=cache.layers[0].keys.device)
-    for layer in cache.layers:
-        seq = layer.keys.shape[2]
-        layer.keys = layer.keys[index, :, seq - keep_positions :]
-        layer.values = layer.values[index, :, seq - keep_positions :]
+    index: torch.Tensor | None = None
+    for layer_idx, (keys, values) in enumerate(_windows(cache)):
+        if index is None:
+            index = torch.tensor(order, dtype=torch.long, device=keys.device)
+        seq = keys.shape[2]
+        _set_layer(cache, layer_idx, keys[index, :, seq - keep_positions :], values[index, :, seq - keep_positions :])
+
+
+def _attention_layer(cache: DynamicCache, layer_idx: int) -> CacheLayerMixin:
+    """A layer of the DynamicCache a transformers decoder fills: keys and values, no linear-attention state."""
+    layer = cache.layers[layer_idx]
+    assert isinstance(layer, CacheLayerMixin), f"layer {layer_idx} holds no keys and values: {type(layer).__name__}"
+    return layer
 
 
 def _windows(cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) of the live positions, per layer."""
+    """(keys, values) of the live positions, per layer (of a cache a forward filled)."""
     if isinstance(cache, PaddedKVCache):
         end = cache.offset + cache.length
-        return [(k[:, :, cache.offset : end], v[:, :, cache.offset : end]) for k, v in zip(cache.keys, cache.values)]
-    return [(layer.keys, layer.values) for layer in cache.layers]
+        return [
+            (k[:, :, cache.offset : end], v[:, :, cache.offset : end])
+            for k, v in zip(cache.keys, cache.values, strict=True)
+        ]
+    windows = []
+    for layer_idx in range(len(cache.layers)):
+        layer = _attention_layer(cache, layer_idx)
+        assert layer.keys is not None and layer.values is not None, "a cache is filtered or joined after a forward"
+        windows.append((layer.keys, layer.values))
+    return windows
+
+
+# What a source layer holds once concatenate_caches copied it: its own buffers are released at once.
+_RELEASED = torch.empty(0)
 
 
 def concatenate_caches(parts: list[tuple[KVCache, int]], kv_length: int, reserve: int) -> KVCache:
@@ -190,21 +211,20 @@ def concatenate_caches(parts: list[tuple[KVCache, int]], kv_length: int, reserve
     (PaddedKVCache only).
     """
     first = parts[0][0]
-    padded = isinstance(first, PaddedKVCache)
-    windows: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = [list(_windows(c)) for c, _ in parts]
-    size = sum(w[0][0].shape[0] for w in windows)  # type: ignore[index]
-    columns = kv_length + (reserve if padded else 0)
+    windows = [_windows(c) for c, _ in parts]
+    size = sum(w[0][0].shape[0] for w in windows)
+    columns = kv_length + (reserve if isinstance(first, PaddedKVCache) else 0)
     for layer_idx in range(len(windows[0])):
-        ref_k, ref_v = windows[0][layer_idx]  # type: ignore[misc]
+        ref_k, ref_v = windows[0][layer_idx]
         # Uninitialised, then each part's rows written once: its left padding as zeros (padded keys must be
         # finite), its columns copied. The reserve stays unwritten, as PaddedKVCache allows. Zero-filling the
-        # whole buffer first wrote every byte twice (a W1 join: 1.8 GB, a third of the concatenation).
+        # whole buffer first wrote every byte twice (benchmark/README.md, "Figures behind the shard's code").
         keys = ref_k.new_empty((size, ref_k.shape[1], columns, ref_k.shape[3]))
         values = ref_v.new_empty((size, ref_v.shape[1], columns, ref_v.shape[3]))
         del ref_k, ref_v
         start = 0
-        for (cache, n), part in zip(parts, windows):
-            k, v = part[layer_idx]  # type: ignore[misc]
+        for (cache, n), part in zip(parts, windows, strict=True):
+            k, v = part[layer_idx]
             rows = k.shape[0]
             keys[start : start + rows, :, : kv_length - n] = 0.0
             values[start : start + rows, :, : kv_length - n] = 0.0
@@ -212,18 +232,19 @@ def concatenate_caches(parts: list[tuple[KVCache, int]], kv_length: int, reserve
             values[start : start + rows, :, kv_length - n : kv_length] = v[:, :, v.shape[2] - n :]
             start += rows
             del k, v
-            part[layer_idx] = None
-            _set_layer(cache, layer_idx, None, None)
-        if padded:
-            keys, values = (first.spare_zeroed(x, kv_length) for x in (keys, values))  # type: ignore[union-attr]
+            part[layer_idx] = (_RELEASED, _RELEASED)
+            _set_layer(cache, layer_idx, _RELEASED, _RELEASED)
+        if isinstance(first, PaddedKVCache):
+            keys, values = (first.spare_zeroed(x, kv_length) for x in (keys, values))
         _set_layer(first, layer_idx, keys, values)
     if isinstance(first, PaddedKVCache):
         first.offset, first.length = 0, kv_length
     return first
 
 
-def _set_layer(cache: KVCache, layer_idx: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+def _set_layer(cache: KVCache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
     if isinstance(cache, PaddedKVCache):
-        cache.keys[layer_idx], cache.values[layer_idx] = keys, values  # type: ignore[call-overload]
+        cache.keys[layer_idx], cache.values[layer_idx] = keys, values
     else:
-        cache.layers[layer_idx].keys, cache.layers[layer_idx].values = keys, values
+        layer = _attention_layer(cache, layer_idx)
+        layer.keys, layer.values = keys, values

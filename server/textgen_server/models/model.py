@@ -7,16 +7,34 @@ The servicer never looks inside either: it builds a batch with `Model.batch_type
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
+from textgen_server.config import ShardConfig
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class InvalidRequestError(ValueError):
     """A request the shard cannot run as asked (maps to gRPC INVALID_ARGUMENT); the shard keeps serving."""
+
+
+class InvalidRequestsError(InvalidRequestError):
+    """Some requests of a new batch cannot run as asked; the others could.
+
+    Contract with the router (textgen_router.shard_client parses it): the gRPC details, `str(error)`, are one line
+    `request {id}: {reason}` per refused request and nothing else. The refused Prefill cached nothing, so the
+    router fails only those requests, each with its reason, and prefills the others again in a new call.
+    """
+
+    def __init__(self, reasons: dict[int, str]) -> None:
+        self.reasons = reasons
+        super().__init__("\n".join(f"request {request_id}: {reason}" for request_id, reason in reasons.items()))
 
 
 class Batch(ABC):
@@ -27,8 +45,8 @@ class Batch(ABC):
     @classmethod
     @abstractmethod
     def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> Batch:
-        """Tokenize with `model.tokenizer` and set up a new batch on `model.device`; bad input raises
-        ValueError (InvalidRequestError for the batch's own checks)."""
+        """Tokenize with `model.tokenizer` and set up a new batch on `model.config.device`. Invalid requests
+        raise InvalidRequestsError naming each of them (see `prepare_rows`), a bad batch InvalidRequestError."""
 
     @abstractmethod
     def to_pb(self) -> generate_pb2.CachedBatch:
@@ -44,7 +62,7 @@ class Batch(ABC):
 
     @classmethod
     @abstractmethod
-    def concatenate(cls, batches: list[Batch]) -> Batch:
+    def concatenate(cls, batches: list[Self]) -> Self:
         """Merge batches that each ran at least one step into one, under the first batch's id."""
 
     @abstractmethod
@@ -58,12 +76,29 @@ class Batch(ABC):
 
 
 B = TypeVar("B", bound=Batch)
+T = TypeVar("T")
+
+
+def prepare_rows(requests: Sequence[generate_pb2.Request], prepare: Callable[[generate_pb2.Request], T]) -> list[T]:
+    """`prepare(request)` of every request, in order. A ValueError refuses that request only: once every request
+    was looked at, all refusals are raised together as InvalidRequestsError (so one bad row names itself
+    instead of failing its batch-mates)."""
+    prepared: list[T] = []
+    reasons: dict[int, str] = {}
+    for request in requests:
+        try:
+            prepared.append(prepare(request))
+        except ValueError as error:
+            reasons[request.id] = " ".join(str(error).split())  # one line per request, as the contract says
+    if reasons:
+        raise InvalidRequestsError(reasons)
+    return prepared
 
 
 def validate_stopping(request: generate_pb2.Request) -> None:
-    """Reject stopping values no batch can honour (sampling values are checked by the token chooser)."""
+    """Reject stopping values no batch can honour (sampling values are checked by `validate_parameters`)."""
     if request.stopping_parameters.max_new_tokens == 0:
-        raise InvalidRequestError(f"request {request.id}: `max_new_tokens` must be strictly positive")
+        raise InvalidRequestError("`max_new_tokens` must be strictly positive")
 
 
 def request_text(request: generate_pb2.Request) -> str:
@@ -71,42 +106,21 @@ def request_text(request: generate_pb2.Request) -> str:
     if request.HasField("input_chunks") and request.input_chunks.chunks:
         texts = [c.text for c in request.input_chunks.chunks if c.WhichOneof("chunk") == "text"]
         if len(texts) > 1:
-            raise InvalidRequestError(f"request {request.id}: cannot concatenate more than one text chunk")
+            raise InvalidRequestError("cannot concatenate more than one text chunk")
         text = texts[0] if texts else ""
     else:
         text = request.inputs
     if not text:
-        raise InvalidRequestError(f"request {request.id}: the prompt is empty")
+        raise InvalidRequestError("the prompt is empty")
     return text
 
 
 class Model(ABC, Generic[B]):
     """A loaded model shard: runs prefill/decode steps on batches of `batch_type`."""
 
-    def __init__(
-        self,
-        model_id: str,
-        tokenizer: PreTrainedTokenizerBase,
-        dtype: torch.dtype,
-        device: torch.device,
-        vocab_size: int,
-        eos_token_ids: set[int],
-        rank: int = 0,
-        world_size: int = 1,
-        attention_impl: str = "eager",
-        max_input_tokens: int | None = None,
-    ) -> None:
-        self.model_id = model_id
+    def __init__(self, config: ShardConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.config = config
         self.tokenizer = tokenizer
-        self.dtype = dtype
-        self.device = device
-        self.vocab_size = vocab_size  # width of the logits the model returns
-        self.eos_token_ids = eos_token_ids
-        self.rank = rank
-        self.world_size = world_size
-        self.attention_impl = attention_impl
-        self.max_input_tokens = max_input_tokens
-        self.max_prefill_tokens: int | None = None
         self.all_special_ids = set(tokenizer.all_special_ids)
 
     @property
@@ -124,17 +138,14 @@ class Model(ABC, Generic[B]):
         # Padded batches with a transformers KV cache: no paging, so no blocks, chunking or prefix cache.
         return generate_pb2.InfoResponse(
             requires_padding=True,
-            dtype=str(self.dtype),
-            device_type=self.device.type,
+            dtype=str(self.config.dtype),
+            device_type=self.config.device.type,
             speculate=0,
             support_chunking=False,
             use_prefix_caching=False,
-            attention_impl=self.attention_impl,
+            attention_impl=self.config.attention_impl,
             block_size=0,
         )
-
-    def set_max_prefill_tokens(self, max_prefill_tokens: int) -> None:
-        self.max_prefill_tokens = max_prefill_tokens
 
     def warmup(
         self, batch: B, max_input_tokens: int | None, max_total_tokens: int | None
@@ -155,9 +166,15 @@ class Model(ABC, Generic[B]):
 
     def health(self) -> None:
         """A real (tiny) tensor op on the model's device; raises if the device is unusable."""
-        probe = torch.ones((2, 2), dtype=self.dtype, device=self.device)
+        probe = torch.ones((2, 2), dtype=self.config.dtype, device=self.config.device)
         if not bool(torch.isfinite(probe @ probe).all()):
-            raise RuntimeError(f"health probe on {self.device} returned non-finite values")
+            raise RuntimeError(f"health probe on {self.config.device} returned non-finite values")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids` (the tokenizer's decode, whose declared type also covers batches of id lists)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # a flat id list decodes to one string
+        return text
 
     def decode_token(
         self, all_ids: list[int], prefix_offset: int, read_offset: int, skip_special_tokens: bool = False
@@ -168,8 +185,8 @@ class Model(ABC, Generic[B]):
         a multi-byte character is still split across tokens: emit nothing and keep the offsets so the
         next token completes it.
         """
-        prefix_text = self.tokenizer.decode(all_ids[prefix_offset:read_offset], skip_special_tokens=skip_special_tokens)
-        new_text = self.tokenizer.decode(all_ids[prefix_offset:], skip_special_tokens=skip_special_tokens)
+        prefix_text = self.decode(all_ids[prefix_offset:read_offset], skip_special_tokens)
+        new_text = self.decode(all_ids[prefix_offset:], skip_special_tokens)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             return new_text[len(prefix_text) :], read_offset, len(all_ids)
         return "", prefix_offset, read_offset

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from textgen_server.layers.attention import attention_for, uses_matmul
+from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary
@@ -130,6 +130,7 @@ class TokenLayout:
             return packed
         grid = packed.new_empty((self.batch * self.seq_len, packed.shape[1]))
         grid.index_copy_(0, self.index, packed)
+        assert self.padding is not None  # set together with `index`
         # Padded keys and values must be finite (zero attention weight times NaN is NaN): zero just those rows.
         return grid.index_fill_(0, self.padding, 0.0)
 
@@ -153,7 +154,7 @@ def _row_groups(attention_mask: torch.Tensor) -> list[tuple[int, int, int]] | No
         return None
     first_real = attention_mask.argmax(1).tolist()  # left padding: the first 1 of each row
     bounds = [batch * g // ATTENTION_GROUPS for g in range(ATTENTION_GROUPS + 1)]
-    groups = [(lo, hi, min(first_real[lo:hi])) for lo, hi in zip(bounds, bounds[1:])]
+    groups = [(lo, hi, min(first_real[lo:hi])) for lo, hi in zip(bounds, bounds[1:], strict=False)]
     return groups if any(start > 0 for _, _, start in groups) else None
 
 
@@ -195,7 +196,7 @@ class Attention(nn.Module):
         decode op, see decode_attention.py): each row's first visible column of the cache window."""
         batch, seq_len, tokens = layout.batch, layout.seq_len, hidden.shape[0]
         q, k, v = self.qkv(hidden).split(self.split, dim=-1)
-        # RoPE on the real tokens only, before padding: a W1 prefill grid is ~40% padding.
+        # RoPE on the real tokens only, before padding: much of a W1 prefill grid is padding.
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         q, k, v = (
@@ -296,6 +297,14 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class CausalLMOutput(NamedTuple):
+    """A forward's result under the names CausalLM reads from every module (transformers' own output class
+    names its cache field differently from one version to the next, and types it as a transformers Cache)."""
+
+    logits: torch.Tensor
+    past_key_values: KVCache | None  # None when called with use_cache=False
+
+
 class TPCausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head, every weight holding only this rank's share."""
 
@@ -327,7 +336,7 @@ class TPCausalLM(nn.Module):
         past_key_values: KVCache | None = None,
         use_cache: bool = True,
         logits_to_keep: int = 0,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutput:
         """HF-compatible forward; `logits_to_keep` > 0 computes logits only for the last positions."""
         batch, seq_len = input_ids.shape
         if use_cache and past_key_values is None:
@@ -345,7 +354,7 @@ class TPCausalLM(nn.Module):
         firsts: dict[int | None, torch.Tensor | None] = {}
         if seq_len == 1 and self.decode_kernel and isinstance(cache, PaddedKVCache):
             firsts = {window: first_visible(mask, batch, input_ids.device) for window, mask in masks.items()}
-        for layer, window in zip(self.layers, self.windows):
+        for layer, window in zip(self.layers, self.windows, strict=True):
             hidden = layer(hidden, layout, cos, sin, masks[window], cache, firsts.get(window))
         if logits_to_keep:
             # Left padding: every row's newest positions are real tokens, the last ones of its packed run.
@@ -353,7 +362,7 @@ class TPCausalLM(nn.Module):
             logits = self.lm_head(self.norm(hidden))
         else:
             logits = layout.pad(self.lm_head(self.norm(hidden))).view(batch, seq_len, -1)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return CausalLMOutput(logits, cache)
 
     def _masks(self, attention_mask: torch.Tensor, seq_len: int) -> dict[int | None, torch.Tensor | None]:
         """One mask per distinct window size; None (SDPA's own causal path) when nothing needs masking."""

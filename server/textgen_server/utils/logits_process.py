@@ -73,7 +73,7 @@ class TopK:
         return scores.masked_fill(scores < kth, NEG_INF)
 
 
-# A full sort of a 32k vocabulary costs ~10x a top-256 on CPU, and real nucleus / typical sets are usually
+# A full sort of a 32k vocabulary costs several top-256s on CPU, and real nucleus / typical sets are usually
 # much smaller, so the sort-based warpers first look at the best FIRST_LOOK tokens and sort everything only
 # when some row's set turns out to be wider.
 FIRST_LOOK = 256

@@ -2,9 +2,9 @@
 
 glibc serves allocations above its mmap threshold (at most 32 MiB by default) with fresh mmaps and
 unmaps them on free. A CPU prefill allocates and frees activations of tens to hundreds of MiB per layer,
-so every step page-faults that memory in again: on a 64-prompt prefill of the small model that was ~30% of
-the time (benchmark/shard_w1.py). Serving such allocations from the heap, and never trimming it, makes the
-process keep its peak activation memory (reached at warmup) for reuse instead.
+so every step page-faults that memory in again: a large share of a 64-prompt prefill of the small model
+(benchmark/shard_w1.py; figures in benchmark/README.md). Serving such allocations from the heap, and never
+trimming it, makes the process keep its peak activation memory (reached at warmup) for reuse instead.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ generated so far, which may span several tokens.
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 from textgen_pb import generate_pb2
 
 
@@ -17,7 +19,7 @@ class StoppingCriteria:
 
     def __init__(
         self,
-        eos_token_ids: set[int],
+        eos_token_ids: Set[int],
         stop_sequences: list[str],
         max_new_tokens: int,
         ignore_eos_token: bool = False,
@@ -32,12 +34,10 @@ class StoppingCriteria:
         self._tail = ""
 
     @classmethod
-    def from_pb(cls, pb: generate_pb2.StoppingCriteriaParameters, eos_token_ids: set[int]) -> StoppingCriteria:
+    def from_pb(cls, pb: generate_pb2.StoppingCriteriaParameters, eos_token_ids: Set[int]) -> StoppingCriteria:
         return cls(eos_token_ids, list(pb.stop_sequences), pb.max_new_tokens, pb.ignore_eos_token)
 
-    def __call__(
-        self, last_token_id: int, last_token_text: str
-    ) -> tuple[bool, generate_pb2.FinishReason.ValueType | None]:
+    def __call__(self, last_token_id: int, last_token_text: str) -> tuple[bool, generate_pb2.FinishReason | None]:
         """Record one generated token; (True, reason) when the request must stop now."""
         self.current_tokens += 1
         if self.current_tokens >= self.max_new_tokens:

@@ -73,6 +73,10 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
+# A processor's constructor: its parameter column for the rows it applies to -> the processor.
+Maker = Callable[[Tensor], Callable[..., Tensor]]
+
+
 class _Stage(NamedTuple):
     """A processor and the rows it applies to (None: every row, which spares an index_select)."""
 
@@ -145,7 +149,7 @@ class HeterogeneousNextTokenChooser:
         ).reshape(len(params), 7)
         do_sample = [_samples(p) for p in params]
         seeds = [p.seed for p in params]
-        generators = [_generator(s, device) if d else None for s, d in zip(seeds, do_sample)]
+        generators = [_generator(s, device) if d else None for s, d in zip(seeds, do_sample, strict=True)]
         history = None
         if _needs_history(table):
             if any(not 0 <= token < vocab_size for ids in prompt_ids for token in ids):
@@ -170,22 +174,21 @@ class HeterogeneousNextTokenChooser:
         if bool(t[:, WATERMARK].any()):
             rows = _rows_where(t[:, WATERMARK] > 0)
             self._watermark = _Stage(rows, Watermark(self.device))
-        for column, mask, make in (
+        penalties: list[tuple[int, Tensor, Maker]] = [
             (REPETITION, t[:, REPETITION] != 1.0, RepetitionPenalty),
             (FREQUENCY, t[:, FREQUENCY] != 0.0, FrequencyPenalty),
-        ):
-            if bool(mask.any()):
-                rows = _rows_where(mask)
-                self._penalties.append(_Stage(rows, make(_take(t[:, column], rows))))
-        for column, mask, make in (
+        ]
+        warpers: list[tuple[int, Tensor, Maker]] = [
             (TEMPERATURE, t[:, TEMPERATURE] != 1.0, Temperature),
             (TOP_K, t[:, TOP_K] != 0, lambda k: TopK(k, self.vocab_size)),
             (TOP_P, t[:, TOP_P] < 1.0, TopP),
             (TYPICAL_P, t[:, TYPICAL_P] < 1.0, TypicalP),
-        ):
-            if bool(mask.any()):
-                rows = _rows_where(mask)
-                self._warpers.append(_Stage(rows, make(_take(t[:, column], rows))))
+        ]
+        for built, wanted in ((self._penalties, penalties), (self._warpers, warpers)):
+            for column, mask, make in wanted:
+                if bool(mask.any()):
+                    rows = _rows_where(mask)
+                    built.append(_Stage(rows, make(_take(t[:, column], rows))))
         stages = [self._watermark, *self._penalties, *self._warpers]
         self._writes_rows = any(stage is not None and stage.rows is not None for stage in stages)
 
@@ -212,7 +215,7 @@ class HeterogeneousNextTokenChooser:
         if not self._sampling_rows:
             next_ids = scores.argmax(dim=-1)
         else:
-            # softmax, not logprobs.exp(): exp of the -inf/very negative entries is ~10x slower on CPU.
+            # softmax, not logprobs.exp(): exp of the -inf/very negative entries is slow on CPU (benchmark/README.md).
             drawn = self._sample(_take(scores, self._sampling_index).softmax(dim=-1))
             if self._sampling_index is None:
                 next_ids = drawn
@@ -227,7 +230,8 @@ class HeterogeneousNextTokenChooser:
 
         Each row's draw uses one uniform from its own generator and that row's probabilities only, so a seed
         yields the same tokens whether the request runs alone or in any batch. (TGI divides by Exp(1) noise
-        over the whole vocabulary instead, which draws V random numbers per row: ~50x the cost on CPU.)
+        over the whole vocabulary instead, which draws V random numbers per row: far more costly on CPU, see
+        benchmark/README.md.)
         """
         uniforms = torch.cat(
             [torch.rand(1, generator=self.generators[row], device=self.device) for row in self._sampling_rows]
@@ -315,4 +319,4 @@ def batch_top_tokens(top_n_tokens: list[int], logprobs: Tensor) -> tuple[list[li
         top = torch.topk(logprobs, int(counts.max()), dim=-1)
     ids, values = top.indices.tolist(), top.values.tolist()
     kept = counts.tolist()
-    return [row[:k] for row, k in zip(ids, kept)], [row[:k] for row, k in zip(values, kept)]
+    return [row[:k] for row, k in zip(ids, kept, strict=True)], [row[:k] for row, k in zip(values, kept, strict=True)]

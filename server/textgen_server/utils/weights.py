@@ -66,15 +66,20 @@ class Weights:
         return cls(files, device, dtype, rank, world_size, aliases)
 
     def __contains__(self, name: str) -> bool:
-        return self._resolve(name, missing_ok=True) is not None
+        return self._stored_name(name) is not None
 
-    def _resolve(self, name: str, missing_ok: bool = False) -> str | None:
+    def _stored_name(self, name: str) -> str | None:
+        """`name` or the first of its aliases that a file holds; None when none does."""
         for candidate in [name, *self.aliases.get(name, [])]:
             if candidate in self._routing:
                 return candidate
-        if missing_ok:
-            return None
-        raise ValueError(f"weight {name} does not exist")
+        return None
+
+    def _resolve(self, name: str) -> str:
+        real = self._stored_name(name)
+        if real is None:
+            raise ValueError(f"weight {name} does not exist")
+        return real
 
     def get_slice(self, name: str) -> Any:  # safetensors' PySafeSlice has no importable type
         """The lazy slice of `name`: indexing it reads only the indexed part from disk."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from textgen_server.layers.attention import attention_for, matmul_attention, sdpa
+from textgen_server.layers.attention_kernels import attention_for, matmul_attention, sdpa
 
 CPU = torch.device("cpu")
 

@@ -14,10 +14,11 @@ import grpc
 
 from textgen_pb import generate_pb2, generate_pb2_grpc
 from textgen_server.cache import BatchNotFoundError, Cache
+from textgen_server.config import ServeConfig
 from textgen_server.interceptor import ExceptionInterceptor, TracingInterceptor
 from textgen_server.models.model import Batch, InvalidRequestError, Model
 
-logger = logging.getLogger("textgen_server.server")
+logger = logging.getLogger("textgen_server.servicer")
 
 MAX_MESSAGE_LENGTH = 2**31 - 1
 
@@ -66,7 +67,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return generate_pb2.FilterBatchResponse(batch=filtered.to_pb())
 
     async def Warmup(self, request: generate_pb2.WarmupRequest, context: object) -> generate_pb2.WarmupResponse:
-        self.model.set_max_prefill_tokens(request.max_prefill_tokens)
+        # `max_prefill_tokens` is not read: a padded model has no prefill buffer to size for it.
         batch = self.model.batch_type.from_pb(request.batch, self.model)
         max_supported, max_input, max_total = self.model.warmup(
             batch,
@@ -128,11 +129,12 @@ def shard_urls(uds_path: str, sharded: bool) -> tuple[str, list[str]]:
     return urls[rank], urls
 
 
-async def serve(model: Model, uds_path: str, sharded: bool, tracing: bool) -> bool:
-    """Serve until SIGTERM/SIGINT or a fatal RuntimeError in an RPC, then remove the socket file.
+async def serve(model: Model, config: ServeConfig) -> bool:
+    """Serve on `config.uds_path` until SIGTERM/SIGINT or a fatal RuntimeError in an RPC, then remove the
+    socket file. RPCs are traced when `config.otlp_endpoint` is set.
 
     Returns True when the shard stopped because of a fatal error (the CLI then exits non-zero)."""
-    local_url, urls = shard_urls(uds_path, sharded)
+    local_url, urls = shard_urls(config.uds_path, config.sharded)
     socket_path = Path(local_url[len("unix://") :])
     socket_path.unlink(missing_ok=True)  # a stale socket from a crashed run would make the bind fail
 
@@ -149,7 +151,7 @@ async def serve(model: Model, uds_path: str, sharded: bool, tracing: bool) -> bo
         stop.set()
 
     interceptors: list[grpc.aio.ServerInterceptor] = [ExceptionInterceptor(shutdown_after_fatal_error)]
-    if tracing:
+    if config.otlp_endpoint:
         interceptors.append(TracingInterceptor())
     server = grpc.aio.server(
         interceptors=interceptors,

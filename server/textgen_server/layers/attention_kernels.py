@@ -1,7 +1,7 @@
 """Scaled dot-product attention, with a plain-matmul path for half-precision weights on a CPU.
 
 torch's CPU `scaled_dot_product_attention` is fast in float32, but in bfloat16 it ran a batch-64 decode step
-2.1x slower than in float32 (torch 2.13, a Zen 5 core with AVX512-BF16), while two bf16 matmuls with an fp32
+about twice as slow as in float32 (benchmark/README.md), while two bf16 matmuls with an fp32
 softmax between them beat the float32 SDPA, provided their operands are whole KV buffers rather than strided
 windows of them (`PaddedKVCache.whole`; `python benchmark/attention.py` measures all four). That is the
 computation transformers' own "eager" attention does, so it also rounds the way the reference model does.
