@@ -10,14 +10,14 @@
 
 Like TGI, a concurrency permit is taken (without waiting) *before* validation and held until the request
 ends; best_of takes one permit per sequence. These helpers do not count `tgi_request_count`: each route
-does, once per handler it passes through (TGI's chat routes therefore count twice).
+does, once per request (TGI's chat routes count twice).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -106,7 +106,7 @@ async def stream(
     parameters: GenerateParameters,
     add_special_tokens: bool = True,
     sink: TokenSink | None = None,
-) -> AsyncIterator[tuple[ValidRequest, StreamEvent]]:
+) -> AsyncGenerator[tuple[ValidRequest, StreamEvent], None]:
     """Take a permit, validate, enqueue; yield each event of the request until its EndEvent.
 
     Raises InferError subclasses (OverloadedError, ValidationError, GenerationError, ...) from the
