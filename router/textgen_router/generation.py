@@ -141,7 +141,7 @@ async def generate(
 
     # The tokens before the last are collected by the batching loop itself: the task wakes up once, at the end.
     async with aclosing(stream(state, inputs, parameters, add_special_tokens, collect)) as events:
-        async for request, event in events:
+        async for request, event in events:  # noqa: B007 - `request` is read after the loop
             if isinstance(event, PrefillEvent):
                 prefill = event.tokens
                 continue

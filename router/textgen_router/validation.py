@@ -4,7 +4,9 @@ Rules, their order and their messages are TGI's (`router/src/validation.rs`); ev
 `types.ValidationError` ("Input validation error: ..."), which the routes turn into a 422. Float parameters
 arrive as float32 values (schemas.F32), so the rules judge what the shards will compute with.
 Tokenization never runs on the event loop: a short input in one of `validation_workers` threads (its GIL hold
-is short), a long one in one of `validation_workers` processes (see tokenization.py for why).
+is short), a long one in one of `validation_workers` processes (see tokenization.py for why). The processes are
+spawned, so, as for any spawned multiprocessing worker, a script that builds a Validator must guard its entry
+point with `if __name__ == "__main__":` (each worker imports the parent's main module).
 
 Reused by the OpenAI routes: build a `GenerateParameters`, then `await validator.validate(inputs,
 parameters, add_special_tokens=False)` (chat prompts already carry their special tokens).
