@@ -13,7 +13,7 @@ import pydantic
 import pytest
 from router_fixtures import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS
 
-from textgen_router.schemas import GenerateParameters, GrammarParameters
+from textgen_router.schemas import GenerateParameters, GrammarParameters, to_f32
 from textgen_router.types import ValidationError, ValidRequest
 from textgen_router.validation import Limits, Validator, load_tokenizer
 
@@ -132,13 +132,14 @@ def test_valid_request_fields(validator: Validator) -> None:
         decoder_input_details=True,
     )
     p = req.parameters
+    # Float parameters are read as float32 (what the shards receive), as TGI's f32 fields.
     assert (p.temperature, p.top_k, p.top_p, p.typical_p, p.repetition_penalty, p.frequency_penalty) == (
         0.5,
         10,
-        0.9,
-        0.8,
-        1.1,
-        0.2,
+        to_f32(0.9),
+        to_f32(0.8),
+        to_f32(1.1),
+        to_f32(0.2),
     )
     assert (p.do_sample, p.seed, p.watermark) == (True, 7, True)
     assert req.stopping_parameters.max_new_tokens == 3 and req.stopping_parameters.stop_sequences == ["x"]

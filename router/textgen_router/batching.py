@@ -296,7 +296,8 @@ class Batcher:
                 await self.client.clear_cache(batch_id)
             except ShardError:
                 logger.exception("Unable to clear the cache of failed batch %d", batch_id)
-        message = f"Server error: {err.message}"
+        logger.error("Shard call failed: %s", err.message)
+        message = f"Server error: {err.public_message}"
         for entry in entries.values():
             self._end(entry, message)
         entries.clear()

@@ -2,7 +2,10 @@
 
 - no / wrong content type -> 415 `Expected request with \\`Content-Type: application/json\\``
 - body over --payload-limit -> 413 `Failed to buffer the request body: length limit exceeded`
-- not JSON -> 400 `Failed to parse the request body as JSON: ...`
+- not JSON -> 400 `Failed to parse the request body as JSON: ...`, with serde_json's wording and position (the
+  parser is pydantic's jiter, modelled on serde_json): as in TGI this includes `NaN` / `Infinity`, nesting past
+  the recursion limit and unpaired surrogate escapes (`"\\ud800"`); also integers of more than 4,300 digits
+  (Python's int-str limit), which TGI skips in an ignored field
 - JSON of the wrong shape (missing `inputs`, wrong types) -> 422
   `Failed to deserialize the JSON body into the target type: ...`
 All as plain text, not the {"error", "error_type"} shape. Unknown fields are ignored by the models.
@@ -11,12 +14,13 @@ Reused by the OpenAI routes: `await read_json(request, ChatRequest)`.
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
+import pydantic_core
 from fastapi import Request
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -49,11 +53,15 @@ async def read_bytes(request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody reads the answer; without it the disconnect surfaced as an unhandled exception (an ERROR log).
+        raise BodyError(400, "Failed to buffer the request body: client disconnected") from None
     body = b"".join(chunks)
     # Starlette's own cache, so a second reader of this request (the /invocations dispatch) sees it too.
     request._body = body
@@ -74,12 +82,11 @@ async def read_json_value(request: Request) -> Any:
         raise BodyError(415, "Expected request with `Content-Type: application/json`")
     raw = await read_bytes(request)
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        detail = (
-            f"{err.msg} at line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else str(err)
-        )
-        raise BodyError(400, f"Failed to parse the request body as JSON: {detail}") from err
+        # jiter, not the json module: it refuses what serde_json refuses (NaN, Infinity, 200+ levels of nesting,
+        # lone surrogates) where json.loads accepted them or failed with a 500 (deep nesting, huge integers).
+        return pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as err:
+        raise BodyError(400, f"Failed to parse the request body as JSON: {err}") from None
 
 
 def parse_model(value: Any, model: type[ModelT]) -> ModelT:

@@ -10,7 +10,7 @@
 
 Like TGI, a concurrency permit is taken (without waiting) *before* validation and held until the request
 ends; best_of takes one permit per sequence. These helpers do not count `tgi_request_count`: each route
-does, once per handler it passes through (TGI's chat routes therefore count twice).
+does, once per request (TGI's chat routes count twice).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ async def generate(
 
     # The tokens before the last are collected by the batching loop itself: the task wakes up once, at the end.
     async with aclosing(stream(state, inputs, parameters, add_special_tokens, collect)) as events:
-        async for request, event in events:
+        async for request, event in events:  # noqa: B007 - `request` is read after the loop
             if isinstance(event, PrefillEvent):
                 prefill = event.tokens
                 continue

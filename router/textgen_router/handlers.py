@@ -52,8 +52,8 @@ async def generate_internal(
     p = req.parameters
     add_prompt = req.inputs if p.return_full_text else None
     try:
-        if p.best_of is not None and p.best_of > 1:
-            best_of = state.validator.validate_best_of(p.best_of)
+        best_of = 1 if p.best_of is None else state.validator.validate_best_of(p.best_of)
+        if best_of > 1:
             gen, others = await generation.generate_best_of(state, req.inputs, p, best_of)
         else:
             gen, others = await generation.generate(state, req.inputs, p), None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from textgen_router import generation, metrics
+from textgen_router import generation, jsonenc, metrics
 from textgen_router import openai_responses as bodies
 from textgen_router.body import read_json
 from textgen_router.chat_template import ChatTemplate
@@ -73,8 +73,8 @@ def _record(gen: Generation, start_time: float) -> Timings:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     start_time = time.monotonic()
-    # TGI counts chat requests twice: once here and once in the generate path it delegates to.
-    metrics.REQUEST_COUNT.inc(2)
+    # Once per request (TGI counts its chat requests twice: here and in the generate path it delegates to).
+    metrics.REQUEST_COUNT.inc()
     state = _state(request)
     body = await read_json(request, ChatRequest)
     try:
@@ -111,7 +111,7 @@ async def _chat(
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     start_time = time.monotonic()
-    metrics.REQUEST_COUNT.inc(2)
+    metrics.REQUEST_COUNT.inc()
     state = _state(request)
     body = await read_json(request, CompletionRequest)
     try:
@@ -165,11 +165,8 @@ async def chat_tokenize(request: Request) -> Response:
     try:
         body.check_supported()
         prompt = _chat_template(request).apply(body.template_messages())
-        encoding = await state.validator.tokenize(prompt, add_special_tokens=False)
+        tokens = await state.validator.token_list(prompt, add_special_tokens=False)
     except InferError as err:
         return _rejected(err)
-    tokens = [
-        {"id": i, "text": prompt[start:stop], "start": start, "stop": stop}
-        for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
-    ]
-    return json_response({"tokenize_response": tokens, "templated_text": prompt})
+    out = b'{"tokenize_response":' + tokens + b',"templated_text":' + jsonenc.string(prompt).encode() + b"}"
+    return Response(out, media_type="application/json")

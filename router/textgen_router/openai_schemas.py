@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from textgen_router.schemas import GenerateParameters
+from textgen_router.schemas import F32, GenerateParameters
 from textgen_router.types import InferError, ValidationError
 
 ROLES = ("system", "user", "assistant")
@@ -56,20 +56,20 @@ class StreamOptions(BaseModel):
 class ChatRequest(BaseModel):
     model: str | None = None
     messages: list[Message]
-    frequency_penalty: float | None = None
+    frequency_penalty: F32 | None = None
     logit_bias: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     n: int | None = None
-    presence_penalty: float | None = None
+    presence_penalty: F32 | None = None
     # TGI accepts an array only; a bare string is a deserialization error there too.
     stop: list[str] | None = None
     stream: bool = False
     seed: int | None = Field(default=None, ge=0)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: F32 | None = None
+    top_p: F32 | None = None
     stream_options: StreamOptions | None = None
     tools: Any = None
     tool_prompt: Any = None
@@ -134,13 +134,13 @@ class CompletionRequest(BaseModel):
     model: str | None = None
     prompt: str | list[str]
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: F32 | None = None
+    top_p: F32 | None = None
     stream: bool = False
     seed: int | None = Field(default=None, ge=0)
     suffix: Any = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
+    repetition_penalty: F32 | None = None
+    frequency_penalty: F32 | None = None
     stop: list[str] | None = None
     # OpenAI fields TGI does not implement: rejected when set to anything but their no-op value.
     n: int | None = None
@@ -148,7 +148,7 @@ class CompletionRequest(BaseModel):
     echo: bool | None = None
     logprobs: Any = None
     logit_bias: Any = None
-    presence_penalty: float | None = None
+    presence_penalty: F32 | None = None
 
     def check_supported(self, max_client_batch_size: int) -> None:
         if self.suffix is not None:

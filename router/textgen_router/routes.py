@@ -133,14 +133,10 @@ async def tokenize(request: Request) -> Response:
     state = _state(request)
     with request_span("tokenize", request.headers):
         try:
-            encoding = await state.validator.tokenize(req.inputs, True, req.parameters.truncate)
+            body = await state.validator.token_list(req.inputs, True, req.parameters.truncate)
         except InferError as err:
             return error_response(err)
-    body = [
-        {"id": i, "text": req.inputs[start:stop], "start": start, "stop": stop}
-        for i, (start, stop) in zip(encoding.ids, encoding.offsets, strict=True)
-    ]
-    return json_response(body)
+    return Response(body, media_type="application/json")
 
 
 @routes.get("/info", response_model=schemas.Info, summary="Text Generation Inference endpoint info")

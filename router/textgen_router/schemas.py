@@ -1,18 +1,44 @@
 """HTTP request and response bodies of TGI's native routes (/generate, /generate_stream, /, /tokenize, /info).
 
 Request models are strict, like TGI's serde structs: `"max_new_tokens": "5"` or `1.5` is a type error (422),
-unknown fields are ignored, numbers must fit TGI's unsigned types. Response models document the OpenAPI
+unknown fields are ignored, numbers must fit TGI's unsigned types, and float parameters are read as TGI's f32
+(`F32`), the precision the shards compute with. Response models document the OpenAPI
 spec only; response bodies are written as ordered dicts by `responses.py` in TGI's field order.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+import struct
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 U32 = 2**32 - 1
 U64 = 2**64 - 1
+
+_F32 = struct.Struct("<f")
+
+
+def to_f32(value: float) -> float:
+    """`value` rounded to the nearest float32, as serde reads a JSON number into TGI's f32 fields.
+
+    Validating the rounded value is validating what the shards will compute with: 1e-300 is 0.0 there (so
+    "`temperature` must be strictly positive") and 0.99999999 is 1.0. A value beyond float32's range is
+    refused rather than sent on as infinity, which no sampling parameter survives in a shard.
+    """
+    try:
+        rounded: float = _F32.unpack(_F32.pack(value))[0]
+    except OverflowError:  # struct refuses what rounds to infinity
+        rounded = math.inf
+    if not math.isfinite(rounded):
+        raise PydanticCustomError("f32_range", "number out of range for a 32-bit float")
+    return rounded
+
+
+F32 = Annotated[float, AllowInfNan(False), AfterValidator(to_f32)]
+"""A finite JSON number read as a float32 (NaN, infinities and numbers past float32's range are 422s)."""
 
 
 class _Strict(BaseModel):
@@ -31,12 +57,12 @@ class GenerateParameters(_Strict):
 
     adapter_id: str | None = None
     best_of: int | None = Field(default=None, ge=0, le=U64)
-    temperature: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: F32 | None = None
+    repetition_penalty: F32 | None = None
+    frequency_penalty: F32 | None = None
     top_k: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
-    top_p: float | None = None
-    typical_p: float | None = None
+    top_p: F32 | None = None
+    typical_p: F32 | None = None
     do_sample: bool = False
     max_new_tokens: int | None = Field(default=None, ge=0, le=U32)
     return_full_text: bool | None = None

@@ -53,6 +53,12 @@ class ShardError(Exception):
             if all(lines):
                 self.refused = {int(m[1]): m[2] for m in lines if m is not None}
 
+    @property
+    def public_message(self) -> str:
+        """`message` as a client may read it (in a 424): a lost connection's gRPC details name the shard's socket
+        path, so it becomes tonic's wording for a broken channel ("transport error"), as TGI's clients read it."""
+        return "transport error" if self.code == grpc.StatusCode.UNAVAILABLE else self.message
+
 
 def _shard_error(err: grpc.aio.AioRpcError) -> ShardError:
     return ShardError(err.details() or str(err.code()), err.code())

@@ -1,8 +1,12 @@
 """Request validation and tokenization: GenerateParameters + inputs -> types.ValidRequest.
 
 Rules, their order and their messages are TGI's (`router/src/validation.rs`); every failure raises
-`types.ValidationError` ("Input validation error: ..."), which the routes turn into a 422.
-Tokenization runs in a pool of `validation_workers` threads so a long prompt never blocks the event loop.
+`types.ValidationError` ("Input validation error: ..."), which the routes turn into a 422. Float parameters
+arrive as float32 values (schemas.F32), so the rules judge what the shards will compute with.
+Tokenization never runs on the event loop: a short input in one of `validation_workers` threads (its GIL hold
+is short), a long one in one of `validation_workers` processes (see tokenization.py for why). The processes are
+spawned, so, as for any spawned multiprocessing worker, a script that builds a Validator must guard its entry
+point with `if __name__ == "__main__":` (each worker imports the parent's main module).
 
 Reused by the OpenAI routes: build a `GenerateParameters`, then `await validator.validate(inputs,
 parameters, add_special_tokens=False)` (chat prompts already carry their special tokens).
@@ -11,18 +15,31 @@ parameters, add_special_tokens=False)` (chat prompts already carry their special
 from __future__ import annotations
 
 import asyncio
+import logging
+import multiprocessing
 import random
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from textgen_router import metrics
+from textgen_router import metrics, tokenization
 from textgen_router.schemas import GenerateParameters
+from textgen_router.tokenization import Encoding
 from textgen_router.types import ChooserParameters, StoppingParameters, ValidationError, ValidRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("textgen_router")
+T = TypeVar("T")
+
+# Inputs from this many characters are tokenized in a worker process. Below, a thread holds the GIL for a few
+# milliseconds at most (encoding rates in benchmark/README.md, "Big inputs"), and the round trip to a process
+# would cost a small request more than it saves.
+PROCESS_MIN_CHARS = 4096
 
 
 def load_tokenizer(
@@ -37,14 +54,6 @@ def load_tokenizer(
 
 
 @dataclass
-class Encoding:
-    """Token ids of an input, with each token's character span in that input."""
-
-    ids: list[int]
-    offsets: list[tuple[int, int]]
-
-
-@dataclass
 class Limits:
     """The router's per-request limits (CLI flags, and token limits settled by the shards' Warmup)."""
 
@@ -56,47 +65,73 @@ class Limits:
 
 
 class Validator:
-    """Validates and tokenizes requests; owns the tokenizer and its worker threads."""
+    """Validates and tokenizes requests; owns the tokenizer and its worker threads and processes."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, workers: int) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-        # A slow (Python) tokenizer is not thread-safe: TGI then forces one worker.
-        self._executor = ThreadPoolExecutor(
+        self._workers = workers
+        # A slow (Python) tokenizer is not thread-safe: TGI then forces one worker. It has no JSON form for a
+        # worker process either, so every input stays in that thread.
+        self._encoder: Any = tokenizer.backend_tokenizer if tokenizer.is_fast else tokenizer
+        self._threads = ThreadPoolExecutor(
             max_workers=workers if tokenizer.is_fast else 1, thread_name_prefix="validation"
         )
+        self._processes = self._start_processes() if tokenizer.is_fast else None
+
+    def _start_processes(self) -> ProcessPoolExecutor:
+        # spawn, not fork: the router runs grpc and executor threads, which a forked child would inherit broken.
+        pool = ProcessPoolExecutor(
+            max_workers=self._workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=tokenization.init_worker,
+            initargs=(self._encoder.to_str(),),
+        )
+        # Started now rather than by the first long input, which would otherwise wait for the spawn.
+        for _ in range(self._workers):
+            pool.submit(int)
+        return pool
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.shutdown(wait=False, cancel_futures=True)
 
-    def _encode(self, inputs: str, add_special_tokens: bool, truncate: int | None) -> Encoding:
-        if self.tokenizer.is_fast:
-            # The `tokenizers` encoder itself, as TGI calls it. transformers' __call__ goes through encode_batch
-            # and converts the result: for a 50-token prompt here 65 against 54 us hot, 400 against 240 us
-            # after an idle pause.
-            enc = self.tokenizer.backend_tokenizer.encode(inputs, add_special_tokens=add_special_tokens)
-            ids, offsets = enc.ids, enc.offsets
-        else:
-            ids = list(self.tokenizer(inputs, add_special_tokens=add_special_tokens)["input_ids"])
-            offsets = [(0, 0)] * len(ids)
-        if truncate is not None and truncate < len(ids):
-            # Truncation keeps the end of the prompt: the text next to what will be generated.
-            ids, offsets = ids[len(ids) - truncate :], offsets[len(ids) - truncate :]
-        return Encoding(ids, offsets)
-
-    async def tokenize(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> Encoding:
-        """Tokenize in a worker thread; `truncate` keeps the last tokens."""
+    async def _run(self, fn: Callable[..., T], inputs: str, *args: Any) -> T:
+        """`fn(tokenizer, inputs, *args)` in a worker thread or process; a failure is the input's (422)."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, self._encode, inputs, add_special_tokens, truncate)
+            if self._processes is None or len(inputs) < PROCESS_MIN_CHARS:
+                return await loop.run_in_executor(self._threads, fn, self._encoder, inputs, *args)
+            try:
+                return await loop.run_in_executor(self._processes, tokenization.in_process, fn, inputs, *args)
+            except BrokenProcessPool:
+                # A worker died (killed, out of memory): the pool refuses all work from then on. Start a new one
+                # and give this input one more try.
+                logger.error("A tokenizer worker process died; starting new ones")
+                self._processes = self._start_processes()
+                return await loop.run_in_executor(self._processes, tokenization.in_process, fn, inputs, *args)
+        except BrokenProcessPool:
+            raise
         except Exception as err:  # the tokenizer's own failures are the user's input problem
-            raise ValidationError(f"tokenizer error {err}") from err
+            # Its message names library internals ("TextInputSequence must be str"): logged, not returned.
+            logger.info("Tokenization failed: %r", err)
+            raise ValidationError("tokenizer error the input could not be tokenized") from None
+
+    async def tokenize(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> Encoding:
+        """The tokens of `inputs` with their character spans; `truncate` keeps the last tokens."""
+        return await self._run(tokenization.encode, inputs, add_special_tokens, truncate)
+
+    async def token_list(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> bytes:
+        """/tokenize's JSON array of `{"id", "text", "start", "stop"}`, built in the worker."""
+        return await self._run(tokenization.token_list, inputs, add_special_tokens, truncate)
 
     def validate_best_of(self, best_of: int) -> int:
-        """Checked before any permit is taken, for best_of > 1 on non-streaming routes."""
+        """Checked before any permit is taken, for best_of != 1 on non-streaming routes."""
         if self.limits.max_best_of == 1 and best_of != 1:
             raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
-        if best_of > self.limits.max_best_of:
+        # TGI runs best_of 0 as a single sequence though this message says it must be > 0: refused here.
+        if not 0 < best_of <= self.limits.max_best_of:
             raise ValidationError(f"`best_of` must be > 0 and <= {self.limits.max_best_of}. Given: {best_of}")
         return best_of
 
@@ -104,52 +139,61 @@ class Validator:
         self, inputs: str, parameters: GenerateParameters, add_special_tokens: bool = True
     ) -> ValidRequest:
         """Apply every rule of TGI's `validate` in its order; tokenize; return the queue-ready request."""
-        p, limits = parameters, self.limits
+        p = parameters
         best_of = p.best_of if p.best_of is not None else 1
-        sampling = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
-        if best_of > 1 and not sampling:
-            raise ValidationError("you must use sampling when `best_of` is > 1")
-        temperature = 1.0 if p.temperature is None else p.temperature
-        if temperature <= 0:
-            raise ValidationError("`temperature` must be strictly positive")
-        repetition_penalty = 1.0 if p.repetition_penalty is None else p.repetition_penalty
-        if repetition_penalty <= 0:
-            raise ValidationError("`repetition_penalty` must be strictly positive")
-        frequency_penalty = 0.0 if p.frequency_penalty is None else p.frequency_penalty
-        if not -2.0 <= frequency_penalty <= 2.0:
-            raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
-        # 1.0 is the protocol's "off" value, which a user may not ask for explicitly (TGI quirk).
-        if p.top_p is not None and not 0.0 < p.top_p < 1.0:
-            raise ValidationError("`top_p` must be > 0.0 and < 1.0")
-        if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
-            raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
-        if p.top_k is not None and p.top_k <= 0:
-            raise ValidationError("`top_k` must be strictly positive")
+        _check_sampling(p, best_of)
+        self._check_stopping(p)
+        seed = _seed(p, best_of)
+        top_n_tokens = self._top_n_tokens(p)
+        self._check_inputs(inputs, p)
+        input_length, input_ids = await self._run(
+            tokenization.input_ids, inputs, add_special_tokens, p.truncate, self.limits.max_input_tokens
+        )
+        max_new_tokens = self._check_lengths(p, input_length)
+        if p.grammar is not None:
+            # Our shards have no constrained decoding: behave as TGI with --disable-grammar-support.
+            raise ValidationError("grammar is not supported")
+        metrics.REQUEST_INPUT_LENGTH.observe(input_length)
+        metrics.REQUEST_MAX_NEW_TOKENS.observe(max_new_tokens)
+        return ValidRequest(
+            inputs=inputs,
+            input_ids=input_ids,
+            truncate=p.truncate if p.truncate is not None else self.limits.max_input_tokens,
+            add_special_tokens=add_special_tokens,
+            decoder_input_details=p.decoder_input_details,
+            top_n_tokens=top_n_tokens,
+            parameters=_chooser(p, seed),
+            stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=list(p.stop)),
+        )
+
+    def _check_stopping(self, p: GenerateParameters) -> None:
         if p.max_new_tokens == 0:
             raise ValidationError("`max_new_tokens` must be strictly positive")
-        if len(p.stop) > limits.max_stop_sequences:
+        if len(p.stop) > self.limits.max_stop_sequences:
             raise ValidationError(
-                f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}"
+                f"`stop` supports up to {self.limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}"
             )
-        if p.seed is None:
-            seed = random.getrandbits(64)
-        elif best_of > 1:
-            raise ValidationError("`seed` must not be set when `best_of` > 1")
-        else:
-            seed = p.seed
+
+    def _top_n_tokens(self, p: GenerateParameters) -> int:
         top_n_tokens = p.top_n_tokens or 0
-        if top_n_tokens > limits.max_top_n_tokens:
+        if top_n_tokens > self.limits.max_top_n_tokens:
             raise ValidationError(
-                f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {top_n_tokens}"
+                f"`top_n_tokens` must be >= 0 and <= {self.limits.max_top_n_tokens}. Given: {top_n_tokens}"
             )
+        return top_n_tokens
+
+    def _check_inputs(self, inputs: str, p: GenerateParameters) -> None:
         if not inputs:
             raise ValidationError("`inputs` cannot be empty")
-        if p.truncate is not None and (p.truncate == 0 or p.truncate > limits.max_input_tokens):
+        max_input_tokens = self.limits.max_input_tokens
+        if p.truncate is not None and (p.truncate == 0 or p.truncate > max_input_tokens):
             raise ValidationError(
-                f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. Given: {p.truncate}"
+                f"`truncate` must be strictly positive and less than {max_input_tokens}. Given: {p.truncate}"
             )
-        encoding = await self.tokenize(inputs, add_special_tokens, p.truncate)
-        input_length = len(encoding.ids)
+
+    def _check_lengths(self, p: GenerateParameters, input_length: int) -> int:
+        """The request's max_new_tokens once its prompt's length is known."""
+        limits = self.limits
         # TGI v3.0-3.1: an omitted max_new_tokens fills what the context leaves.
         max_new_tokens = (
             p.max_new_tokens if p.max_new_tokens is not None else max(limits.max_total_tokens - input_length, 0)
@@ -163,28 +207,47 @@ class Validator:
             raise ValidationError(
                 f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}"
             )
-        if p.grammar is not None:
-            # Our shards have no constrained decoding: behave as TGI with --disable-grammar-support.
-            raise ValidationError("grammar is not supported")
-        metrics.REQUEST_INPUT_LENGTH.observe(input_length)
-        metrics.REQUEST_MAX_NEW_TOKENS.observe(max_new_tokens)
-        return ValidRequest(
-            inputs=inputs,
-            input_ids=encoding.ids,
-            truncate=p.truncate if p.truncate is not None else limits.max_input_tokens,
-            add_special_tokens=add_special_tokens,
-            decoder_input_details=p.decoder_input_details,
-            top_n_tokens=top_n_tokens,
-            parameters=ChooserParameters(
-                temperature=temperature,
-                top_k=p.top_k or 0,
-                top_p=1.0 if p.top_p is None else p.top_p,
-                typical_p=1.0 if p.typical_p is None else p.typical_p,
-                do_sample=p.do_sample,
-                seed=seed,
-                repetition_penalty=repetition_penalty,
-                frequency_penalty=frequency_penalty,
-                watermark=p.watermark,
-            ),
-            stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=list(p.stop)),
-        )
+        return max_new_tokens
+
+
+def _check_sampling(p: GenerateParameters, best_of: int) -> None:
+    """The token-choice rules, on float32 values (schemas.F32): 1e-300 is a temperature of 0.0 in a shard."""
+    sampling = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
+    if best_of > 1 and not sampling:
+        raise ValidationError("you must use sampling when `best_of` is > 1")
+    if p.temperature is not None and p.temperature <= 0:
+        raise ValidationError("`temperature` must be strictly positive")
+    if p.repetition_penalty is not None and p.repetition_penalty <= 0:
+        raise ValidationError("`repetition_penalty` must be strictly positive")
+    if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
+        raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+    # 1.0 is the protocol's "off" value, which a user may not ask for explicitly (TGI quirk).
+    if p.top_p is not None and not 0.0 < p.top_p < 1.0:
+        raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+    if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
+        raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+    if p.top_k is not None and p.top_k <= 0:
+        raise ValidationError("`top_k` must be strictly positive")
+
+
+def _seed(p: GenerateParameters, best_of: int) -> int:
+    if p.seed is None:
+        return random.getrandbits(64)
+    if best_of > 1:
+        raise ValidationError("`seed` must not be set when `best_of` > 1")
+    return p.seed
+
+
+def _chooser(p: GenerateParameters, seed: int) -> ChooserParameters:
+    """The shard's token-choice parameters, each omitted one at its "off" value."""
+    return ChooserParameters(
+        temperature=1.0 if p.temperature is None else p.temperature,
+        top_k=p.top_k or 0,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        typical_p=1.0 if p.typical_p is None else p.typical_p,
+        do_sample=p.do_sample,
+        seed=seed,
+        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+        frequency_penalty=0.0 if p.frequency_penalty is None else p.frequency_penalty,
+        watermark=p.watermark,
+    )
