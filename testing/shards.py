@@ -29,9 +29,8 @@ from typing import Any
 
 import grpc
 
+from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_common.ports import free_port
-
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1), ("grpc.max_send_message_length", 2**31 - 1)]
 
 
 def unique_uds_path() -> str:

@@ -73,6 +73,8 @@ _GENERATION_ERRORS: dict[str, dict[str, Any]] = {
     "424": {"description": "Generation Error", "content": _ERROR},
     "429": {"description": "Model is overloaded", "content": _ERROR},
 }
+# The non-streaming generate routes answer 500 when a generation ends without its final token.
+_INCOMPLETE = {"500": {"description": "Incomplete generation", "content": _ERROR}}
 _UNAUTHORIZED = {"description": "Missing or wrong API key (when --api-key is set)"}
 
 
@@ -109,6 +111,8 @@ def _document_post(path: str, operation: dict[str, Any], protected: bool) -> Non
         responses["422"] = _INVALID
     if path in GENERATION_ROUTES:
         responses.update(_GENERATION_ERRORS)
+    if path in ("/generate", "/"):
+        responses.update(_INCOMPLETE)
     if path in STREAM_EVENTS:
         ok = responses.setdefault("200", {"description": "Generated Text"})
         ok.setdefault("content", {})["text/event-stream"] = {"schema": STREAM_EVENTS[path]}

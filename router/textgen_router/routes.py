@@ -25,24 +25,10 @@ def _state(request: Request) -> RouterState:
 
 routes = APIRouter()
 
-_GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    424: {"model": schemas.ErrorResponse, "description": "Generation Error"},
-    429: {"model": schemas.ErrorResponse, "description": "Model is overloaded"},
-    422: {"model": schemas.ErrorResponse, "description": "Input validation error"},
-    500: {"model": schemas.ErrorResponse, "description": "Incomplete generation"},
-}
-
-
-def _body_doc(model: type) -> dict[str, Any]:
-    schema_ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema_ref}}}}
-
 
 @routes.post(
     "/generate",
     response_model=schemas.GenerateResponse,
-    responses=_GENERATE_RESPONSES,
-    openapi_extra=_body_doc(schemas.GenerateRequest),
     summary="Generate tokens",
 )
 async def generate(request: Request) -> Response:
@@ -61,7 +47,6 @@ async def generate(request: Request) -> Response:
             "description": "Generated Text",
         }
     },
-    openapi_extra=_body_doc(schemas.GenerateRequest),
     summary="Generate a stream of token using Server-Sent Events",
 )
 async def generate_stream(request: Request) -> Response:
@@ -98,8 +83,6 @@ def _x_headers(response: Response) -> dict[str, str]:
 @routes.post(
     "/",
     response_model=list[schemas.GenerateResponse],
-    responses=_GENERATE_RESPONSES,
-    openapi_extra=_body_doc(schemas.CompatGenerateRequest),
     summary="Generate tokens if `stream == false` or a stream of token if `stream == true`",
 )
 async def compat_generate(request: Request) -> Response:
@@ -109,7 +92,6 @@ async def compat_generate(request: Request) -> Response:
 @routes.post(
     "/invocations",
     summary="Generate tokens from Sagemaker request",
-    openapi_extra=_body_doc(schemas.CompatGenerateRequest),
 )
 async def sagemaker_compatibility(request: Request) -> Response:
     """TGI's untagged union: a generate body (`inputs`), else a chat (`messages`), else a completion (`prompt`)."""
@@ -125,7 +107,6 @@ async def sagemaker_compatibility(request: Request) -> Response:
 @routes.post(
     "/tokenize",
     response_model=list[schemas.SimpleToken],
-    openapi_extra=_body_doc(schemas.GenerateRequest),
     summary="Tokenize inputs",
 )
 async def tokenize(request: Request) -> Response:

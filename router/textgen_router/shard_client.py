@@ -27,11 +27,10 @@ from typing import Any, TypeVar
 import grpc
 from opentelemetry import propagate, trace
 
+from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_pb import generate_pb2, generate_pb2_grpc
 
 tracer = trace.get_tracer("textgen_router")
-
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 2**31 - 1), ("grpc.max_send_message_length", 2**31 - 1)]
 
 
 REFUSED_REQUEST = re.compile(r"request (\d+): (.+)")

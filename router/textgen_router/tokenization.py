@@ -45,9 +45,8 @@ def encode(
 ) -> Encoding:
     """The tokens of `inputs`; `truncate` keeps the last ones (the text next to what will be generated)."""
     if isinstance(tokenizer, tokenizers.Tokenizer):
-        # The `tokenizers` encoder itself, as TGI calls it. transformers' __call__ goes through encode_batch
-        # and converts the result: for a 50-token prompt here 65 against 54 us hot, 400 against 240 us
-        # after an idle pause.
+        # The `tokenizers` encoder itself, as TGI calls it: transformers' __call__ goes through encode_batch
+        # and converts the result, which costs more per prompt (benchmark/README.md, "Router figures").
         enc = tokenizer.encode(inputs, add_special_tokens=add_special_tokens)
         ids, offsets = enc.ids, enc.offsets
     else:

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import grpc
 
+from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_pb import generate_pb2, generate_pb2_grpc
 from textgen_server.cache import BatchNotFoundError, Cache
 from textgen_server.config import ServeConfig
@@ -19,8 +20,6 @@ from textgen_server.interceptor import ExceptionInterceptor, TracingInterceptor
 from textgen_server.models.model import Batch, InvalidRequestError, Model
 
 logger = logging.getLogger("textgen_server.servicer")
-
-MAX_MESSAGE_LENGTH = 2**31 - 1
 
 R = TypeVar("R", generate_pb2.PrefillResponse, generate_pb2.DecodeResponse)
 
@@ -155,10 +154,7 @@ async def serve(model: Model, config: ServeConfig) -> bool:
         interceptors.append(TracingInterceptor())
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_LENGTH),
-            ("grpc.max_send_message_length", MAX_MESSAGE_LENGTH),
-        ],
+        options=GRPC_OPTIONS,
     )
     generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(model, Cache(), urls), server)
     server.add_insecure_port(local_url)
