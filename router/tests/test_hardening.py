@@ -26,6 +26,7 @@ import pytest
 from router_fixtures import API_KEY, RouterProcess
 
 from testing.shards import ShardProcess
+from textgen_router.tokenization import WORKER_NICENESS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -206,6 +207,17 @@ def test_big_inputs_do_not_stall_other_requests(big_router: RouterProcess) -> No
     # Generous: /health takes a few milliseconds; the workers compete for the CPU, not for the event loop.
     assert max(health) < 1.0, health
     assert process.memory_info().rss - rss_before < 100 * 2**20
+
+
+def test_tokenizer_workers_yield_the_cpu(big_router: RouterProcess) -> None:
+    # Long inputs are tokenized in spawned worker processes at a lower priority than the router and shards.
+    router = psutil.Process(big_router.process.pid)  # type: ignore[union-attr]
+    workers = [p for p in router.children() if "spawn_main" in " ".join(p.cmdline())]
+    assert workers, [p.cmdline() for p in router.children()]
+    deadline = time.monotonic() + 60  # a spawned worker lowers its priority once its imports are done
+    while {w.nice() - router.nice() for w in workers} != {WORKER_NICENESS} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert {w.nice() - router.nice() for w in workers} == {WORKER_NICENESS}
 
 
 def test_a_dead_shard_does_not_show_its_socket_path(tiny_llama: Path) -> None:

@@ -15,6 +15,7 @@ that fits, or the /tokenize body as bytes.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -91,9 +92,17 @@ _WORKER_TOKENIZER: tokenizers.Tokenizer | None = None
 _MALLOC_TRIM: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
+# A worker's niceness: a long input's tokenization is bulk work that may take seconds of a core, while the
+# router's event loop and the shards' steps serve every other request; on a machine with as many busy workers
+# as cores, the scheduler then runs those first.
+WORKER_NICENESS = 10
+
+
 def init_worker(tokenizer_json: str) -> None:
-    """Initializer of a worker process: the router's tokenizer, rebuilt from `Tokenizer.to_str()`."""
+    """Initializer of a worker process: the router's tokenizer, rebuilt from `Tokenizer.to_str()`, and a lower
+    CPU priority (WORKER_NICENESS)."""
     global _WORKER_TOKENIZER
+    os.nice(WORKER_NICENESS)
     _WORKER_TOKENIZER = tokenizers.Tokenizer.from_str(tokenizer_json)
 
 
