@@ -124,19 +124,21 @@ class RowGrammars:
         """`scores` [C, V] of the constrained rows with every token their grammar forbids now at -inf."""
         fill_next_token_bitmask_par(self.compiler.executor, self._targets, self._bitmask)
         rows, words = self._bitmask.shape
-        allowed = ((self._bitmask.unsqueeze(-1) & _BITS) != 0).view(rows, words * 32)
+        forbidden = ((self._bitmask.unsqueeze(-1) & _BITS) == 0).view(rows, words * 32)
         width = scores.shape[-1]
         known = min(width, self.compiler.vocab_size)
-        allowed = allowed[:, :known]
+        forbidden = forbidden[:, :known]
         if known < width:
             # Logits wider than the tokenizer (a padded embedding): the extra ids are no text, never allowed.
-            allowed = torch.nn.functional.pad(allowed, (0, width - known), value=False)
-        return scores.masked_fill(~allowed.to(scores.device, non_blocking=True), float("-inf"))
+            forbidden = torch.nn.functional.pad(forbidden, (0, width - known), value=True)
+        return scores.masked_fill(forbidden.to(scores.device, non_blocking=True), float("-inf"))
 
     def advance(self, chosen: Tensor) -> None:
         """Each constrained row's matcher consumes `chosen` [C], that row's new token."""
-        targets = list(zip(self._constrained, chosen.tolist(), strict=True))
-        self.compiler.executor.consume_token_par(targets)
+        # One by one: cheaper than the executor's parallel consume, whose hand-off costs more than the work
+        # (benchmark/README.md, "Grammar rows").
+        for matcher, token in zip(self._constrained, chosen.tolist(), strict=True):
+            matcher.consume_token(token)
 
     def filter(self, indices: list[int]) -> RowGrammars | None:
         return RowGrammars.of([self.matchers[i] for i in indices], self.compiler, self.device)
