@@ -138,6 +138,7 @@ def grammar_steps(model_dir: Path, batches: list[int], runs: int, threads: int, 
             constrained.append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, 1, schemas)))
     finally:
         stop(proc)
+    torch.set_num_threads(threads)
     wrap, new, cached, step = grammar_costs(model_dir, schemas[: max(batches)])
     print(
         f"tokenizer wrapped once per shard: {wrap * 1e3:.1f} ms; a new schema compiles in {new * 1e3:.2f} ms per "

@@ -47,8 +47,11 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": "[ ]?"}
 # Distinct grammars whose compiled matcher is kept for the next request with the same grammar (TGI keeps 32).
 CACHED_GRAMMARS = 32
 
-# Bit j of a mask word says whether token 32 * word + j is allowed.
-_BITS = torch.tensor([1 << j for j in range(32)], dtype=torch.int64).to(torch.int32)
+# Bit j of llguidance's mask word w allows token 32 * w + j; read as bytes (little-endian, as on every CPU this
+# shard runs on), bit j of byte b allows
+# token 8 * b + j. Row v of this table is which tokens of a byte of value v are forbidden, so a single gather
+# unpacks a whole mask (faster than shifting every int32 word 32 times: benchmark/README.md, "Grammar rows").
+_FORBIDDEN = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1) == 0
 
 
 class GrammarCompiler:
@@ -123,8 +126,8 @@ class RowGrammars:
     def mask(self, scores: Tensor) -> Tensor:
         """`scores` [C, V] of the constrained rows with every token their grammar forbids now at -inf."""
         fill_next_token_bitmask_par(self.compiler.executor, self._targets, self._bitmask)
-        rows, words = self._bitmask.shape
-        forbidden = ((self._bitmask.unsqueeze(-1) & _BITS) == 0).view(rows, words * 32)
+        mask_bytes = self._bitmask.view(torch.uint8).view(-1).int()
+        forbidden = _FORBIDDEN.index_select(0, mask_bytes).view(len(self._constrained), -1)
         width = scores.shape[-1]
         known = min(width, self.compiler.vocab_size)
         forbidden = forbidden[:, :known]
@@ -135,8 +138,8 @@ class RowGrammars:
 
     def advance(self, chosen: Tensor) -> None:
         """Each constrained row's matcher consumes `chosen` [C], that row's new token."""
-        # One by one: cheaper than the executor's parallel consume, whose hand-off costs more than the work
-        # (benchmark/README.md, "Grammar rows").
+        # One by one on this thread: a fraction of a millisecond for a whole batch, and it never waits for the
+        # executor's threads, which a busy machine can leave descheduled (benchmark/README.md, "Grammar rows").
         for matcher, token in zip(self._constrained, chosen.tolist(), strict=True):
             matcher.consume_token(token)
 
