@@ -16,7 +16,8 @@ Contract with the batch (models/causal_lm.py) and the chooser (utils/tokens.py):
   `.mask(scores)` puts -inf on every token the row's grammar forbids now ([C, V] in, out of place; columns past
   the tokenizer's vocabulary, a padded embedding's, are always forbidden), then `.advance(ids)` makes each
   matcher consume its row's chosen token. Once a grammar is complete its matcher allows only EOS, so the row
-  ends with finish reason EOS (unless it ignores EOS, as TGI's final FSM state behaves).
+  ends with finish reason EOS (a row that ignores EOS generates EOS until its length, as under TGI's final
+  FSM state).
 - `.filter(indices)` and `RowGrammars.concatenate(parts)` follow the batch's rows (matchers are moved, not
   copied: the batch they came from is discarded).
 """
@@ -48,9 +49,9 @@ JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": "[ ]?"}
 CACHED_GRAMMARS = 32
 
 # Bit j of llguidance's mask word w allows token 32 * w + j; read as bytes (little-endian, as on every CPU this
-# shard runs on), bit j of byte b allows
-# token 8 * b + j. Row v of this table is which tokens of a byte of value v are forbidden, so a single gather
-# unpacks a whole mask (faster than shifting every int32 word 32 times: benchmark/README.md, "Grammar rows").
+# shard runs on), bit j of byte b allows token 8 * b + j. Row v of this table is which tokens of a byte of value v
+# are forbidden, so one gather unpacks a whole mask (faster than testing each int32 word against 32 bits:
+# benchmark/README.md, "Grammar rows").
 _FORBIDDEN = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1) == 0
 
 
