@@ -7,13 +7,18 @@ transformers caller can go), so the ratio isolates what the serving path costs p
 memory-bound at small batch, so each row also shows the fraction of a bandwidth roofline: bytes read per step
 (weights except the embedding table, plus the batch's KV cache) over a measured copy bandwidth.
 
+With --grammar the shard is measured against itself instead: the same decode with every row under its own JSON
+schema vs no grammar (runs alternate between the two), plus the time to compile a schema for one request.
+
 Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--threads 2] [--model-dir DIR]
+       [--grammar]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import time
@@ -69,6 +74,85 @@ def inprocess_steps(
     return out
 
 
+def json_schemas(n: int) -> list[str]:
+    """n distinct schemas (so every request compiles its own), shaped like a tool call's arguments."""
+    return [
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 24 + i},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                    "city": {"enum": ["Paris", "Lima", "Oslo", "Kyoto"]},
+                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+                },
+                "required": ["name", "age", "city", "tags"],
+            }
+        )
+        for i in range(n)
+    ]
+
+
+def grammar_costs(model_dir: Path, schemas: list[str]) -> tuple[float, float, float, float]:
+    """In this process, on the model's tokenizer, in seconds: wrapping the tokenizer (once per shard), compiling a
+    new schema, starting a request whose schema was compiled before, and one step's grammar work for a batch of
+    one request per schema (mask, applied to the logits, then every matcher advanced)."""
+    from transformers import AutoTokenizer
+
+    from textgen_pb import generate_pb2
+    from textgen_server.utils.grammar import GrammarCompiler, RowGrammars
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    start = time.perf_counter()
+    compiler = GrammarCompiler(tokenizer, {tokenizer.eos_token_id})
+    wrap = time.perf_counter() - start
+    params = [
+        generate_pb2.NextTokenChooserParameters(grammar=s, grammar_type=generate_pb2.GRAMMAR_TYPE_JSON) for s in schemas
+    ]
+    start = time.perf_counter()
+    for p in params:
+        compiler.compile(p)
+    new = (time.perf_counter() - start) / len(params)
+    start = time.perf_counter()
+    matchers = [compiler.compile(p) for p in params]
+    cached = (time.perf_counter() - start) / len(params)
+    grammars = RowGrammars.of(list(matchers), compiler, torch.device("cpu"))
+    assert grammars is not None
+    scores = torch.randn(len(params), len(tokenizer))
+    start = time.perf_counter()
+    for _ in range(NEW_TOKENS):
+        grammars.advance(grammars.mask(scores).argmax(-1))
+    return wrap, new, cached, (time.perf_counter() - start) / NEW_TOKENS
+
+
+def grammar_steps(model_dir: Path, batches: list[int], runs: int, threads: int, dtype: str) -> None:
+    """Decode steps with every row under a JSON schema vs no grammar, on one shard, runs alternating."""
+    schemas = json_schemas(max(batches))
+    uds = f"/tmp/textgen-bench-{os.getpid()}"
+    proc = start_shard(model_dir, uds, threads, dtype=dtype)
+    free: list[dict[int, Step]] = []
+    constrained: list[dict[int, Step]] = []
+    try:
+        for _ in range(runs):
+            free.append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, 1)))
+            constrained.append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, 1, schemas)))
+    finally:
+        stop(proc)
+    torch.set_num_threads(threads)
+    wrap, new, cached, step = grammar_costs(model_dir, schemas[: max(batches)])
+    print(
+        f"tokenizer wrapped once per shard: {wrap * 1e3:.1f} ms; a new schema compiles in {new * 1e3:.2f} ms per "
+        f"request; a request whose schema is cached starts in {cached * 1e6:.0f} us; grammar work of a "
+        f"batch-{max(batches)} step in this process: {step * 1e3:.2f} ms\n"
+    )
+    print("| batch | free ms/step | JSON ms/step | ratio | ratio (CPU) |")
+    print("|------:|-------------:|-------------:|------:|------------:|")
+    for b in batches:
+        f_wall, f_cpu = (statistics.median(getattr(r[b], k) for r in free) for k in ("wall", "cpu"))
+        c_wall, c_cpu = (statistics.median(getattr(r[b], k) for r in constrained) for k in ("wall", "cpu"))
+        print(f"| {b} | {f_wall * 1e3:.1f} | {c_wall * 1e3:.1f} | {c_wall / f_wall:.3f} | {c_cpu / f_cpu:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, action="append", help="batch sizes (default 1, 8, 32)")
@@ -80,16 +164,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="the shard's --dtype, and the in-process model's"
     )
+    parser.add_argument(
+        "--grammar", action="store_true", help="every row under a JSON schema vs no grammar (default batch 32)"
+    )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    batches = args.batch or [1, 8, 32]
     model_dir = args.model_dir or small_model()
-    uds = f"/tmp/textgen-bench-{os.getpid()}"
+    batches = args.batch or ([32] if args.grammar else [1, 8, 32])
     print(
         f"model {model_dir}, {args.dtype}, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
         f"runs {args.runs}",
         flush=True,
     )
+    if args.grammar:
+        grammar_steps(model_dir, batches, args.runs, args.threads, args.dtype)
+        return
+    uds = f"/tmp/textgen-bench-{os.getpid()}"
     proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype)
     try:
         shard = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, args.runs))

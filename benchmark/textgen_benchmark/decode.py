@@ -31,11 +31,16 @@ def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int], runs: int) -> dict[int, Step]:
-    """Prefill then Decode until done over gRPC; per-step wall time here and CPU time of the shard process."""
+async def shard_steps(
+    socket: str, pid: int, model_dir: Path, batches: list[int], runs: int, schemas: list[str] | None = None
+) -> dict[int, Step]:
+    """Prefill then Decode until done over gRPC; per-step wall time here and CPU time of the shard process.
+
+    With `schemas`, request i is constrained by the JSON schema `schemas[i % len(schemas)]`."""
     from tokenizers import Tokenizer
 
     from textgen_benchmark.generation import Sampling, make_batch, prompt_of_length
+    from textgen_pb import generate_pb2
     from textgen_router.shard_client import ShardedClient
 
     shard = psutil.Process(pid)
@@ -46,6 +51,10 @@ async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int]
         await client.clear_cache(None)
         for b in batches:
             batch = make_batch(prompt, b, PROMPT_LEN, NEW_TOKENS, Sampling())
+            if schemas:
+                for i, request in enumerate(batch.requests):
+                    request.parameters.grammar = schemas[i % len(schemas)]
+                    request.parameters.grammar_type = generate_pb2.GRAMMAR_TYPE_JSON
             walls: list[float] = []
             cpus: list[float] = []
             for run in range(runs + 1):  # the first run warms up
