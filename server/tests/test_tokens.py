@@ -208,7 +208,6 @@ def test_concatenate_gives_zero_history_to_rows_without_penalty() -> None:
         (dict(frequency_penalty=2.5), "frequency_penalty"),
         (dict(frequency_penalty=-2.5), "frequency_penalty"),
         (dict(frequency_penalty=math.nan), "frequency_penalty"),
-        (dict(grammar='{"type": "object"}', grammar_type=generate_pb2.GRAMMAR_TYPE_JSON), "grammar"),
     ],
 )
 def test_invalid_parameters_raise_naming_the_field(overrides: dict[str, object], field: str) -> None:

@@ -35,11 +35,14 @@ from textgen_server.models.model import (
     request_text,
     validate_stopping,
 )
+from textgen_server.utils.grammar import RowGrammars
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens, validate_parameters
 
 if TYPE_CHECKING:
     from typing import Self
+
+    from llguidance import LLMatcher
 
 
 def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
@@ -56,6 +59,14 @@ def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
     if not ids:
         raise InvalidRequestError("the prompt has no tokens")
     return ids
+
+
+def prepare_row(request: generate_pb2.Request, model: Model) -> tuple[list[int], LLMatcher | None]:
+    """The request's prompt ids and, when it has a grammar, a matcher at the grammar's start."""
+    ids = prompt_ids(request, model)
+    if not request.parameters.grammar:
+        return ids, None
+    return ids, model.grammar_compiler.compile(request.parameters)
 
 
 @dataclass
@@ -82,14 +93,18 @@ class CausalLMBatch(Batch):
     def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> CausalLMBatch:
         if not pb.requests:
             raise InvalidRequestError("Batch must have at least one request")
-        all_input_ids = prepare_rows(pb.requests, lambda r: prompt_ids(r, model))
+        rows = prepare_rows(pb.requests, lambda r: prepare_row(r, model))
         # Longest prompts first: rows of similar length stay neighbours, so decode attention can skip the
         # left padding of each group of rows (TPCausalLM's attention groups).
-        order = sorted(range(len(all_input_ids)), key=lambda i: -len(all_input_ids[i]))
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         requests = [pb.requests[i] for i in order]
-        all_input_ids = [all_input_ids[i] for i in order]
+        all_input_ids = [rows[i][0] for i in order]
+        matchers = [rows[i][1] for i in order]
+        device = model.config.device
+        constrained = any(m is not None for m in matchers)  # a free batch never builds the compiler
+        grammars = RowGrammars.of(matchers, model.grammar_compiler, device) if constrained else None
         chooser = HeterogeneousNextTokenChooser.from_pb(
-            [r.parameters for r in requests], all_input_ids, model.config.vocab_size, model.config.device
+            [r.parameters for r in requests], all_input_ids, model.config.vocab_size, device, grammars
         )
         stopping = [StoppingCriteria.from_pb(r.stopping_parameters, model.config.eos_token_ids) for r in requests]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
@@ -15,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
+from textgen_server.utils.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
     from typing import Self
@@ -132,6 +134,11 @@ class Model(ABC, Generic[B]):
     def generate_token(self, batch: B) -> tuple[list[generate_pb2.Generation], B | None, tuple[int, int]]:
         """One step: returns this rank's generations, the batch for the next step (None when every
         request stopped) and (forward_ns, decode_ns)."""
+
+    @cached_property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles request grammars; built on the first constrained request (ValueError if it cannot be)."""
+        return GrammarCompiler(self.tokenizer, self.config.eos_token_ids)
 
     @property
     def info(self) -> generate_pb2.InfoResponse:

@@ -2,20 +2,22 @@
 
 Contract with the batch (models/causal_lm.py):
 
-- `HeterogeneousNextTokenChooser.from_pb(params, prompt_ids, vocab_size, device)`: one row per request, each
-  with its own NextTokenChooserParameters. `prompt_ids` seed the penalty history; `vocab_size` must be the
-  last dimension of the logits the chooser will see. Invalid values (and any grammar) raise ValueError
-  naming the field; the servicer turns that into INVALID_ARGUMENT.
+- `HeterogeneousNextTokenChooser.from_pb(params, prompt_ids, vocab_size, device, grammars)`: one row per
+  request, each with its own NextTokenChooserParameters. `prompt_ids` seed the penalty history; `vocab_size`
+  must be the last dimension of the logits the chooser will see; `grammars` holds the matchers of the rows
+  whose grammar the batch compiled (utils/grammar.py), None when no row has one. Invalid values raise
+  ValueError naming the field; the servicer turns that into INVALID_ARGUMENT.
 - `chooser(last_ids [B] long, scores [B, V] logits of the last position) -> (next_ids [B] long,
   logprobs [B, V] float32)`. logprobs are log_softmax of the *processed* scores (after penalties and
   warpers), which is what TGI reports. The chosen ids are recorded in the chooser's own history, so the
-  caller never passes the history back. The caller's `scores` tensor is not modified.
+  caller never passes the history back, and each grammar row's matcher consumes its chosen id. The caller's
+  `scores` tensor is not modified.
 - `.filter(indices)` keeps the given rows in that order; `concatenate(choosers)` stacks them.
 - `.do_sample[i]` is True when row i samples (its do_sample, or any warper set: TGI's rule); `.seeds[i]` is
   the row's seed, reported in GeneratedText only for sampling rows.
 
-Processing order (TGI's): watermark -> repetition penalty -> frequency penalty -> temperature -> top-k ->
-top-p -> typical-p -> choice. A processor exists only if some row needs it and sees only those rows.
+Processing order (TGI's): watermark -> repetition penalty -> frequency penalty -> grammar mask -> temperature ->
+top-k -> top-p -> typical-p -> choice. A processor exists only if some row needs it and sees only those rows.
 Sampling rows draw from their own seeded generator (see `_sample`); the others take the argmax.
 """
 
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor
 
 from textgen_pb import generate_pb2
+from textgen_server.utils.grammar import RowGrammars
 from textgen_server.utils.logits_process import (
     FrequencyPenalty,
     RepetitionPenalty,
@@ -57,8 +60,6 @@ def validate_parameters(p: generate_pb2.NextTokenChooserParameters) -> None:
         raise ValueError(f"`repetition_penalty` must be strictly positive, got {p.repetition_penalty}")
     if not -2 <= p.frequency_penalty <= 2:
         raise ValueError(f"`frequency_penalty` must be >= -2.0 and <= 2.0, got {p.frequency_penalty}")
-    if p.grammar:
-        raise ValueError("`grammar` is not supported by this shard")
 
 
 def _samples(p: generate_pb2.NextTokenChooserParameters) -> bool:
@@ -108,6 +109,7 @@ class HeterogeneousNextTokenChooser:
         history: Tensor | None,
         vocab_size: int,
         device: torch.device,
+        grammars: RowGrammars | None = None,
     ) -> None:
         self.table = table  # [B, 7] float32, columns named above
         self.do_sample = do_sample
@@ -116,6 +118,7 @@ class HeterogeneousNextTokenChooser:
         self.history = history  # [B, V] token counts of prompt + generated, only if a row has a penalty
         self.vocab_size = vocab_size
         self.device = device
+        self.grammars = grammars  # the rows' grammar matchers, None when no row is constrained
         self._build()
 
     @classmethod
@@ -125,6 +128,7 @@ class HeterogeneousNextTokenChooser:
         prompt_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
+        grammars: RowGrammars | None = None,
     ) -> HeterogeneousNextTokenChooser:
         """Build the chooser for a new batch; raises ValueError on an invalid parameter."""
         if len(params) != len(prompt_ids):
@@ -158,7 +162,7 @@ class HeterogeneousNextTokenChooser:
             flat = [row * vocab_size + token for row, ids in enumerate(prompt_ids) for token in ids]
             flat_index = torch.tensor(flat, dtype=torch.long, device=device)
             history.view(-1).index_add_(0, flat_index, torch.ones(len(flat), device=device))
-        return cls(table, do_sample, seeds, generators, history, vocab_size, device)
+        return cls(table, do_sample, seeds, generators, history, vocab_size, device, grammars)
 
     def _build(self) -> None:
         """Create each processor only if some row needs it, restricted to those rows."""
@@ -191,6 +195,7 @@ class HeterogeneousNextTokenChooser:
                     built.append(_Stage(rows, make(_take(t[:, column], rows))))
         stages = [self._watermark, *self._penalties, *self._warpers]
         self._writes_rows = any(stage is not None and stage.rows is not None for stage in stages)
+        self._writes_rows = self._writes_rows or (self.grammars is not None and self.grammars.rows is not None)
 
     def __len__(self) -> int:
         return len(self.seeds)
@@ -209,6 +214,9 @@ class HeterogeneousNextTokenChooser:
         for rows, penalty in self._penalties:
             assert self.history is not None  # created whenever a penalty exists
             scores = _put(scores, rows, penalty(_take(scores, rows), _take(self.history, rows)))
+        grammars = self.grammars
+        if grammars is not None:
+            scores = _put(scores, grammars.rows, grammars.mask(_take(scores, grammars.rows)))
         for rows, warper in self._warpers:
             scores = _put(scores, rows, warper(_take(scores, rows)))
         logprobs = torch.log_softmax(scores, dim=-1)
@@ -223,6 +231,8 @@ class HeterogeneousNextTokenChooser:
                 next_ids = scores.argmax(dim=-1).index_copy_(0, self._sampling_index, drawn)
         if self.history is not None:
             self.history[torch.arange(len(self), device=self.device), next_ids] += 1
+        if grammars is not None:
+            grammars.advance(_take(next_ids, grammars.rows))
         return next_ids, logprobs
 
     def _sample(self, probs: Tensor) -> Tensor:
@@ -260,6 +270,7 @@ class HeterogeneousNextTokenChooser:
             history,
             self.vocab_size,
             self.device,
+            self.grammars.filter(indices) if self.grammars is not None else None,
         )
 
     @classmethod
@@ -286,6 +297,7 @@ class HeterogeneousNextTokenChooser:
             history,
             first.vocab_size,
             first.device,
+            RowGrammars.concatenate([(c.grammars, len(c)) for c in choosers], first.device),
         )
 
 
