@@ -1,9 +1,9 @@
 """The router's grammar logic without a shard: grammar checks and their messages (grammar.py), response formats,
 the tool grammar, tool-call parsing and streaming (tool_grammar.py), tools in the chat template.
 
-The tool grammar is exercised the way a shard applies it: llguidance masks the tiny llama's vocabulary and a
-seeded random walk picks any allowed token, so every output below is one the grammar allows, not one a model
-happens to like; each must parse, pass `jsonschema` and stream into the same call.
+The tool grammar is exercised the way a shard applies it (the shard's JSON options): llguidance masks the tiny
+llama's vocabulary and a seeded random walk picks any allowed token, so every output below is one the grammar
+allows, not one a model happens to like; each must parse, pass `jsonschema` and stream into the same call.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from textgen_router.chat_template import ChatTemplate
 from textgen_router.openai_schemas import ChatRequest, NamedToolChoice, ResponseFormat, Tool
 from textgen_router.schemas import GrammarParameters
 from textgen_router.types import ValidationError
+from textgen_server.utils.grammar import JSON_OPTIONS
 
 WEATHER = {
     "type": "function",
@@ -190,9 +191,10 @@ def tokenizer(tiny_llama: Path) -> PreTrainedTokenizerBase:
 
 
 def random_outputs(tokenizer: PreTrainedTokenizerBase, schema: dict[str, Any], n: int) -> Iterator[list[str]]:
-    """`n` outputs the grammar of `schema` allows, each as the text of its tokens (incremental decoding)."""
+    """`n` outputs the grammar of `schema` allows, each as the text of its tokens (incremental decoding), compiled
+    as a shard compiles it."""
     ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer)
-    compiled = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    compiled = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     rng = random.Random(20)
     mask = allocate_token_bitmask(1, ll_tokenizer.vocab_size)
     for _ in range(n):
@@ -297,10 +299,10 @@ def test_stream_call_ids_follow_the_history() -> None:
 
 PLAIN = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}assistant:"
 WITH_TOOLS = (
-    "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"
+    "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') + '\\n' }}{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {% if m.tool_calls %}"
     "{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments.location }}{% endfor %}"
-    "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}assistant:"
+    "{% else %}{{ m['content'] }}{% endif %}{{ '\\n' }}{% endfor %}assistant:"
 )
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
