@@ -323,3 +323,22 @@ def test_chat_tool_errors(http: httpx.Client) -> None:
     assert (
         streamed.status_code == 200 and "grammar is not valid" in streamed.text and "http_status_code" in streamed.text
     )
+
+
+def test_the_python_client_sends_tools_and_response_formats(routers: tuple[str, str]) -> None:
+    client = Client(routers[0], timeout=120)
+    out = client.chat(MESSAGES, max_tokens=MAX_NEW_TOKENS, seed=2, tools=TOOLS, tool_choice="get_weather")
+    assert out.choices[0].finish_reason == "tool_calls"
+    (call,) = out.choices[0].message.tool_calls or []
+    check_call(call.function.name or "", call.function.arguments, ["get_weather"])
+    names, arguments = [], ""
+    for chunk in client.chat_stream(MESSAGES, max_tokens=MAX_NEW_TOKENS, seed=2, tools=TOOLS, tool_choice="required"):
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            names += [delta.function.name] if delta.function.name else []
+            arguments += delta.function.arguments
+    assert len(names) == 1
+    check_call(names[0], arguments, ["get_weather", "get_forecast"])
+    formatted = client.chat(
+        MESSAGES, max_tokens=MAX_NEW_TOKENS, seed=3, response_format={"type": "json_object", "value": PERSON}
+    )
+    jsonschema.validate(json.loads(formatted.choices[0].message.content or ""), PERSON)
