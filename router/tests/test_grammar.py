@@ -324,7 +324,8 @@ def test_a_template_that_reads_tools_gets_them_and_the_tool_prompt(tokenizer: Pr
     from textgen_router.chat_input import chat_input
 
     chat = chat_input(chat_request(tool_prompt="Use a tool."), ChatTemplate(tokenizer, WITH_TOOLS))
-    assert chat.tools and chat.parameters.grammar is not None
+    assert chat.without_tools is not None and chat.parameters.grammar is not None
+    assert chat.without_tools().parameters.grammar is None
     assert chat.prompt == (
         "TOOLS get_weather,no_tool\nuser: Weather in Paris?\nassistant: CALL get_weather Paris\n"
         "tool: rain\n---\nUse a tool.\nassistant:"
@@ -355,7 +356,7 @@ def test_without_tools_the_response_format_is_the_grammar(tokenizer: PreTrainedT
         {"messages": HISTORY[:1], "response_format": {"type": "regex", "value": "[0-9]+"}}
     )
     chat = chat_input(request, template)
-    assert not chat.tools and chat.parameters.grammar == GrammarParameters(type="regex", value="[0-9]+")
+    assert chat.without_tools is None and chat.parameters.grammar == GrammarParameters(type="regex", value="[0-9]+")
     assert chat_input(chat_request(tool_choice="none"), template).parameters.grammar is None
     with pytest.raises(tool_grammar.ToolError, match="^Tool error: Grammar and tools are mutually exclusive$"):
         chat_input(chat_request(response_format={"type": "json_object"}), template)

@@ -20,6 +20,7 @@ import jsonschema
 import openai
 import pytest
 from router_fixtures import RouterProcess
+from test_grammar import WEATHER
 
 from testing.shards import ShardProcess
 from textgen_client import Client
@@ -47,22 +48,6 @@ PERSON = {
     "additionalProperties": False,
 }
 REGEX = r"(yes|no)-[0-9]{2,4}"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "location": {"type": "string", "maxLength": 10},
-                "format": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["location", "format"],
-            "additionalProperties": False,
-        },
-    },
-}
 FORECAST = {
     "type": "function",
     "function": {

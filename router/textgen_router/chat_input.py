@@ -7,6 +7,7 @@ go into the template; without, the request's `response_format` is the grammar. S
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from textgen_router import tool_grammar
@@ -17,11 +18,12 @@ from textgen_router.schemas import GenerateParameters, GrammarParameters
 
 @dataclass
 class ChatInput:
-    """A chat request made ready to generate (TGI's `prepare_chat_input`); `tools`: its output is a tool call."""
+    """A chat request made ready to generate (TGI's `prepare_chat_input`). With tools (its output is then a tool
+    call), `without_tools()` makes the input to generate instead when the model chose `no_tool`."""
 
     prompt: str
     parameters: GenerateParameters
-    tools: bool
+    without_tools: Callable[[], ChatInput] | None = None
 
 
 def chat_input(body: ChatRequest, template: ChatTemplate) -> ChatInput:
@@ -33,7 +35,7 @@ def chat_input(body: ChatRequest, template: ChatTemplate) -> ChatInput:
     messages = body.template_messages()
     if not tools:
         grammar = body.response_format.grammar() if body.response_format is not None else None
-        return ChatInput(template.apply(messages), body.parameters(grammar), tools=False)
+        return ChatInput(template.apply(messages), body.parameters(grammar))
     prompt = template.apply(
         messages,
         [tool.model_dump() for tool in tools],
@@ -41,4 +43,4 @@ def chat_input(body: ChatRequest, template: ChatTemplate) -> ChatInput:
         tool_prompt=body.tool_prompt or tool_grammar.DEFAULT_TOOL_PROMPT,
     )
     grammar = GrammarParameters(type="json", value=tool_grammar.tool_schema(tools))
-    return ChatInput(prompt, body.parameters(grammar), tools=True)
+    return ChatInput(prompt, body.parameters(grammar), lambda: chat_input(body.without_tools(), template))

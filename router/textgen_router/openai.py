@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -85,33 +85,26 @@ async def chat_completions(request: Request) -> Response:
     except InferError as err:
         return _rejected(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
-    # What a `no_tool` answer generates again: the conversation without tools.
-    fallback = lambda: chat_input(body.without_tools(), template)  # noqa: E731
     if body.stream:
         span = start_request_span("chat_completions", request.headers)
         return EventStream(
-            lambda write: chat_stream(state, env, body, chat, fallback, start_time, span, write),
+            lambda write: chat_stream(state, env, body, chat, start_time, span, write),
             _stream_headers(state, len(chat.prompt)),
         )
     with request_span("chat_completions", request.headers):
-        return await until_disconnected(request, _chat(state, env, body, chat, fallback, start_time))
+        return await until_disconnected(request, _chat(state, env, body, chat, start_time))
 
 
 async def _chat(
-    state: RouterState,
-    env: bodies.Envelope,
-    body: ChatRequest,
-    chat: ChatInput,
-    fallback: Callable[[], ChatInput],
-    start_time: float,
+    state: RouterState, env: bodies.Envelope, body: ChatRequest, chat: ChatInput, start_time: float
 ) -> Response:
     call: tool_grammar.Call | None = None
     try:
         gen = await generation.generate(state, chat.prompt, chat.parameters, add_special_tokens=False)
-        if chat.tools:
+        if chat.without_tools is not None:
             call = tool_grammar.parse_call(gen.generated_text.text)
             if call is None:  # the model chose `no_tool`
-                chat = fallback()
+                chat = chat.without_tools()
                 gen = await generation.generate(state, chat.prompt, chat.parameters, add_special_tokens=False)
     except InferError as err:
         return error_response(err)

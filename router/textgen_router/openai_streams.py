@@ -8,7 +8,7 @@ generation) is sent in-band as `data:{"error":{"message","http_status_code"}}` o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from opentelemetry import trace
@@ -42,21 +42,21 @@ async def chat_stream(
     env: bodies.Envelope,
     body: ChatRequest,
     chat: ChatInput,
-    fallback: Callable[[], ChatInput],
     start_time: float,
     span: Span,
     write: ChunkWriter,
 ) -> AsyncGenerator[bytes, None]:
     """One chunk per token (the last with its finish_reason), then the usage chunk if asked for. A tool call
-    streams as tool-call deltas; a `no_tool` choice stops that generation and streams `fallback()`'s instead."""
+    streams as tool-call deltas; a `no_tool` choice stops that generation and streams `chat.without_tools()`'s
+    instead."""
     with trace.use_span(span, end_on_exit=True):
         try:
-            if chat.tools:
+            if chat.without_tools is not None:
                 calls = tool_grammar.CallStream()
                 async for chunk in _tool_call_chunks(state, env, body, chat, start_time, calls):
                     yield chunk
                 if calls.name == tool_grammar.NO_TOOL:
-                    async for chunk in _content_chunks(state, env, body, fallback(), start_time, write):
+                    async for chunk in _content_chunks(state, env, body, chat.without_tools(), start_time, write):
                         yield chunk
             else:
                 async for chunk in _content_chunks(state, env, body, chat, start_time, write):
