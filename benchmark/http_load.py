@@ -5,7 +5,8 @@ Reports throughput (generated tokens/s), time to first token and inter-token lat
 PNG plot. With --compare it starts textgen (launcher) and `transformers serve` on the same model one after the
 other in this process tree and prints the ratio (`transformers serve` needs the `bench` extra:
 pip install -e ".[bench]"); with --routes it runs W1 through /generate_stream and /v1/chat/completions on
-one textgen server (the OpenAI layer's overhead). With --shard-baseline it then runs shard_w1.py (the same
+one textgen server (the OpenAI layer's overhead; `chat_json` adds `response_format: json_object` to every
+request, the cost of guided generation). With --shard-baseline it then runs shard_w1.py (the same
 workload straight into one shard over gRPC, no router) and reports e2e / shard-only throughput (issue 3:
 >= 0.9). The launcher gets --max-input-tokens, --max-total-tokens, --max-batch-prefill-tokens and
 --max-batch-total-tokens (default: sized so every request fits one padded prefill) and the shard-only run
@@ -13,6 +14,7 @@ schedules under the same budgets; --threads sets OMP_NUM_THREADS for the shard o
 
     python benchmark/http_load.py --model models/small-llama-v1 --compare
     python benchmark/http_load.py --model models/small-llama-v1 --routes generate,chat
+    python benchmark/http_load.py --model models/small-llama-v1 --routes chat,chat_json
     python benchmark/http_load.py --model models/small-llama-v1 --shard-baseline
 """
 
@@ -262,7 +264,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="model directory (also the tokenizer)")
     p.add_argument("--url", help="a running textgen server; default: start one with textgen-launcher")
-    p.add_argument("--routes", default="generate", help="comma list of generate, chat")
+    p.add_argument(
+        "--routes", default="generate", help="comma list of generate, chat, chat_json (chat + JSON response_format)"
+    )
     p.add_argument("--compare", action="store_true", help="also run W1 against `transformers serve`")
     p.add_argument("--arrival", choices=["burst", "poisson"], default="burst")
     p.add_argument("--rate", type=float, default=4.0, help="requests/s for --arrival poisson")

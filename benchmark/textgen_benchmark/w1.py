@@ -41,6 +41,8 @@ def make_workload(tokenizer_dir: str, n: int, seed: int, arrival: str, rate: flo
 
 
 def request_body(route: str, job: Job, model: str) -> tuple[str, dict]:
+    """The route's path and body for `job`: `generate`, `chat`, or `chat_json` (chat with OpenAI's
+    `response_format: {"type": "json_object"}`, so every row of every step is grammar-constrained)."""
     if route == "generate":
         return "/generate_stream", {"inputs": job.prompt, "parameters": {"max_new_tokens": job.max_new_tokens}}
     body = {
@@ -50,6 +52,8 @@ def request_body(route: str, job: Job, model: str) -> tuple[str, dict]:
         "temperature": 0,
         "stream": True,
     }
+    if route == "chat_json":
+        body["response_format"] = {"type": "json_object"}
     return "/v1/chat/completions", body
 
 

@@ -54,9 +54,9 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ),
     ({"max_new_tokens": 5}, LONG, f"`inputs` must have less than {MAX_INPUT_TOKENS} tokens. Given: 81"),
     (
-        {"max_new_tokens": 5, "grammar": {"type": "json", "value": {"properties": {}}}},
+        {"max_new_tokens": 5, "grammar": {"type": "json", "value": {"type": "object"}}},
         PROMPT,
-        "grammar is not supported",
+        "grammar is not valid: Grammar must have a 'properties' field",
     ),
     # Order: the first failing rule wins.
     ({"temperature": 0.0, "top_p": 1.0, "top_k": 0}, PROMPT, "`temperature` must be strictly positive"),

@@ -3,11 +3,16 @@
 Where the template comes from follows TGI: `chat_template.json` > the `--tokenizer-config-path` file or the
 model's tokenizer config (`tokenizer_config.json`, or `chat_template.jinja` beside it) > `processor_config.json`;
 when a config holds a list of named templates, the one named `default` is used.
+
+Tools (TGI's `chat_template.rs`): the template gets them as its `tools` variable, and the tool prompt is appended
+to the last message after `\n---\n`; a template that never reads `tools` gets the tools' JSON there too. A
+template that never reads `tool_calls` sees an earlier turn's tool calls as that message's content (their JSON).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +96,8 @@ class ChatTemplate:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
         self.tokenizer = tokenizer
         self.template = template
+        self._reads_tools = template is not None and "tools" in template
+        self._reads_tool_calls = template is not None and "tool_calls" in template
 
     @classmethod
     def load(
@@ -103,18 +110,32 @@ class ChatTemplate:
         """The template of `model_id` (see the module docstring), rendered with the router's tokenizer."""
         return cls(tokenizer, find_chat_template(model_id, tokenizer_config_path, revision))
 
-    def apply(self, messages: list[dict[str, str]]) -> str:
-        """Prompt text for `messages` ({role, content} with flat string content).
+    def apply(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        tools_json: str = "",
+        tool_prompt: str = "",
+    ) -> str:
+        """Prompt text for `messages` ({role, content} with flat string content, optional `tool_calls`).
 
-        A trailing assistant message is continued rather than closed (TGI's continue-final-message).
-        Raises `TemplateError` when there is no template or rendering fails (e.g. `raise_exception`).
+        `tools` (OpenAI's shape) go to the template; with them, `tool_prompt` (and `tools_json`, TGI's text of
+        the tools, for a template that does not read `tools`) is appended to the last message. A trailing
+        assistant message is continued rather than closed (TGI's continue-final-message). Raises `TemplateError`
+        when there is no template or rendering fails (e.g. `raise_exception`).
         """
         if self.template is None:
             raise TemplateError("template not found")
+        messages = [self._readable(m) for m in messages]
+        if tools is not None and messages:
+            note = f"\n---\n{tool_prompt}" if self._reads_tools else f"\n---\n{tools_json}\n{tool_prompt}"
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + note}
         continue_final = bool(messages) and messages[-1]["role"] == "assistant"
+        template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else list(tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
+                tools=template_tools,
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=not continue_final,
@@ -124,3 +145,9 @@ class ChatTemplate:
             raise TemplateError(str(err)) from err
         assert isinstance(text, str)
         return text
+
+    def _readable(self, message: dict[str, Any]) -> dict[str, Any]:
+        if "tool_calls" not in message or self._reads_tool_calls:
+            return message
+        calls = json.dumps(message["tool_calls"], ensure_ascii=False)
+        return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": message["content"] + calls}

@@ -174,7 +174,9 @@ async def start(args: Namespace) -> Router:
             backend.max_input_tokens,
             backend.max_total_tokens,
         )
-        validator = Validator(tokenizer, limits, args.validation_workers)
+        validator = Validator(
+            tokenizer, limits, args.validation_workers, grammar_support=not args.disable_grammar_support
+        )
         state = RouterState(
             infer=backend.infer,
             validator=validator,

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from textgen_router import generation, jsonenc, metrics
+from textgen_router import generation, jsonenc, metrics, tool_grammar
 from textgen_router import openai_responses as bodies
 from textgen_router.body import read_json
+from textgen_router.chat_input import ChatInput, chat_input
 from textgen_router.chat_template import ChatTemplate
 from textgen_router.generation import Generation, Timings
 from textgen_router.handlers import until_disconnected
@@ -49,7 +50,7 @@ def _model_name(state: RouterState, requested: str | None) -> str:
 
 
 # tgi_request_failure labels of the errors raised here, before a request reaches generation.py.
-_FAILURE_LABELS = {"template_error": "template", "validation": "validation"}
+_FAILURE_LABELS = {"template_error": "template", "validation": "validation", "tool_error": "tool_error"}
 
 
 def _rejected(err: InferError) -> Response:
@@ -77,34 +78,43 @@ async def chat_completions(request: Request) -> Response:
     metrics.REQUEST_COUNT.inc()
     state = _state(request)
     body = await read_json(request, ChatRequest)
+    template = _chat_template(request)
     try:
         body.check_supported()
-        prompt = _chat_template(request).apply(body.template_messages())
+        chat = chat_input(body, template)
     except InferError as err:
         return _rejected(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
     if body.stream:
         span = start_request_span("chat_completions", request.headers)
         return EventStream(
-            lambda write: chat_stream(state, env, body, prompt, start_time, span, write),
-            _stream_headers(state, len(prompt)),
+            lambda write: chat_stream(state, env, body, chat, start_time, span, write),
+            _stream_headers(state, len(chat.prompt)),
         )
     with request_span("chat_completions", request.headers):
-        return await until_disconnected(request, _chat(state, env, body, prompt, start_time))
+        return await until_disconnected(request, _chat(state, env, body, chat, start_time))
 
 
 async def _chat(
-    state: RouterState, env: bodies.Envelope, body: ChatRequest, prompt: str, start_time: float
+    state: RouterState, env: bodies.Envelope, body: ChatRequest, chat: ChatInput, start_time: float
 ) -> Response:
+    call: tool_grammar.Call | None = None
     try:
-        gen = await generation.generate(state, prompt, body.parameters(), add_special_tokens=False)
+        gen = await generation.generate(state, chat.prompt, chat.parameters, add_special_tokens=False)
+        if chat.without_tools is not None:
+            call = tool_grammar.parse_call(gen.generated_text.text)
+            if call is None:  # the model chose `no_tool`
+                chat = chat.without_tools()
+                gen = await generation.generate(state, chat.prompt, chat.parameters, add_special_tokens=False)
     except InferError as err:
         return error_response(err)
     timings = _record(gen, start_time)
     text, prompt_tokens = gen.generated_text, gen.request.input_length
     logprobs = bodies.chat_logprobs(gen.tokens, gen.top_tokens) if body.logprobs else None
-    out = bodies.chat_completion(env, text.text, text.finish_reason, logprobs, prompt_tokens, text.generated_tokens)
-    headers = generation.timing_headers(state, timings, len(prompt), prompt_tokens, text.generated_tokens)
+    out = bodies.chat_completion(
+        env, text.text, text.finish_reason, logprobs, prompt_tokens, text.generated_tokens, call
+    )
+    headers = generation.timing_headers(state, timings, len(chat.prompt), prompt_tokens, text.generated_tokens)
     return json_response(out, headers=headers)
 
 
@@ -164,7 +174,7 @@ async def chat_tokenize(request: Request) -> Response:
     body = await read_json(request, ChatRequest)
     try:
         body.check_supported()
-        prompt = _chat_template(request).apply(body.template_messages())
+        prompt = chat_input(body, _chat_template(request)).prompt
         tokens = await state.validator.token_list(prompt, add_special_tokens=False)
     except InferError as err:
         return _rejected(err)

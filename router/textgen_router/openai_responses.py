@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from textgen_router import jsonenc
+from textgen_router.tool_grammar import Call
 from textgen_router.types import Token
 
 
@@ -87,14 +88,37 @@ def chat_completion(
     logprobs: dict[str, Any] | None,
     prompt_tokens: int,
     completion_tokens: int,
+    call: Call | None = None,
 ) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": openai_finish_reason(finish_reason),
-    }
+    """The body of a chat answer: `text` as content, or, when the output was a tool call, `call` (TGI's id `0`)."""
+    if call is None:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = openai_finish_reason(finish_reason)
+    else:
+        function = {"description": None, "name": call.name, "arguments": call.arguments}
+        message = {"role": "assistant", "tool_calls": [{"id": "0", "type": "function", "function": function}]}
+        reason = "tool_calls"
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
     return env.wrap("chat.completion", [choice], usage(prompt_tokens, completion_tokens))
+
+
+def tool_call_chunk(
+    env: Envelope,
+    arguments: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    first: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """A chat stream's chunk of a tool call in OpenAI's delta shape: `first` = (id, name) opens the call, later
+    chunks carry only the next piece of its arguments (a client concatenates the deltas' strings)."""
+    call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+    delta: dict[str, Any] = {"tool_calls": [call]}
+    if first is not None:
+        call_id, name = first
+        call.update(id=call_id, type="function", function={"name": name, "arguments": arguments})
+        delta = {"role": "assistant", **delta}
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return env.wrap("chat.completion.chunk", [choice], None)
 
 
 class ChunkTemplate:

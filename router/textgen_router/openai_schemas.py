@@ -1,20 +1,22 @@
 """Request bodies of the OpenAI-compatible routes (`/v1/chat/completions`, `/v1/completions`, `/chat_tokenize`).
 
 Shapes follow TGI's `ChatRequest` / `CompletionRequest`: unknown fields are ignored, but fields TGI accepts
-and textgen does not implement (tools, response_format, ...) are kept here so the handlers can reject them
-with a 422 instead of ignoring them silently.
+and textgen does not implement (logit_bias, n > 1, ...) are kept here so the handlers can reject them
+with a 422 instead of ignoring them silently. Tools and `response_format` become a grammar (tool_grammar.py,
+grammar.py).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator
 
-from textgen_router.schemas import F32, GenerateParameters
+from textgen_router.schemas import F32, GenerateParameters, GrammarParameters
 from textgen_router.types import InferError, ValidationError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class OpenAIError(InferError):
@@ -41,11 +43,80 @@ class ImageChunk(BaseModel):
     image_url: ImageUrl
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function: its parameters are a JSON Schema of its arguments (TGI also reads `arguments`)."""
+
+    name: str
+    description: str | None = None
+    parameters: Any = Field(default=None, validation_alias=AliasChoices("parameters", "arguments"))
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call that tool."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    """A call made in an earlier turn: `arguments` is its JSON object, as text (OpenAI) or as an object."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: Any = Field(default=None, validation_alias="schema", serialization_alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """TGI's `{"type": "json" | "json_object" | "json_schema" | "regex", "value": ...}`, OpenAI's
+    `{"type": "json_schema", "json_schema": {"name", "schema"}}`, `{"type": "json_object"}` (any JSON object)
+    and `{"type": "text"}` (no constraint)."""
+
+    type: Literal["json", "json_object", "json_schema", "regex", "text"]
+    value: Any = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarParameters | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_schema" and self.value is None:
+            if self.json_schema is None:
+                raise ValidationError("grammar is not valid: `json_schema` must have a 'schema' field")
+            return GrammarParameters(type="json_schema", value={"name": self.json_schema.name,
+                                                                "schema": self.json_schema.json_schema})  # fmt: skip
+        if self.type == "json_object" and self.value is None:
+            # OpenAI's JSON mode: any object (an empty `properties` keeps TGI's rule that one be present).
+            return GrammarParameters(type="json", value={"type": "object", "properties": {}})
+        return GrammarParameters(type=self.type, value=self.value)
+
+
 class Message(BaseModel):
     role: str
     content: str | list[TextChunk | ImageChunk] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
 
@@ -71,16 +142,14 @@ class ChatRequest(BaseModel):
     temperature: F32 | None = None
     top_p: F32 | None = None
     stream_options: StreamOptions | None = None
-    tools: Any = None
-    tool_prompt: Any = None
-    tool_choice: Any = None
-    response_format: Any = None
+    tools: list[Tool] | None = None
+    tool_prompt: str | None = None
+    # "auto" (the default with tools), "none", "required", a tool's name, or {"type": "function", ...}.
+    tool_choice: str | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         """Reject what textgen does not implement rather than ignore it (422 `validation`)."""
-        for name in ("tools", "tool_choice", "tool_prompt", "response_format"):
-            if getattr(self, name) is not None:
-                raise ValidationError(f"`{name}` is not supported")
         if self.n is not None and self.n != 1:
             raise ValidationError("`n` must be 1: one choice per request is supported")
         if self.logit_bias:
@@ -90,22 +159,30 @@ class ChatRequest(BaseModel):
         for i, message in enumerate(self.messages):
             if message.role not in ROLES:
                 raise ValidationError(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {message.role}")
-            if message.tool_calls is not None or message.tool_call_id is not None:
-                raise ValidationError("tool calls in messages are not supported")
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template sees them: text parts concatenated into one string."""
-        out: list[dict[str, str]] = []
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template sees them: text parts concatenated into one string; tool calls in
+        transformers' shape (`arguments` as an object) and a tool result's `tool_call_id`."""
+        out: list[dict[str, Any]] = []
         for message in self.messages:
             content = message.content
             if isinstance(content, list):
                 if any(isinstance(chunk, ImageChunk) for chunk in content):
                     raise ValidationError("image inputs are not supported by this model")
                 content = "".join(chunk.text for chunk in content if isinstance(chunk, TextChunk))
-            out.append({"role": message.role, "content": content or ""})
+            rendered: dict[str, Any] = {"role": message.role, "content": content or ""}
+            if message.tool_calls:
+                rendered["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                rendered["tool_call_id"] = message.tool_call_id
+            out.append(rendered)
         return out
 
-    def parameters(self) -> GenerateParameters:
+    def without_tools(self) -> ChatRequest:
+        """The same request answered without tools (what `no_tool` falls back to)."""
+        return self.model_copy(update={"tools": None, "tool_choice": None, "tool_prompt": None})
+
+    def parameters(self, grammar: GrammarParameters | None = None) -> GenerateParameters:
         """TGI's mapping of a chat request onto generate parameters."""
         do_sample, temperature = _sampling(self.temperature)
         return GenerateParameters(
@@ -120,7 +197,22 @@ class ChatRequest(BaseModel):
             details=True,
             seed=self.seed,
             top_n_tokens=self.top_logprobs,
+            grammar=grammar,
         )
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    arguments: Any = call.function.arguments
+    if isinstance(arguments, str):
+        # Templates index and `tojson` the arguments: an object, as transformers documents tool calls.
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ValidationError(f"tool call arguments are not JSON: {arguments!r}") from None
+    out: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        out["id"] = call.id
+    return out
 
 
 def _sampling(temperature: float | None) -> tuple[bool, float | None]:

@@ -14,14 +14,15 @@ from contextlib import aclosing
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from textgen_router import generation, jsonenc
+from textgen_router import generation, jsonenc, tool_grammar
 from textgen_router import openai_responses as bodies
+from textgen_router.chat_input import ChatInput
 from textgen_router.generation import Timings
 from textgen_router.openai_schemas import ChatRequest
 from textgen_router.schemas import GenerateParameters
 from textgen_router.sse import ChunkWriter, event
 from textgen_router.state import RouterState
-from textgen_router.types import EndEvent, InferError, IntermediateEvent, PrefillEvent
+from textgen_router.types import EndEvent, InferError, IntermediateEvent, PrefillEvent, ValidRequest
 
 DONE = event(b"[DONE]")
 
@@ -40,39 +41,101 @@ async def chat_stream(
     state: RouterState,
     env: bodies.Envelope,
     body: ChatRequest,
-    prompt: str,
+    chat: ChatInput,
     start_time: float,
     span: Span,
     write: ChunkWriter,
 ) -> AsyncGenerator[bytes, None]:
-    """One chunk per token (the last with its finish_reason), then the usage chunk if asked for; the batching
-    loop writes the token chunks itself while it can (see generation.StreamSink)."""
+    """One chunk per token (the last with its finish_reason), then the usage chunk if asked for. A tool call
+    streams as tool-call deltas; a `no_tool` choice stops that generation and streams `chat.without_tools()`'s
+    instead."""
+    with trace.use_span(span, end_on_exit=True):
+        try:
+            if chat.without_tools is not None:
+                calls = tool_grammar.CallStream()
+                async for chunk in _tool_call_chunks(state, env, body, chat, start_time, calls):
+                    yield chunk
+                if calls.name == tool_grammar.NO_TOOL:
+                    async for chunk in _content_chunks(state, env, body, chat.without_tools(), start_time, write):
+                        yield chunk
+            else:
+                async for chunk in _content_chunks(state, env, body, chat, start_time, write):
+                    yield chunk
+        except InferError as err:
+            yield _error_event(err)
+        yield DONE
+
+
+def _usage_chunk(env: bodies.Envelope, body: ChatRequest, valid: ValidRequest, end: EndEvent) -> bytes | None:
+    if body.stream_options is None or not body.stream_options.include_usage:
+        return None
+    usage = bodies.chat_usage_chunk(env, valid.input_length, end.generated_text.generated_tokens)
+    return event(jsonenc.dumps(usage))
+
+
+async def _content_chunks(
+    state: RouterState, env: bodies.Envelope, body: ChatRequest, chat: ChatInput, start_time: float,
+    write: ChunkWriter,
+) -> AsyncGenerator[bytes, None]:  # fmt: skip
+    """The answer as content deltas; the batching loop writes the token chunks itself while it can (see
+    generation.StreamSink)."""
     chunks = bodies.ChatChunks(env)
 
     def token_chunk(ev: IntermediateEvent | EndEvent, finish_reason: str | None = None) -> bytes:
         logprobs = bodies.chat_logprobs([ev.token], [ev.top_tokens]) if body.logprobs else None
         return event(chunks.token(ev.token, logprobs, finish_reason))
 
-    with trace.use_span(span, end_on_exit=True):
-        try:
-            sink = generation.StreamSink(write, lambda _index, ev: token_chunk(ev))
-            stream = generation.stream(state, prompt, body.parameters(), add_special_tokens=False, sink=sink)
-            async with aclosing(stream) as events:
-                async for valid, ev in events:
-                    if isinstance(ev, PrefillEvent):
-                        continue
-                    if not isinstance(ev, EndEvent):
-                        yield token_chunk(ev)
-                        continue
-                    generated = ev.generated_text
-                    yield token_chunk(ev, generated.finish_reason)
-                    _record(ev, start_time)
-                    if body.stream_options is not None and body.stream_options.include_usage:
-                        usage = bodies.chat_usage_chunk(env, valid.input_length, generated.generated_tokens)
-                        yield event(jsonenc.dumps(usage))
-        except InferError as err:
-            yield _error_event(err)
-        yield DONE
+    sink = generation.StreamSink(write, lambda _index, ev: token_chunk(ev))
+    stream = generation.stream(state, chat.prompt, chat.parameters, add_special_tokens=False, sink=sink)
+    async with aclosing(stream) as events:
+        async for valid, ev in events:
+            if isinstance(ev, PrefillEvent):
+                continue
+            if not isinstance(ev, EndEvent):
+                yield token_chunk(ev)
+                continue
+            yield token_chunk(ev, ev.generated_text.finish_reason)
+            _record(ev, start_time)
+            usage = _usage_chunk(env, body, valid, ev)
+            if usage is not None:
+                yield usage
+
+
+async def _tool_call_chunks(
+    state: RouterState, env: bodies.Envelope, body: ChatRequest, chat: ChatInput, start_time: float,
+    calls: tool_grammar.CallStream,
+) -> AsyncGenerator[bytes, None]:  # fmt: skip
+    """The call as tool-call deltas, from the token that completes its name on (TGI sends nothing before).
+    Returns early, cancelling the generation, once the name read is `no_tool`."""
+    history = [c.id for m in body.messages for c in m.tool_calls or [] if c.id is not None]
+    opening: tuple[str, str] | None = None
+    stream = generation.stream(state, chat.prompt, chat.parameters, add_special_tokens=False)
+    async with aclosing(stream) as events:
+        async for valid, ev in events:
+            if isinstance(ev, PrefillEvent):
+                continue
+            piece = calls.push("" if ev.token.special else ev.token.text)
+            if calls.name == tool_grammar.NO_TOOL:
+                return
+            end = isinstance(ev, EndEvent)
+            if end and calls.name is None:
+                tool_grammar.parse_call(calls.text)  # raises the ToolError that says why it is no call
+            if calls.name is None:
+                continue
+            first = None
+            if opening is None:
+                first = opening = (tool_grammar.stream_call_id(history), calls.name)
+            logprobs = bodies.chat_logprobs([ev.token], [ev.top_tokens]) if body.logprobs else None
+            if not isinstance(ev, EndEvent):
+                yield event(jsonenc.dumps(bodies.tool_call_chunk(env, piece or "", logprobs, None, first)))
+                continue
+            reason = "tool_calls" if ev.generated_text.finish_reason == "eos_token" else ev.generated_text.finish_reason
+            arguments = (piece or "") + calls.finish()
+            yield event(jsonenc.dumps(bodies.tool_call_chunk(env, arguments, logprobs, reason, first)))
+            _record(ev, start_time)
+            usage = _usage_chunk(env, body, valid, ev)
+            if usage is not None:
+                yield usage
 
 
 async def completion_stream(

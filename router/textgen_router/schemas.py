@@ -46,10 +46,14 @@ class _Strict(BaseModel):
 
 
 class GrammarParameters(_Strict):
-    """A grammar constraint. Our shards have no constrained decoding, so any grammar is rejected (422)."""
+    """A constraint every generated token keeps to (checked by grammar.py, enforced by the shards).
+
+    `json` (alias `json_object`): `value` is a JSON Schema, as an object or a string holding one; `json_schema`:
+    `value` is `{"name": ..., "schema": <JSON Schema>}`; `regex`: `value` is a pattern the whole output matches.
+    """
 
     type: Literal["json", "json_object", "regex", "json_schema"]
-    value: Any
+    value: Any = Field(description="the JSON Schema, `{name, schema}` or the regex, by `type`")
 
 
 class GenerateParameters(_Strict):

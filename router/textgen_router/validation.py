@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from textgen_router import metrics, tokenization
+from textgen_pb import generate_pb2
+from textgen_router import grammar, metrics, tokenization
 from textgen_router.schemas import GenerateParameters
 from textgen_router.tokenization import Encoding
 from textgen_router.types import ChooserParameters, StoppingParameters, ValidationError, ValidRequest
@@ -67,9 +68,12 @@ class Limits:
 class Validator:
     """Validates and tokenizes requests; owns the tokenizer and its worker threads and processes."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: Limits, workers: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, limits: Limits, workers: int, grammar_support: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammar_support = grammar_support  # False under --disable-grammar-support
         self._workers = workers
         # A slow (Python) tokenizer is not thread-safe: TGI then forces one worker. It has no JSON form for a
         # worker process either, so every input stays in that thread.
@@ -150,9 +154,7 @@ class Validator:
             tokenization.input_ids, inputs, add_special_tokens, p.truncate, self.limits.max_input_tokens
         )
         max_new_tokens = self._check_lengths(p, input_length)
-        if p.grammar is not None:
-            # Our shards have no constrained decoding: behave as TGI with --disable-grammar-support.
-            raise ValidationError("grammar is not supported")
+        shard_grammar = self._grammar(p)
         metrics.REQUEST_INPUT_LENGTH.observe(input_length)
         metrics.REQUEST_MAX_NEW_TOKENS.observe(max_new_tokens)
         return ValidRequest(
@@ -162,9 +164,16 @@ class Validator:
             add_special_tokens=add_special_tokens,
             decoder_input_details=p.decoder_input_details,
             top_n_tokens=top_n_tokens,
-            parameters=_chooser(p, seed),
+            parameters=_chooser(p, seed, shard_grammar),
             stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=list(p.stop)),
         )
+
+    def _grammar(self, p: GenerateParameters) -> grammar.ShardGrammar | None:
+        if p.grammar is None:
+            return None
+        if not self.grammar_support:
+            raise ValidationError("grammar is not supported")
+        return grammar.to_shard(p.grammar)
 
     def _check_stopping(self, p: GenerateParameters) -> None:
         if p.max_new_tokens == 0:
@@ -238,8 +247,9 @@ def _seed(p: GenerateParameters, best_of: int) -> int:
     return p.seed
 
 
-def _chooser(p: GenerateParameters, seed: int) -> ChooserParameters:
+def _chooser(p: GenerateParameters, seed: int, shard_grammar: grammar.ShardGrammar | None) -> ChooserParameters:
     """The shard's token-choice parameters, each omitted one at its "off" value."""
+    text, grammar_type = shard_grammar if shard_grammar is not None else ("", generate_pb2.GRAMMAR_TYPE_NONE)
     return ChooserParameters(
         temperature=1.0 if p.temperature is None else p.temperature,
         top_k=p.top_k or 0,
@@ -250,4 +260,6 @@ def _chooser(p: GenerateParameters, seed: int) -> ChooserParameters:
         repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
         frequency_penalty=0.0 if p.frequency_penalty is None else p.frequency_penalty,
         watermark=p.watermark,
+        grammar=text,
+        grammar_type=grammar_type,
     )

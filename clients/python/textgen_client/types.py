@@ -14,12 +14,15 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 class GrammarType(str, Enum):
     json = "json"
+    json_object = "json_object"
+    json_schema = "json_schema"
     regex = "regex"
 
 
 class Grammar(BaseModel):
     type: GrammarType
-    # A JSON schema (object or JSON string) for `json`, a pattern for `regex`.
+    # A JSON schema (object or JSON string) for `json` / `json_object`, `{"name", "schema"}` for `json_schema`,
+    # a pattern for `regex`.
     value: Any
 
     @field_validator("value")
@@ -210,12 +213,26 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob]
 
 
+class FunctionCall(BaseModel):
+    # Streamed calls send the name in their first delta only, then pieces of `arguments` (a JSON object's text).
+    name: str | None = None
+    arguments: str = ""
+    description: str | None = None
+
+
+class ToolCall(BaseModel):
+    index: int | None = None  # in stream deltas
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall
+
+
 class OutputMessage(BaseModel):
-    # Tolerate tool-call messages a TGI server may send (fields beyond role/content).
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionComplete(BaseModel):
@@ -245,8 +262,9 @@ class ChatComplete(OpenAIEnvelope):
 class ChoiceDelta(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: str | None = None  # absent from a tool call's later deltas
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Choice(BaseModel):
@@ -283,6 +301,12 @@ class ChatRequest(BaseModel):
     top_p: float | None = None
     stop: list[str] | None = None
     stream_options: dict[str, bool] | None = None
+    # OpenAI's tool definitions; "auto" | "none" | "required" | a tool's name | {"type": "function", ...}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tool_prompt: str | None = None
+    # {"type": "json_object" | "json_schema" | "regex" | "text", ...} (TGI's `value` or OpenAI's `json_schema`)
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionComplete(BaseModel):
