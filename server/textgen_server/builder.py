@@ -360,3 +360,75 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
 def _is_built(out: Path, stamp: dict[str, object]) -> bool:
     stamp_file = out / STAMP
     return stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
+
+
+# The projections a test adapter changes, and their PEFT module paths inside a decoder layer.
+LORA_TARGETS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+
+def build_test_adapter(
+    out_dir: str | Path, model_dir: str | Path, rank: int = 8, alpha: int = 16, seed: int = 1
+) -> Path:
+    """Write a seeded random PEFT LoRA adapter for the Llama-family model in `model_dir`; returns `out_dir`.
+
+    `adapter_config.json` + `adapter_model.safetensors` under PEFT's names, every layer's q/k/v/o and
+    gate/up/down targeted. Unlike a freshly initialised PEFT adapter (B = 0), B is random too, so the adapter
+    really changes what the model generates. Deterministic for a given seed, rank and model.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"test adapters are for llama, mistral or qwen2 models, not {config.model_type!r}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(config.num_hidden_layers):
+        for module, group in LORA_TARGETS.items():
+            fan_in, fan_out = shapes[module]
+            prefix = f"base_model.model.model.layers.{layer}.{group}.{module}"
+            # A as PEFT's kaiming init scales it; B of the base weights' scale (PEFT would start it at zero).
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * INIT_STD
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(LORA_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return out
