@@ -43,9 +43,20 @@ def _chat_template(request: Request) -> ChatTemplate:
 
 
 def _model_name(state: RouterState, requested: str | None) -> str:
-    # TGI treats any name but "tgi" as a LoRA adapter id and echoes it; textgen has no adapters, so the
-    # base model answers under the requested name.
+    # TGI echoes any name but "tgi" (the name of the adapter it selects).
     return state.model_id if requested in (None, "tgi") else requested
+
+
+def _with_adapter(state: RouterState, parameters: GenerateParameters, model: str | None) -> GenerateParameters:
+    """`model` as the request's adapter_id, as TGI takes it (any name but "tgi"), once adapters are loaded.
+
+    Without adapters, any name runs the base model, as TGI's does: clients send whatever their SDK's `model`
+    says. With adapters, a name that is neither the model id nor a loaded adapter is refused (422) rather
+    than silently answered by the base model.
+    """
+    if model is not None and model != "tgi" and state.validator.adapters.names:
+        parameters.adapter_id = model
+    return parameters
 
 
 # tgi_request_failure labels of the errors raised here, before a request reaches generation.py.
@@ -83,21 +94,27 @@ async def chat_completions(request: Request) -> Response:
     except InferError as err:
         return _rejected(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
+    parameters = _with_adapter(state, body.parameters(), body.model)
     if body.stream:
         span = start_request_span("chat_completions", request.headers)
         return EventStream(
-            lambda write: chat_stream(state, env, body, prompt, start_time, span, write),
+            lambda write: chat_stream(state, env, body, prompt, parameters, start_time, span, write),
             _stream_headers(state, len(prompt)),
         )
     with request_span("chat_completions", request.headers):
-        return await until_disconnected(request, _chat(state, env, body, prompt, start_time))
+        return await until_disconnected(request, _chat(state, env, body, prompt, parameters, start_time))
 
 
 async def _chat(
-    state: RouterState, env: bodies.Envelope, body: ChatRequest, prompt: str, start_time: float
+    state: RouterState,
+    env: bodies.Envelope,
+    body: ChatRequest,
+    prompt: str,
+    parameters: GenerateParameters,
+    start_time: float,
 ) -> Response:
     try:
-        gen = await generation.generate(state, prompt, body.parameters(), add_special_tokens=False)
+        gen = await generation.generate(state, prompt, parameters, add_special_tokens=False)
     except InferError as err:
         return error_response(err)
     timings = _record(gen, start_time)
@@ -119,7 +136,7 @@ async def completions(request: Request) -> Response:
     except InferError as err:
         return _rejected(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
-    prompts, parameters = body.prompts(), body.parameters()
+    prompts, parameters = body.prompts(), _with_adapter(state, body.parameters(), body.model)
     if body.stream:
         span = start_request_span("completions", request.headers)
         events = completion_stream(state, env, prompts, parameters, start_time, span)
@@ -153,7 +170,8 @@ async def _complete(
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    return json_response(bodies.models_list(_state(request).model_id))
+    state = _state(request)
+    return json_response(bodies.models_list(state.model_id, state.validator.adapters.names))
 
 
 @router.post("/chat_tokenize")

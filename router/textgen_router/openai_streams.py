@@ -41,6 +41,7 @@ async def chat_stream(
     env: bodies.Envelope,
     body: ChatRequest,
     prompt: str,
+    parameters: GenerateParameters,
     start_time: float,
     span: Span,
     write: ChunkWriter,
@@ -56,7 +57,7 @@ async def chat_stream(
     with trace.use_span(span, end_on_exit=True):
         try:
             sink = generation.StreamSink(write, lambda _index, ev: token_chunk(ev))
-            stream = generation.stream(state, prompt, body.parameters(), add_special_tokens=False, sink=sink)
+            stream = generation.stream(state, prompt, parameters, add_special_tokens=False, sink=sink)
             async with aclosing(stream) as events:
                 async for valid, ev in events:
                     if isinstance(ev, PrefillEvent):
