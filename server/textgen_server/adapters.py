@@ -34,6 +34,7 @@ _KEY = re.compile(
 )
 # The fused column-parallel matmuls and the pieces they stack, in the order tp_llama.py fuses them.
 _FUSED = (("q", "k", "v"), ("gate", "up"))
+_ORDER = ("q", "k", "v", "o", "gate", "up", "down")  # checked in this order: the same first error every run
 # PEFT settings whose non-default values change what the adapter computes.
 _DEFAULTS: dict[str, object] = {
     "use_dora": False,
@@ -126,7 +127,7 @@ def load_adapters(
             raise AdapterError(adapter.name, str(error)) from None
         targets = _targets(weights, adapter.name, config.num_hidden_layers)
         for layer, modules in sorted(targets.items()):
-            for module in modules:
+            for module in sorted(modules, key=_ORDER.index):
                 _check_shapes(weights, adapter.name, layer, module, shapes[module], lora.r)
             block = model.layers[layer]
             assert isinstance(block, DecoderLayer)  # what TPCausalLM's ModuleList holds
