@@ -7,7 +7,12 @@ transformers caller can go), so the ratio isolates what the serving path costs p
 memory-bound at small batch, so each row also shows the fraction of a bandwidth roofline: bytes read per step
 (weights except the embedding table, plus the batch's KV cache) over a measured copy bandwidth.
 
+With `--lora-adapters N` it measures multi-LoRA serving instead: the shard loads N seeded random adapters
+(rank 8, every q/k/v/o and gate/up/down projection) and the same decode runs once with every row on the base
+model and once with the rows spread over the N adapters in turn (neighbouring rows on different adapters).
+
 Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--threads 2] [--model-dir DIR]
+       [--lora-adapters N]
 """
 
 from __future__ import annotations
@@ -80,11 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dtype", default="float32", choices=DTYPES, help="the shard's --dtype, and the in-process model's"
     )
+    parser.add_argument("--lora-adapters", type=int, default=0, metavar="N", help="base vs N adapters mixed")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     batches = args.batch or [1, 8, 32]
     model_dir = args.model_dir or small_model()
     uds = f"/tmp/textgen-bench-{os.getpid()}"
+    if args.lora_adapters:
+        lora_comparison(model_dir, uds, batches, args)
+        return
     print(
         f"model {model_dir}, {args.dtype}, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
         f"runs {args.runs}",
@@ -107,6 +116,36 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {b} | {b / shard[b].wall:.1f} | {b / local[b].wall:.1f} | {local[b].wall / shard[b].wall:.2f} | "
             f"{local[b].cpu / shard[b].cpu:.2f} | {gbs:.1f} | {gbs / bandwidth:.2f} |"
+        )
+
+
+def lora_comparison(model_dir: Path, uds: str, batches: list[int], args: argparse.Namespace) -> None:
+    """Decode tokens/s with every row on the base model, then with the rows spread over N adapters."""
+    from textgen_server.builder import build_test_adapter
+
+    names = [f"lora{i}" for i in range(args.lora_adapters)]
+    dirs = [
+        build_test_adapter(model_dir.parent / f"{model_dir.name}-{name}", model_dir, seed=i)
+        for i, name in enumerate(names)
+    ]
+    spec = ",".join(f"{name}={path}" for name, path in zip(names, dirs, strict=True))
+    print(
+        f"model {model_dir}, {args.dtype}, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
+        f"runs {args.runs}, {len(names)} LoRA adapters of rank 8",
+        flush=True,
+    )
+    proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype, extra_env={"LORA_ADAPTERS": spec})
+    try:
+        base = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, args.runs))
+        mixed = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, args.runs, names))
+    finally:
+        stop(proc)
+    print(f"| batch | base model tok/s | {len(names)} adapters mixed tok/s | ratio | ratio (CPU) |")
+    print("|------:|-----------------:|------------------------:|------:|------------:|")
+    for b in batches:
+        print(
+            f"| {b} | {b / base[b].wall:.1f} | {b / mixed[b].wall:.1f} | {base[b].wall / mixed[b].wall:.2f} | "
+            f"{base[b].cpu / mixed[b].cpu:.2f} |"
         )
 
 

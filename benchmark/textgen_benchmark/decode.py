@@ -7,6 +7,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,8 +32,13 @@ def progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int], runs: int) -> dict[int, Step]:
-    """Prefill then Decode until done over gRPC; per-step wall time here and CPU time of the shard process."""
+async def shard_steps(
+    socket: str, pid: int, model_dir: Path, batches: list[int], runs: int, adapters: Sequence[str] = ()
+) -> dict[int, Step]:
+    """Prefill then Decode until done over gRPC; per-step wall time here and CPU time of the shard process.
+
+    `adapters`: LoRA adapter names the shard loaded, given to the rows in turn (row i: adapters[i % n]), so
+    neighbouring rows use different adapters."""
     from tokenizers import Tokenizer
 
     from textgen_benchmark.generation import Sampling, make_batch, prompt_of_length
@@ -46,6 +52,8 @@ async def shard_steps(socket: str, pid: int, model_dir: Path, batches: list[int]
         await client.clear_cache(None)
         for b in batches:
             batch = make_batch(prompt, b, PROMPT_LEN, NEW_TOKENS, Sampling())
+            for i, request in enumerate(batch.requests if adapters else ()):
+                request.adapter_id = adapters[i % len(adapters)]
             walls: list[float] = []
             cpus: list[float] = []
             for run in range(runs + 1):  # the first run warms up
