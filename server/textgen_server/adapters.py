@@ -91,7 +91,7 @@ def adapter_dir(adapter: LoraAdapter) -> Path:
 
 
 def base_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection of the unsharded base model."""
+    """(in_features, out_features) of each projection (q, k, v, o, gate, up, down) of the unsharded model."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
@@ -139,7 +139,8 @@ def load_adapters(
         model.adapter_names.append(adapter.name)
 
 
-def _key(layer: int, module: str, matrix: str) -> str:
+def lora_key(layer: int, module: str, matrix: str) -> str:
+    """PEFT's name of `module`'s (q, ..., down) LoRA `matrix` (A or B) in decoder layer `layer`."""
     group = "self_attn" if module in ("q", "k", "v", "o") else "mlp"
     return f"base_model.model.model.layers.{layer}.{group}.{module}_proj.lora_{matrix}.weight"
 
@@ -167,7 +168,7 @@ def _targets(weights: Weights, name: str, num_layers: int) -> dict[int, set[str]
 
 def _check_shapes(weights: Weights, name: str, layer: int, module: str, shape: tuple[int, int], r: int) -> None:
     fan_in, fan_out = shape
-    a, b = weights.get_shape(_key(layer, module, "A")), weights.get_shape(_key(layer, module, "B"))
+    a, b = weights.get_shape(lora_key(layer, module, "A")), weights.get_shape(lora_key(layer, module, "B"))
     if a != [r, fan_in] or b != [fan_out, r]:
         raise AdapterError(
             name,
@@ -208,8 +209,10 @@ class _Attach:
         for piece in pieces:
             width = shapes[piece][1] // self.dist.world_size
             if piece in targeted:
-                a_parts.append(self.weights.get_tensor(_key(self.layer, piece, "A")).t())
-                blocks.append((offset, self._b_scaled(self.weights.get_sharded(_key(self.layer, piece, "B"), dim=0))))
+                a_parts.append(self.weights.get_tensor(lora_key(self.layer, piece, "A")).t())
+                blocks.append(
+                    (offset, self._b_scaled(self.weights.get_sharded(lora_key(self.layer, piece, "B"), dim=0)))
+                )
             offset += width
         a = torch.cat(a_parts, dim=1).contiguous()
         b = a.new_zeros((a.shape[1], offset))
@@ -224,6 +227,6 @@ class _Attach:
         """A row-parallel matmul: this rank's input columns of A, the whole B."""
         if piece not in modules:
             return
-        a = self.weights.get_sharded(_key(self.layer, piece, "A"), dim=1).t().contiguous()
-        b = self._b_scaled(self.weights.get_tensor(_key(self.layer, piece, "B"))).contiguous()
+        a = self.weights.get_sharded(lora_key(self.layer, piece, "A"), dim=1).t().contiguous()
+        b = self._b_scaled(self.weights.get_tensor(lora_key(self.layer, piece, "B"))).contiguous()
         linear.lora[index] = LoraProjection(a, b)

@@ -362,18 +362,6 @@ def _is_built(out: Path, stamp: dict[str, object]) -> bool:
     return stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
 
 
-# The projections a test adapter changes, and their PEFT module paths inside a decoder layer.
-LORA_TARGETS = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-
-
 def build_test_adapter(
     out_dir: str | Path, model_dir: str | Path, rank: int = 8, alpha: int = 16, seed: int = 1
 ) -> Path:
@@ -386,30 +374,20 @@ def build_test_adapter(
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    from textgen_server.adapters import base_shapes, lora_key
+    from textgen_server.models.tp_llama import TP_MODEL_TYPES
+
     config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"test adapters are for llama, mistral or qwen2 models, not {config.model_type!r}")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    shapes = {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
+    if config.model_type not in TP_MODEL_TYPES:
+        raise ValueError(f"test adapters are for {', '.join(sorted(TP_MODEL_TYPES))} models, not {config.model_type!r}")
+    shapes = base_shapes(config)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(config.num_hidden_layers):
-        for module, group in LORA_TARGETS.items():
-            fan_in, fan_out = shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.{group}.{module}"
+        for module, (fan_in, fan_out) in shapes.items():
             # A as PEFT's kaiming init scales it; B of the base weights' scale (PEFT would start it at zero).
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * INIT_STD
+            tensors[lora_key(layer, module, "A")] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            tensors[lora_key(layer, module, "B")] = torch.randn(fan_out, rank, generator=generator) * INIT_STD
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -420,7 +398,7 @@ def build_test_adapter(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
-        "target_modules": sorted(LORA_TARGETS),
+        "target_modules": sorted(f"{module}_proj" for module in shapes),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
