@@ -10,8 +10,12 @@ memory-bound at small batch, so each row also shows the fraction of a bandwidth 
 With --grammar the shard is measured against itself instead: the same decode with every row under its own JSON
 schema vs no grammar (runs alternate between the two), plus the time to compile a schema for one request.
 
+With `--lora-adapters N` it measures multi-LoRA serving instead: the shard loads N seeded random adapters
+(rank 8, every q/k/v/o and gate/up/down projection) and the same decode runs once with every row on the base
+model and once with the rows spread over the N adapters in turn (neighbouring rows on different adapters).
+
 Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--threads 2] [--model-dir DIR]
-       [--grammar]
+       [--grammar | --lora-adapters N]
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ def grammar_steps(model_dir: Path, batches: list[int], runs: int, threads: int, 
     try:
         for _ in range(runs):
             free.append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, 1)))
-            constrained.append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, 1, schemas)))
+            constrained.append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, 1, schemas=schemas)))
     finally:
         stop(proc)
     torch.set_num_threads(threads)
@@ -167,10 +171,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--grammar", action="store_true", help="every row under a JSON schema vs no grammar (default batch 32)"
     )
+    parser.add_argument("--lora-adapters", type=int, default=0, metavar="N", help="base vs N adapters mixed")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model_dir = args.model_dir or small_model()
     batches = args.batch or ([32] if args.grammar else [1, 8, 32])
+    uds = f"/tmp/textgen-bench-{os.getpid()}"
+    if args.lora_adapters:
+        lora_comparison(model_dir, uds, batches, args)
+        return
     print(
         f"model {model_dir}, {args.dtype}, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
         f"runs {args.runs}",
@@ -179,7 +188,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.grammar:
         grammar_steps(model_dir, batches, args.runs, args.threads, args.dtype)
         return
-    uds = f"/tmp/textgen-bench-{os.getpid()}"
     proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype)
     try:
         shard = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, args.runs))
@@ -197,6 +205,36 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {b} | {b / shard[b].wall:.1f} | {b / local[b].wall:.1f} | {local[b].wall / shard[b].wall:.2f} | "
             f"{local[b].cpu / shard[b].cpu:.2f} | {gbs:.1f} | {gbs / bandwidth:.2f} |"
+        )
+
+
+def lora_comparison(model_dir: Path, uds: str, batches: list[int], args: argparse.Namespace) -> None:
+    """Decode tokens/s with every row on the base model, then with the rows spread over N adapters."""
+    from textgen_server.builder import build_test_adapter
+
+    names = [f"lora{i}" for i in range(args.lora_adapters)]
+    dirs = [
+        build_test_adapter(model_dir.parent / f"{model_dir.name}-{name}", model_dir, seed=i)
+        for i, name in enumerate(names)
+    ]
+    spec = ",".join(f"{name}={path}" for name, path in zip(names, dirs, strict=True))
+    print(
+        f"model {model_dir}, {args.dtype}, {args.threads} threads, prompt {PROMPT_LEN}, new tokens {NEW_TOKENS}, "
+        f"runs {args.runs}, {len(names)} LoRA adapters of rank 8",
+        flush=True,
+    )
+    proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype, extra_env={"LORA_ADAPTERS": spec})
+    try:
+        base = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, args.runs))
+        mixed = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, args.runs, adapters=names))
+    finally:
+        stop(proc)
+    print(f"| batch | base model tok/s | {len(names)} adapters mixed tok/s | ratio | ratio (CPU) |")
+    print("|------:|-----------------:|------------------------:|------:|------------:|")
+    for b in batches:
+        print(
+            f"| {b} | {b / base[b].wall:.1f} | {b / mixed[b].wall:.1f} | {base[b].wall / mixed[b].wall:.2f} | "
+            f"{base[b].cpu / mixed[b].cpu:.2f} |"
         )
 
 

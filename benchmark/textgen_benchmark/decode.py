@@ -7,6 +7,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +33,19 @@ def progress(line: str) -> None:
 
 
 async def shard_steps(
-    socket: str, pid: int, model_dir: Path, batches: list[int], runs: int, schemas: list[str] | None = None
+    socket: str,
+    pid: int,
+    model_dir: Path,
+    batches: list[int],
+    runs: int,
+    *,
+    schemas: Sequence[str] = (),
+    adapters: Sequence[str] = (),
 ) -> dict[int, Step]:
     """Prefill then Decode until done over gRPC; per-step wall time here and CPU time of the shard process.
 
-    With `schemas`, request i is constrained by the JSON schema `schemas[i % len(schemas)]`."""
+    Request i of a batch is constrained by the JSON schema `schemas[i % len(schemas)]` and runs with the LoRA
+    adapter `adapters[i % len(adapters)]` (when given): neighbouring rows differ."""
     from tokenizers import Tokenizer
 
     from textgen_benchmark.generation import Sampling, make_batch, prompt_of_length
@@ -51,10 +60,12 @@ async def shard_steps(
         await client.clear_cache(None)
         for b in batches:
             batch = make_batch(prompt, b, PROMPT_LEN, NEW_TOKENS, Sampling())
-            if schemas:
-                for i, request in enumerate(batch.requests):
+            for i, request in enumerate(batch.requests):
+                if schemas:
                     request.parameters.grammar = schemas[i % len(schemas)]
                     request.parameters.grammar_type = generate_pb2.GRAMMAR_TYPE_JSON
+                if adapters:
+                    request.adapter_id = adapters[i % len(adapters)]
             walls: list[float] = []
             cpus: list[float] = []
             for run in range(runs + 1):  # the first run warms up

@@ -25,14 +25,20 @@ DTYPES = ("float32", "bfloat16", "float16")  # a shard's --dtype choices
 
 
 def start_shard(
-    model_dir: Path, uds_path: str, threads: int, timeout: float = 300.0, dtype: str = "float32"
+    model_dir: Path,
+    uds_path: str,
+    threads: int,
+    timeout: float = 300.0,
+    dtype: str = "float32",
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    """A real shard process (`--dtype dtype`) limited to `threads` cores; returns once Health answers (or raises)."""
+    """A real shard process (`--dtype dtype`, `extra_env` added to its environment) limited to `threads` cores;
+    returns once Health answers (or raises)."""
     import grpc
 
     from textgen_pb import generate_pb2, generate_pb2_grpc
 
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **(extra_env or {}))
     log = open(Path(tempfile.gettempdir()) / "textgen-bench-shard.log", "wb")  # noqa: SIM115 - child owns it
     proc = subprocess.Popen(
         [sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path", uds_path, "--dtype", dtype],

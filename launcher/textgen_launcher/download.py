@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from textgen_common.lora_adapters import parse_lora_adapters
 from textgen_launcher.children import Child, stop_all
 from textgen_launcher.environment import base_env
 from textgen_launcher.errors import ArgumentValidation, DownloadError
@@ -78,13 +79,13 @@ def download_all(args: argparse.Namespace, running: Callable[[], bool]) -> bool:
         logger.info("Weights of %s are already on the host: skipping the download step", args.model_id)
     elif not run_download(args, args.model_id, args.revision, running):
         return False
-    for adapter in (args.lora_adapters or "").split(","):
-        adapter = adapter.strip()
-        if not adapter or "=" in adapter:  # `name=path` adapters are local paths
+    try:
+        adapters = parse_lora_adapters(args.lora_adapters)
+    except ValueError as error:
+        raise ArgumentValidation(str(error)) from None
+    for adapter in adapters:
+        if adapter.local:  # `name=path` adapters are local paths
             continue
-        if adapter.count("@") > 1:
-            raise ArgumentValidation(f"Invalid LoRA adapter format: {adapter}")
-        adapter_id, _, revision = adapter.partition("@")
-        if not run_download(args, adapter_id, revision or None, running):
+        if not run_download(args, adapter.source, adapter.revision, running):
             return False
     return True

@@ -48,6 +48,8 @@ def router_command(args: argparse.Namespace, settings: Settings) -> list[str]:
         ("--revision", args.revision),
         ("--otlp-endpoint", args.otlp_endpoint),
         ("--otlp-service-name", args.otlp_service_name),
+        # Not a TGI router flag: textgen's router refuses unknown adapters and lists the loaded ones.
+        ("--lora-adapters", args.lora_adapters),
     ):
         if value is not None:
             cmd += [flag, str(value)]

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cors-allow-origin", action="append", help="repeatable (env: CORS_ALLOW_ORIGIN)")
     p.flag("--disable-grammar-support")
     p.value("--max-client-batch-size", int, 4)
+    # Not a TGI router flag: the launcher's --lora-adapters, so the router knows the adapters the shards load.
+    p.value("--lora-adapters", str)
     # Accepted for drop-in compatibility with TGI's launcher; textgen sends no usage statistics.
     p.value("--usage-stats", str, "on", choices=["on", "off", "no-stack"])
     p.value("--payload-limit", int, 2_000_000)

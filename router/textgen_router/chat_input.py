@@ -26,16 +26,17 @@ class ChatInput:
     without_tools: Callable[[], ChatInput] | None = None
 
 
-def chat_input(body: ChatRequest, template: ChatTemplate) -> ChatInput:
+def chat_input(body: ChatRequest, template: ChatTemplate, adapter_id: str | None = None) -> ChatInput:
     """The prompt and parameters of `body`: with tools, the tool grammar and the tools in the template; else
-    its `response_format` as the grammar. Raises ToolError, TemplateError or ValidationError (all 422)."""
+    its `response_format` as the grammar; `adapter_id` the LoRA adapter it runs with (None: the base model).
+    Raises ToolError, TemplateError or ValidationError (all 422)."""
     if body.response_format is not None and body.tools is not None:
         raise tool_grammar.ToolError("Grammar and tools are mutually exclusive")
     tools = tool_grammar.select_tools(body.tools, body.tool_choice)
     messages = body.template_messages()
     if not tools:
         grammar = body.response_format.grammar() if body.response_format is not None else None
-        return ChatInput(template.apply(messages), body.parameters(grammar))
+        return ChatInput(template.apply(messages), _with_adapter(body.parameters(grammar), adapter_id))
     prompt = template.apply(
         messages,
         [tool.model_dump() for tool in tools],
@@ -43,4 +44,10 @@ def chat_input(body: ChatRequest, template: ChatTemplate) -> ChatInput:
         tool_prompt=body.tool_prompt or tool_grammar.DEFAULT_TOOL_PROMPT,
     )
     grammar = GrammarParameters(type="json", value=tool_grammar.tool_schema(tools))
-    return ChatInput(prompt, body.parameters(grammar), lambda: chat_input(body.without_tools(), template))
+    parameters = _with_adapter(body.parameters(grammar), adapter_id)
+    return ChatInput(prompt, parameters, lambda: chat_input(body.without_tools(), template, adapter_id))
+
+
+def _with_adapter(parameters: GenerateParameters, adapter_id: str | None) -> GenerateParameters:
+    parameters.adapter_id = adapter_id
+    return parameters

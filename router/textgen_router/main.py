@@ -38,6 +38,7 @@ from starlette.types import ASGIApp
 
 from textgen_common.addresses import listen_address
 from textgen_common.logs import setup_logging
+from textgen_common.lora_adapters import parse_lora_adapters
 from textgen_router import metrics
 from textgen_router.app import create_app
 from textgen_router.args import parse_args
@@ -47,7 +48,7 @@ from textgen_router.config import RouterConfig
 from textgen_router.read_timeouts import ReadTimeoutProtocol
 from textgen_router.state import RouterState
 from textgen_router.tracing import setup_tracing
-from textgen_router.validation import Limits, Validator, load_tokenizer
+from textgen_router.validation import Limits, ServedAdapters, Validator, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -150,6 +151,10 @@ def _in_daemon_thread(fn: Callable[[Namespace], T], args: Namespace) -> asyncio.
 
 async def start(args: Namespace) -> Router:
     """Connect to the shards (warmup settles the token limits), load the tokenizer, build the app."""
+    try:
+        names = tuple(adapter.name for adapter in parse_lora_adapters(args.lora_adapters))
+    except ValueError as err:
+        raise StartFailed(str(err)) from None
     # The tokenizer loads in a thread while the shards warm up (other processes: the cores really overlap).
     # Awaited only after the backend, so a backend failure is still the error reported, as in TGI.
     loading = _in_daemon_thread(_load_text, args)
@@ -175,7 +180,11 @@ async def start(args: Namespace) -> Router:
             backend.max_total_tokens,
         )
         validator = Validator(
-            tokenizer, limits, args.validation_workers, grammar_support=not args.disable_grammar_support
+            tokenizer,
+            limits,
+            args.validation_workers,
+            ServedAdapters(args.tokenizer_name, names),
+            grammar_support=not args.disable_grammar_support,
         )
         state = RouterState(
             infer=backend.infer,

@@ -44,9 +44,20 @@ def _chat_template(request: Request) -> ChatTemplate:
 
 
 def _model_name(state: RouterState, requested: str | None) -> str:
-    # TGI treats any name but "tgi" as a LoRA adapter id and echoes it; textgen has no adapters, so the
-    # base model answers under the requested name.
+    # TGI echoes any name but "tgi" (the name of the adapter it selects).
     return state.model_id if requested in (None, "tgi") else requested
+
+
+def _adapter_id(state: RouterState, model: str | None) -> str | None:
+    """`model` as the request's adapter_id, as TGI takes it (any name but "tgi"), once adapters are loaded.
+
+    Without adapters, any name runs the base model, as TGI's does: clients send whatever their SDK's `model`
+    says. With adapters, a name that is neither the model id nor a loaded adapter is refused (422) rather
+    than silently answered by the base model.
+    """
+    if model is not None and model != "tgi" and state.validator.adapters.names:
+        return model
+    return None
 
 
 # tgi_request_failure labels of the errors raised here, before a request reaches generation.py.
@@ -81,7 +92,7 @@ async def chat_completions(request: Request) -> Response:
     template = _chat_template(request)
     try:
         body.check_supported()
-        chat = chat_input(body, template)
+        chat = chat_input(body, template, _adapter_id(state, body.model))
     except InferError as err:
         return _rejected(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
@@ -130,6 +141,7 @@ async def completions(request: Request) -> Response:
         return _rejected(err)
     env = bodies.Envelope.now(_model_name(state, body.model))
     prompts, parameters = body.prompts(), body.parameters()
+    parameters.adapter_id = _adapter_id(state, body.model)
     if body.stream:
         span = start_request_span("completions", request.headers)
         events = completion_stream(state, env, prompts, parameters, start_time, span)
@@ -163,7 +175,8 @@ async def _complete(
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    return json_response(bodies.models_list(_state(request).model_id))
+    state = _state(request)
+    return json_response(bodies.models_list(state.model_id, state.validator.adapters.names))
 
 
 @router.post("/chat_tokenize")

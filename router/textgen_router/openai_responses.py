@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -213,5 +213,9 @@ def stream_error(message: str, status_code: int) -> dict[str, Any]:
     return {"error": {"message": message, "http_status_code": status_code}}
 
 
-def models_list(model_id: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id}]}
+def models_list(model_id: str, adapters: Sequence[str]) -> dict[str, Any]:
+    """TGI's one entry for the model, then one per loaded LoRA adapter (the `model` values that select one)."""
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": 0, "owned_by": model_id} for name in (model_id, *adapters)],
+    }

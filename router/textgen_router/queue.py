@@ -113,6 +113,7 @@ def request_pb(request_id: int, request: ValidRequest) -> generate_pb2.Request:
         ),
         prefill_logprobs=request.decoder_input_details,
         top_n_tokens=request.top_n_tokens,
+        adapter_id=request.adapter_id,
     )
 
 

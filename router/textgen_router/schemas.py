@@ -179,3 +179,5 @@ class Info(BaseModel):
     version: str
     sha: str | None
     docker_label: str | None
+    # textgen's: the names `adapter_id` (or the OpenAI `model`) selects; absent when none is loaded.
+    lora_adapters: list[str] | None = None

@@ -36,9 +36,9 @@ class RouterState:
     compute_type: str = field(default_factory=lambda: os.environ.get("COMPUTE_TYPE", "gpu+optimized"))
 
     def info(self) -> dict[str, Any]:
-        """The body of GET /info, in TGI's field order."""
+        """The body of GET /info, in TGI's field order; `lora_adapters` (not TGI's) only when adapters are loaded."""
         limits = self.validator.limits
-        return {
+        info: dict[str, Any] = {
             "model_id": self.model_id,
             "model_sha": self.model_sha,
             "model_pipeline_tag": self.pipeline_tag,
@@ -54,3 +54,6 @@ class RouterState:
             "sha": os.environ.get("GIT_SHA"),
             "docker_label": os.environ.get("DOCKER_LABEL"),
         }
+        if self.validator.adapters.names:
+            info["lora_adapters"] = list(self.validator.adapters.names)
+        return info

@@ -51,6 +51,7 @@ class ValidRequest:
     top_n_tokens: int
     parameters: ChooserParameters
     stopping_parameters: StoppingParameters
+    adapter_id: str | None = None  # a loaded LoRA adapter's name; None runs the base model
 
     @property
     def input_length(self) -> int:

@@ -65,14 +65,41 @@ class Limits:
     max_total_tokens: int
 
 
+@dataclass(frozen=True)
+class ServedAdapters:
+    """The served model's id and the names of the LoRA adapters its shards loaded (the router's
+    --lora-adapters, which the launcher passes as it passes LORA_ADAPTERS to the shards)."""
+
+    model_id: str = ""
+    names: tuple[str, ...] = ()
+
+    def select(self, requested: str | None) -> str | None:
+        """The adapter a request runs with: None (the base model) when `requested` is absent or the model id.
+
+        TGI runs an unknown adapter id on the base model without a word (its issue #2505); refused here.
+        """
+        if requested is None or requested == self.model_id:
+            return None
+        if requested not in self.names:
+            loaded = ", ".join(self.names) if self.names else "none"
+            raise ValidationError(f"adapter `{requested}` is not loaded (loaded LoRA adapters: {loaded})")
+        return requested
+
+
 class Validator:
     """Validates and tokenizes requests; owns the tokenizer and its worker threads and processes."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, limits: Limits, workers: int, grammar_support: bool = True
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        limits: Limits,
+        workers: int,
+        adapters: ServedAdapters | None = None,
+        grammar_support: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.adapters = adapters or ServedAdapters()
         self.grammar_support = grammar_support  # False under --disable-grammar-support
         self._workers = workers
         # A slow (Python) tokenizer is not thread-safe: TGI then forces one worker. It has no JSON form for a
@@ -144,6 +171,7 @@ class Validator:
     ) -> ValidRequest:
         """Apply every rule of TGI's `validate` in its order; tokenize; return the queue-ready request."""
         p = parameters
+        adapter_id = self.adapters.select(p.adapter_id)
         best_of = p.best_of if p.best_of is not None else 1
         _check_sampling(p, best_of)
         self._check_stopping(p)
@@ -166,6 +194,7 @@ class Validator:
             top_n_tokens=top_n_tokens,
             parameters=_chooser(p, seed, shard_grammar),
             stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=list(p.stop)),
+            adapter_id=adapter_id,
         )
 
     def _grammar(self, p: GenerateParameters) -> grammar.ShardGrammar | None:

@@ -360,3 +360,53 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
 def _is_built(out: Path, stamp: dict[str, object]) -> bool:
     stamp_file = out / STAMP
     return stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
+
+
+def build_test_adapter(
+    out_dir: str | Path, model_dir: str | Path, rank: int = 8, alpha: int = 16, seed: int = 1
+) -> Path:
+    """Write a seeded random PEFT LoRA adapter for the Llama-family model in `model_dir`; returns `out_dir`.
+
+    `adapter_config.json` + `adapter_model.safetensors` under PEFT's names, every layer's q/k/v/o and
+    gate/up/down targeted. Unlike a freshly initialised PEFT adapter (B = 0), B is random too, so the adapter
+    really changes what the model generates. Deterministic for a given seed, rank and model.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from textgen_server.adapters import base_shapes, lora_key
+    from textgen_server.models.tp_llama import TP_MODEL_TYPES
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in TP_MODEL_TYPES:
+        raise ValueError(f"test adapters are for {', '.join(sorted(TP_MODEL_TYPES))} models, not {config.model_type!r}")
+    shapes = base_shapes(config)
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(config.num_hidden_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            # A as PEFT's kaiming init scales it; B of the base weights' scale (PEFT would start it at zero).
+            tensors[lora_key(layer, module, "A")] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            tensors[lora_key(layer, module, "B")] = torch.randn(fan_out, rank, generator=generator) * INIT_STD
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(f"{module}_proj" for module in shapes),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return out

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--arch", default="llama", help="llama | gpt2 | mistral | qwen2")
     build.add_argument("--size", default="tiny", help="tiny | small | 1b")
     build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--lora-adapter", metavar="ADAPTER_DIR", help="also write a random PEFT LoRA adapter here")
+    build.add_argument("--lora-rank", type=int, default=8)
+    build.add_argument("--lora-seed", type=int, default=1)
     return parser
 
 
@@ -111,10 +114,13 @@ def run_download(args: argparse.Namespace) -> int:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from textgen_server.builder import build_test_model
+    from textgen_server.builder import build_test_adapter, build_test_model
 
     try:
-        print(build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed))
+        model_dir = build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
+        print(model_dir)
+        if args.lora_adapter:
+            print(build_test_adapter(args.lora_adapter, model_dir, rank=args.lora_rank, seed=args.lora_seed))
     except ValueError as err:  # an unknown arch or size: one line, not a traceback
         logger.error("%s", err)
         return 2

@@ -14,8 +14,11 @@ torch is imported only for type checking: the CLI builds and checks a ServeConfi
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from textgen_common.lora_adapters import LoraAdapter, parse_lora_adapters
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +46,7 @@ class ServeConfig:
     uds_path: str = "/tmp/textgen-server"
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.server"
+    lora_adapters: str | None = None  # LORA_ADAPTERS, as TGI's shard reads it (textgen_common.lora_adapters)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
@@ -59,6 +63,7 @@ class ServeConfig:
             uds_path=args.uds_path,
             otlp_endpoint=args.otlp_endpoint,
             otlp_service_name=args.otlp_service_name,
+            lora_adapters=os.environ.get("LORA_ADAPTERS") or None,
         )
 
     def check(self) -> None:
@@ -77,6 +82,14 @@ class ServeConfig:
             )
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UnsupportedConfigError(f"--dtype {self.dtype} is not supported; use one of {', '.join(DTYPES)}")
+        self.adapters()
+
+    def adapters(self) -> list[LoraAdapter]:
+        """The entries of LORA_ADAPTERS; UnsupportedConfigError for a malformed list."""
+        try:
+            return parse_lora_adapters(self.lora_adapters)
+        except ValueError as error:
+            raise UnsupportedConfigError(f"LORA_ADAPTERS: {error}") from None
 
 
 @dataclass(frozen=True)

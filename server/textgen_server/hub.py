@@ -83,8 +83,8 @@ def _check_complete(model_dir: Path, model_id: str, extension: str) -> Path:
     return model_dir
 
 
-def _snapshot_dir(model_id: str, revision: str | None) -> Path | None:
-    """The cached snapshot holding `model_id`'s config at `revision` (branch, tag or commit), if any."""
+def _snapshot_dir(model_id: str, revision: str | None, marker: str = CONFIG) -> Path | None:
+    """The cached snapshot holding `model_id`'s `marker` file at `revision` (branch, tag or commit), if any."""
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -96,12 +96,14 @@ def _snapshot_dir(model_id: str, revision: str | None) -> Path | None:
             f"Model {model_id} is neither a local directory nor a valid model id on the hub"
         ) from None
 
-    found = try_to_load_from_cache(model_id, CONFIG, cache_dir=cache_dir(), revision=revision)
+    found = try_to_load_from_cache(model_id, marker, cache_dir=cache_dir(), revision=revision)
     return Path(found).parent if isinstance(found, str) else None
 
 
-def resolve_model_dir(model_id: str, revision: str | None = None) -> Path:
-    """Where `model_id`'s files are on this host, without any network access. Raises ModelNotFoundError."""
+def resolve_model_dir(model_id: str, revision: str | None = None, marker: str = CONFIG) -> Path:
+    """Where `model_id`'s files are on this host, without any network access. Raises ModelNotFoundError.
+
+    `marker`: the file the snapshot must hold (a model's config.json, a LoRA adapter's adapter_config.json)."""
     if Path(model_id).is_dir():
         return Path(model_id)
     override = os.environ.get("WEIGHTS_CACHE_OVERRIDE")
@@ -109,10 +111,10 @@ def resolve_model_dir(model_id: str, revision: str | None = None) -> Path:
         if not Path(override).is_dir():
             raise ModelNotFoundError(f"WEIGHTS_CACHE_OVERRIDE directory {override} does not exist")
         return Path(override)
-    snapshot = _snapshot_dir(model_id, revision)
+    snapshot = _snapshot_dir(model_id, revision, marker)
     if snapshot is None:
         raise ModelNotFoundError(
-            f"File {CONFIG} of model {model_id} not found in {cache_dir()}. "
+            f"File {marker} of model {model_id} not found in {cache_dir()}. "
             f"Please run `textgen-server download-weights {model_id}` first."
         )
     return snapshot

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from textgen_server.layers.lora import AdapterSegments, LoraProjection, add_lora
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 
@@ -44,6 +45,9 @@ class Linear(nn.Module):
       the same fp32 accuracy, not the same bits.
     - bfloat16: the same bits as `F.linear` (itself oneDNN).
     The unpacked copy is dropped so the model's memory does not double.
+
+    `lora` (adapter index -> delta, filled by adapters.py) holds the LoRA adapters that target this
+    projection; `forward(x, segments)` adds each one to the rows `segments` gives it (layers/lora.py).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -52,12 +56,17 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed = onednn_packed(weight)
         self.weight = nn.Parameter(weight, requires_grad=False) if self.packed is None else None
+        self.lora: dict[int, LoraProjection] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: AdapterSegments | None = None) -> torch.Tensor:
         if self.packed is None:
             assert self.weight is not None  # kept exactly when there is no packed copy
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if segments is not None and self.lora:
+            add_lora(out, x, self.lora, segments)
+        return out
 
 
 class ColumnParallelLinear(Linear):
@@ -89,8 +98,9 @@ class RowParallelLinear(Linear):
         b = weights.get_tensor(f"{prefix}.bias") if bias and dist.rank == 0 else None
         return cls(weight, b, dist)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dist.all_reduce(super().forward(x))
+    def forward(self, x: torch.Tensor, segments: AdapterSegments | None = None) -> torch.Tensor:
+        # A LoRA delta of this rank's input columns is a partial sum too: the one all_reduce adds them up.
+        return self.dist.all_reduce(super().forward(x, segments))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -147,6 +157,7 @@ class ParallelLMHead(Linear):
         weight = weights.get_sharded(name, dim=0) if gather else weights.get_tensor(name)
         return cls(weight, gather, dist)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(hidden)
+    def forward(self, hidden: torch.Tensor, segments: AdapterSegments | None = None) -> torch.Tensor:
+        """`segments` only keeps Linear's signature: no adapter targets the head (adapters.py refuses it)."""
+        logits = super().forward(hidden, segments)
         return self.dist.all_gather_last_dim(logits) if self.gather else logits

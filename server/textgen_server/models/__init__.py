@@ -85,6 +85,11 @@ def get_model(serve: ServeConfig) -> Model:
 
     dist.barrier()
     module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code)
+    adapters = serve.adapters()
+    if adapters:
+        from textgen_server.adapters import load_adapters
+
+        load_adapters(module, adapters, config, dist)
     dist.barrier()
     shard = ShardConfig(
         model_id=serve.model_id,

@@ -61,12 +61,11 @@ def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
     return ids
 
 
-def prepare_row(request: generate_pb2.Request, model: Model) -> tuple[list[int], LLMatcher | None]:
-    """The request's prompt ids and, when it has a grammar, a matcher at the grammar's start."""
+def prepare_row(request: generate_pb2.Request, model: Model) -> tuple[list[int], LLMatcher | None, int]:
+    """The request's prompt ids, a matcher at its grammar's start when it has one, and its LoRA adapter index."""
     ids = prompt_ids(request, model)
-    if not request.parameters.grammar:
-        return ids, None
-    return ids, model.grammar_compiler.compile(request.parameters)
+    matcher = model.grammar_compiler.compile(request.parameters) if request.parameters.grammar else None
+    return ids, matcher, model.adapter_index(request)
 
 
 @dataclass
@@ -88,6 +87,7 @@ class CausalLMBatch(Batch):
     max_input_length: int
     padding_right_offset: int
     max_tokens: int
+    adapter_indices: list[int]  # each row's LoRA adapter (Model.adapter_index); 0 = the base model
 
     @classmethod
     def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> CausalLMBatch:
@@ -139,6 +139,7 @@ class CausalLMBatch(Batch):
             max_input_length=max_input_length,
             padding_right_offset=padding_right_offset,
             max_tokens=size * max_input_length + sum(s.max_new_tokens for s in stopping),
+            adapter_indices=[rows[i][2] for i in order],
         )
 
     def to_pb(self) -> generate_pb2.CachedBatch:
@@ -191,6 +192,7 @@ class CausalLMBatch(Batch):
         self.next_token_chooser = self.next_token_chooser.filter(keep)
         self.stopping_criterias = stopping
         self.top_n_tokens = [self.top_n_tokens[i] for i in keep]
+        self.adapter_indices = [self.adapter_indices[i] for i in keep]
         self.max_input_length = new_max_input_length
         self.padding_right_offset = new_padding_right_offset
         self.max_tokens = len(keep) * new_max_input_length + sum(s.max_new_tokens - s.current_tokens for s in stopping)
@@ -240,6 +242,7 @@ class CausalLMBatch(Batch):
             max_input_length=max_input_length,
             padding_right_offset=padding_right_offset,
             max_tokens=sum(b.max_tokens + (max_input_length - b.max_input_length) * len(b) for b in batches),
+            adapter_indices=[a for b in batches for a in b.adapter_indices],
         )
 
 
@@ -249,6 +252,8 @@ class CausalLM(Model[CausalLMBatch]):
     def __init__(self, module: torch.nn.Module, config: ShardConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         super().__init__(config, tokenizer)
         self.module = module
+        # The LoRA adapters the module loaded (tp_llama.TPCausalLM); a module without any refuses every adapter.
+        self.adapters = {name: i for i, name in enumerate(getattr(module, "adapter_names", []), start=1)}
         params = inspect.signature(module.forward).parameters
         # Prefill without prompt logprobs needs only the last position's logits: skip the LM head elsewhere.
         self._has_logits_to_keep = "logits_to_keep" in params
@@ -264,6 +269,8 @@ class CausalLM(Model[CausalLMBatch]):
         kwargs: dict[str, object] = {}
         if self._has_logits_to_keep and not all_logits:
             kwargs["logits_to_keep"] = 1
+        if any(batch.adapter_indices):  # only modules that loaded adapters ever see such a row
+            kwargs["adapter_indices"] = batch.adapter_indices
         out = self.module(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask[:, :width],

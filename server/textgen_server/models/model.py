@@ -124,6 +124,19 @@ class Model(ABC, Generic[B]):
         self.config = config
         self.tokenizer = tokenizer
         self.all_special_ids = set(tokenizer.all_special_ids)
+        # LoRA adapter name -> index (>= 1) in the model's adapters; set by models that load adapters.
+        self.adapters: dict[str, int] = {}
+
+    def adapter_index(self, request: generate_pb2.Request) -> int:
+        """The request's LoRA adapter: 0 (the base model) when it names none or the model itself, else its
+        index; a name this shard did not load is refused, never answered by the base model."""
+        if not request.adapter_id or request.adapter_id == self.config.model_id:
+            return 0
+        index = self.adapters.get(request.adapter_id)
+        if index is None:
+            loaded = ", ".join(self.adapters) if self.adapters else "none"
+            raise InvalidRequestError(f"adapter {request.adapter_id} is not loaded (loaded LoRA adapters: {loaded})")
+        return index
 
     @property
     @abstractmethod

@@ -9,6 +9,7 @@ past_key_values: KVCache | None, use_cache=True)` returns `.logits` [B,S,V] over
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -20,6 +21,7 @@ from transformers.activations import ACT2FN
 
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
+from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary
 from textgen_server.layers.tensor_parallel import (
@@ -190,12 +192,14 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         cache: KVCache | None,
         first: torch.Tensor | None,
+        segments: AdapterSegments | None,
     ) -> torch.Tensor:
         """`hidden` [T, hidden] holds the layout's real tokens, `cos`/`sin` [T, 1, head_dim] their angles;
         attention itself runs on the padded [B, S] grid. `first` (a decode step of a PaddedKVCache with the
-        decode op, see decode_attention.py): each row's first visible column of the cache window."""
+        decode op, see decode_attention.py): each row's first visible column of the cache window.
+        `segments`: the LoRA adapters' rows of `hidden` (None: every row runs the base model)."""
         batch, seq_len, tokens = layout.batch, layout.seq_len, hidden.shape[0]
-        q, k, v = self.qkv(hidden).split(self.split, dim=-1)
+        q, k, v = self.qkv(hidden, segments).split(self.split, dim=-1)
         # RoPE on the real tokens only, before padding: much of a W1 prefill grid is padding.
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
@@ -215,7 +219,7 @@ class Attention(nn.Module):
                     k.shape[2],
                     self.scaling,
                 )
-                return self.o_proj(out.reshape(batch, -1))
+                return self.o_proj(out.reshape(batch, -1), segments)
             if seq_len == 1 and isinstance(cache, PaddedKVCache) and cache.whole_decode:
                 # Every column, the ones outside the window masked (see PaddedKVCache): cutting row groups'
                 # padding columns would make the operands strided again.
@@ -228,7 +232,7 @@ class Attention(nn.Module):
             shift = max(mask.shape[-1] - k.shape[2], 0)
             mask = mask[..., shift:]
         out = self._attend(q, k, v, mask, groups, shift)
-        return self.o_proj(layout.pack(out.transpose(1, 2).reshape(batch * seq_len, -1)))
+        return self.o_proj(layout.pack(out.transpose(1, 2).reshape(batch * seq_len, -1)), segments)
 
     def _attend(
         self,
@@ -268,9 +272,9 @@ class MLP(nn.Module):
         self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", f"{prefix}.down_proj.bias" in weights, dist)
         self.act = ACT2FN[config.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, segments: AdapterSegments | None) -> torch.Tensor:
+        gate, up = self.gate_up(x, segments).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up, segments)
 
 
 class DecoderLayer(nn.Module):
@@ -292,9 +296,11 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | None,
         cache: KVCache | None,
         first: torch.Tensor | None,
+        segments: AdapterSegments | None,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), layout, cos, sin, mask, cache, first)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), layout, cos, sin, mask, cache, first, segments)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), segments)
 
 
 class CausalLMOutput(NamedTuple):
@@ -322,6 +328,8 @@ class TPCausalLM(nn.Module):
         # built, reads whole buffers.
         self.decode_kernel = use_decode_kernel(weights.dtype, device)
         self.whole_decode = uses_matmul(weights.dtype, device) and not self.decode_kernel
+        # The loaded LoRA adapters (adapters.py): adapter index i + 1 is adapter_names[i]; 0 is the base model.
+        self.adapter_names: list[str] = []
 
     def new_cache(self, reserve: int = 0) -> PaddedKVCache:
         """An empty preallocating cache with `reserve` spare columns after the prefill (see kv_cache.py)."""
@@ -336,8 +344,12 @@ class TPCausalLM(nn.Module):
         past_key_values: KVCache | None = None,
         use_cache: bool = True,
         logits_to_keep: int = 0,
+        adapter_indices: Sequence[int] | None = None,
     ) -> CausalLMOutput:
-        """HF-compatible forward; `logits_to_keep` > 0 computes logits only for the last positions."""
+        """HF-compatible forward; `logits_to_keep` > 0 computes logits only for the last positions.
+
+        `adapter_indices` (one per row; 0 = the base model, i + 1 = `adapter_names[i]`) selects each row's
+        LoRA adapter."""
         batch, seq_len = input_ids.shape
         if use_cache and past_key_values is None:
             past_key_values = self.new_cache()
@@ -348,6 +360,10 @@ class TPCausalLM(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones(batch, past + seq_len, dtype=torch.long, device=input_ids.device)
         layout = TokenLayout.of(attention_mask, seq_len)
+        segments = None
+        if adapter_indices is not None:
+            counts = [seq_len] * batch if layout.lengths is None else layout.lengths.tolist()
+            segments = AdapterSegments.of(adapter_indices, counts, input_ids.device)
         hidden = self.embed_tokens(layout.pack(input_ids.reshape(-1)))
         cos, sin = (x.unsqueeze(1) for x in self.rotary(hidden, layout.pack(position_ids.reshape(-1))))
         masks = self._masks(attention_mask, seq_len)
@@ -355,7 +371,7 @@ class TPCausalLM(nn.Module):
         if seq_len == 1 and self.decode_kernel and isinstance(cache, PaddedKVCache):
             firsts = {window: first_visible(mask, batch, input_ids.device) for window, mask in masks.items()}
         for layer, window in zip(self.layers, self.windows, strict=True):
-            hidden = layer(hidden, layout, cos, sin, masks[window], cache, firsts.get(window))
+            hidden = layer(hidden, layout, cos, sin, masks[window], cache, firsts.get(window), segments)
         if logits_to_keep:
             # Left padding: every row's newest positions are real tokens, the last ones of its packed run.
             hidden = hidden[layout.last_positions(logits_to_keep)].view(batch, logits_to_keep, -1)

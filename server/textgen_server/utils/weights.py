@@ -65,6 +65,10 @@ class Weights:
             raise ValueError(f"no .safetensors weight files in {model_dir}")
         return cls(files, device, dtype, rank, world_size, aliases)
 
+    def names(self) -> list[str]:
+        """Every stored tensor name."""
+        return list(self._routing)
+
     def __contains__(self, name: str) -> bool:
         return self._stored_name(name) is not None
 
