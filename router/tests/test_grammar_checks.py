@@ -20,6 +20,7 @@ import llguidance.hf
 import numpy as np
 import pytest
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from tool_definitions import WEATHER
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
@@ -30,21 +31,6 @@ from textgen_router.schemas import GrammarParameters
 from textgen_router.types import ValidationError
 from textgen_server.utils.grammar import JSON_OPTIONS
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "location": {"type": "string", "maxLength": 12},
-                "format": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["location", "format"],
-        },
-    },
-}
 FORECAST = {
     "type": "function",
     "function": {

@@ -20,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 from router_fixtures import RouterProcess
-from test_grammar import WEATHER
+from tool_definitions import WEATHER
 
 from testing.shards import ShardProcess
 from textgen_client import Client
