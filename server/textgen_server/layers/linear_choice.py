@@ -7,8 +7,9 @@ A projection y = x @ W^T + b has up to three paths on a CPU, each reading W in i
   reordered once at load into its blocked layout.
 Which is fastest depends on the CPU (MKL's fp32 kernels are slow on some vendors' cores, oneDNN's blocked layout
 loses to them at one row on others) and on the row count. So the shard does not guess: for each distinct
-(out, in, dtype) shape it times every available path at one row count per bucket of rows (1, 2-8, 9-64, >64),
-keeps the fastest per bucket, and each forward call picks its bucket's kernel from its row count.
+(out, in, dtype) shape it times every available path (on one thread, see `time_paths`) at one row count per
+bucket of rows (1, 2-8, 9-64, >64), keeps the fastest per bucket (one main path unless another is clearly
+faster, see `choose`), and each forward call picks its bucket's kernel from its row count.
 
 `TEXTGEN_CPU_LINEAR` = auto (default) | linear | mkl | onednn forces one path for every bucket (reproducible
 runs); where the forced path does not exist for a dtype or device, `linear` serves instead.
@@ -147,28 +148,37 @@ def forced_path() -> str | None:
 
 
 def time_paths(weight: torch.Tensor, bias: torch.Tensor | None, paths: list[str]) -> dict[str, list[float]]:
-    """Least seconds of each path at each bucket's row count, the paths called in turn so that each sees the
-    same machine state. The least, not the median: other load on the machine only adds time (with several
-    threads a call whose sibling thread waits for a busy core takes milliseconds), and the least run is the
-    one it disturbed least."""
+    """Least seconds of each path at each bucket's row count on one thread, the paths called in turn so that
+    each sees the same machine state.
+
+    One thread, whatever the shard runs with: with several, a call whose sibling thread waits for a core that
+    other work holds takes milliseconds, and on a busy machine every path measured alike, so the choice was
+    noise (benchmark/README.md). What differs between the paths is each core's kernel (ISA, blocking, packing);
+    their order on one thread matched their order on two where we measured. The least, not the median: other
+    load only adds time, and the least run is the one it disturbed least."""
     kernels = [KERNELS[path](weight, bias) for path in paths]
     g = torch.Generator(device=weight.device).manual_seed(0)
     least: dict[str, list[float]] = {path: [] for path in paths}
-    with torch.inference_mode():
-        for rows in BUCKET_ROWS:
-            x = torch.randn(rows, weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
-            for kernel in kernels:
-                kernel(x)  # first-touch allocations, thread pool start
-            times: list[list[float]] = [[] for _ in kernels]
-            spent = 0.0
-            while len(times[0]) < MAX_ROUNDS and (len(times[0]) < MIN_ROUNDS or spent < MIN_SECONDS):
-                for kernel, out in zip(kernels, times, strict=True):
-                    start = time.perf_counter()
-                    kernel(x)
-                    out.append(time.perf_counter() - start)
-                    spent += out[-1]
-            for path, t in zip(paths, times, strict=True):
-                least[path].append(min(t))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for rows in BUCKET_ROWS:
+                x = torch.randn(rows, weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
+                for kernel in kernels:
+                    kernel(x)  # first-touch allocations
+                times: list[list[float]] = [[] for _ in kernels]
+                spent = 0.0
+                while len(times[0]) < MAX_ROUNDS and (len(times[0]) < MIN_ROUNDS or spent < MIN_SECONDS):
+                    for kernel, out in zip(kernels, times, strict=True):
+                        start = time.perf_counter()
+                        kernel(x)
+                        out.append(time.perf_counter() - start)
+                        spent += out[-1]
+                for path, t in zip(paths, times, strict=True):
+                    least[path].append(min(t))
+    finally:
+        torch.set_num_threads(threads)
     return least
 
 
