@@ -9,6 +9,7 @@ feeds the same oneDNN kernels, so the results must be bit-identical.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -71,28 +72,25 @@ def test_packed_is_as_accurate_as_f_linear_at_every_row_count(path: str, shape: 
                 assert_fp32_accurate(out, x, weight, b)
 
 
-@needs_onednn
-def test_onednn_result_does_not_depend_on_the_row_count_it_was_packed_for() -> None:
-    g = torch.Generator().manual_seed(1)
-    weight = torch.randn(768, 2048, generator=g)
-    layer = packed(weight.clone(), None, "onednn")
-    for pack_rows in (2, 16, 1000):
-        other = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows)
-        for rows in (2, 5, 64, 257):
-            x = torch.randn(rows, 2048, generator=g)
-            assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, other, None, "none", [], ""))
+def product_packed_for(path: str, weight: torch.Tensor, pack_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight^T on `path`'s layout built for `pack_rows` rows."""
+    if path == "mkl":
+        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, pack_rows)
+        return lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, None, x.shape[0])
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
 
 
-@needs_mkl
-def test_mkl_result_does_not_depend_on_the_row_count_it_was_packed_for() -> None:
+@pytest.mark.parametrize("path", FP32_PACKED)
+def test_packed_result_does_not_depend_on_the_row_count_it_was_packed_for(path: str) -> None:
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(768, 2048, generator=g)
-    layer = packed(weight.clone(), None, "mkl")
+    layer = packed(weight.clone(), None, path)
     for pack_rows in (2, 16, 1000):
-        other = torch.ops.mkl._mkl_reorder_linear_weight(weight, pack_rows)
+        other = product_packed_for(path, weight, pack_rows)
         for rows in (2, 5, 64, 257):
             x = torch.randn(rows, 2048, generator=g)
-            assert torch.equal(layer(x), torch.ops.mkl._mkl_linear(x, other, weight, None, rows))
+            assert torch.equal(layer(x), other(x))
 
 
 @pytest.mark.parametrize("path", ["linear", *FP32_PACKED])
