@@ -1,6 +1,6 @@
-"""The shard's Linear: oneDNN-reordered weight on a CPU in float32 and bfloat16, plain `F.linear` otherwise.
+"""The shard's Linear on each of its CPU paths: MKL-packed and oneDNN-reordered weights, plain `F.linear`.
 
-Oracles: for float32 the product in float64. The packed path must be as accurate as `F.linear` for every row
+Oracles: for float32 the product in float64. Each packed path must be as accurate as `F.linear` for every row
 count the shard produces (1-row decode, small and large batches, 3-D prefill input, no rows at all), and must
 not depend on the row count the weight was packed for. For bfloat16, `F.linear` itself: the reordered weight
 feeds the same oneDNN kernels, so the results must be bit-identical.
@@ -9,11 +9,13 @@ feeds the same oneDNN kernels, so the results must be bit-identical.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from textgen_server.layers.linear_choice import BUCKET_ROWS, choose_linear_kernels
 from textgen_server.layers.tensor_parallel import Linear
 
 # (out, in): the small model's fused q/k/v, o, gate/up, down and head, and the tests' tiny layers.
@@ -21,6 +23,9 @@ SHAPES = [(2304, 768), (768, 768), (4096, 768), (768, 2048), (16000, 768), (320,
 ROWS = [0, 1, 2, 3, 7, 8, 63, 64, 65, 300]
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch has no MKL")
+# The float32 packed paths, each skipped where this torch lacks it.
+FP32_PACKED = [pytest.param("mkl", marks=needs_mkl), pytest.param("onednn", marks=needs_onednn)]
 needs_onednn_bf16 = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
     reason="no native oneDNN bfloat16 kernels on this CPU / torch build",
@@ -44,14 +49,21 @@ def assert_fp32_accurate(
     assert excess.max().item() <= 0, f"{x.shape[0]} rows: error above the fp32 bound by {excess.max().item()}"
 
 
-@needs_onednn
+def packed(weight: torch.Tensor, bias: torch.Tensor | None, path: str) -> Linear:
+    """A Linear computing every row count on `path`."""
+    layer = Linear(weight, bias)
+    layer.use((path,) * len(BUCKET_ROWS))
+    return layer
+
+
+@pytest.mark.parametrize("path", FP32_PACKED)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_packed_is_as_accurate_as_f_linear_at_every_row_count(shape: tuple[int, int]) -> None:
+def test_packed_is_as_accurate_as_f_linear_at_every_row_count(path: str, shape: tuple[int, int]) -> None:
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(shape, generator=g), torch.randn(shape[0], generator=g)
     for b in (None, bias):
-        layer = Linear(weight.clone(), b)
-        assert layer.packed is not None and layer.weight is None  # the unpacked copy is not kept
+        layer = packed(weight.clone(), b, path)
+        assert layer.weight is None  # the unpacked copy is not kept
         for rows in ROWS:
             x = torch.randn(rows, shape[1], generator=g)
             out = layer(x)
@@ -60,24 +72,35 @@ def test_packed_is_as_accurate_as_f_linear_at_every_row_count(shape: tuple[int, 
                 assert_fp32_accurate(out, x, weight, b)
 
 
-@needs_onednn
-def test_packed_result_does_not_depend_on_the_row_count_it_was_packed_for() -> None:
+def product_packed_for(path: str, weight: torch.Tensor, pack_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight^T on `path`'s layout built for `pack_rows` rows."""
+    if path == "mkl":
+        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, pack_rows)
+        return lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, None, x.shape[0])
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+
+
+@pytest.mark.parametrize("path", FP32_PACKED)
+def test_packed_result_does_not_depend_on_the_row_count_it_was_packed_for(path: str) -> None:
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(768, 2048, generator=g)
-    layer = Linear(weight.clone(), None)
+    layer = packed(weight.clone(), None, path)
     for pack_rows in (2, 16, 1000):
-        other = torch.ops.mkldnn._reorder_linear_weight(weight, pack_rows)
+        other = product_packed_for(path, weight, pack_rows)
         for rows in (2, 5, 64, 257):
             x = torch.randn(rows, 2048, generator=g)
-            assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, other, None, "none", [], ""))
+            assert torch.equal(layer(x), other(x))
 
 
-def test_three_dimensional_input_keeps_its_leading_dims() -> None:
+@pytest.mark.parametrize("path", ["linear", *FP32_PACKED])
+def test_three_dimensional_input_keeps_its_leading_dims(path: str) -> None:
     g = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
     x = torch.randn(3, 5, 24, generator=g)
-    torch.testing.assert_close(Linear(weight, bias)(x), F.linear(x, weight, bias))
-    torch.testing.assert_close(Linear(weight, bias)(x.transpose(0, 1)), F.linear(x.transpose(0, 1), weight, bias))
+    layer = packed(weight, bias, path)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
+    torch.testing.assert_close(layer(x.transpose(0, 1)), F.linear(x.transpose(0, 1), weight, bias))
 
 
 @needs_onednn_bf16
@@ -87,8 +110,8 @@ def test_bfloat16_reordered_weight_gives_f_linears_bits_at_every_row_count(shape
     weight = torch.randn(shape, generator=g).bfloat16()
     bias = torch.randn(shape[0], generator=g).bfloat16()
     for b in (None, bias):
-        layer = Linear(weight.clone(), b)
-        assert layer.packed is not None and layer.weight is None
+        layer = packed(weight.clone(), b, "onednn")
+        assert layer.weight is None
         for rows in ROWS:
             x = torch.randn(rows, shape[1], generator=g).bfloat16()
             out = layer(x)
@@ -103,6 +126,7 @@ def test_bfloat16_reordered_weight_gives_f_linears_bits_at_every_row_count(shape
 def test_other_dtypes_keep_the_plain_weight_and_f_linear() -> None:
     weight = torch.randn(40, 24, dtype=torch.float16)
     layer = Linear(weight, None)
-    assert layer.packed is None and layer.weight is not None
+    choose_linear_kernels([layer])
+    assert layer.paths == ("linear",) * len(BUCKET_ROWS) and layer.weight is not None
     x = torch.randn(7, 24, dtype=torch.float16)
     assert torch.equal(layer(x), F.linear(x, weight))

@@ -12,39 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from textgen_server.layers.linear_choice import BUCKET_ROWS, KERNELS, PlainKernel, bucket
 from textgen_server.layers.lora import AdapterSegments, LoraProjection, add_lora
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 
-# oneDNN reorders a weight into a blocked layout chosen for a nominal row count. Measured on torch 2.13, the
-# float32 layout gives the same results for every row count >= 2 whatever count it was chosen for, and
-# fp32-close ones at 1 row; bfloat16 gives F.linear's bits (test_linear.py checks both).
-_PACK_ROWS = 64
-
-
-def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` (out, in) as a oneDNN tensor in its blocked GEMM layout, or None where that path does not
-    exist: not on the CPU, not float32 / bfloat16, a torch without oneDNN, or (bfloat16) a CPU without native
-    bf16 kernels."""
-    dtype_ok = weight.dtype == torch.float32 or (
-        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not dtype_ok:
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
-
 
 class Linear(nn.Module):
-    """y = x @ W^T + b; on a CPU in float32 or bfloat16, W lives only in oneDNN's blocked layout.
+    """y = x @ W^T + b, by the kernel `use` gave the bucket of x's row count (layers/linear_choice.py).
 
-    Why: unpacked, the GEMM library reorders W into its own layout on every call; reordered once at load the
-    products are faster at every row count, most for decode rows (`benchmark/linear_pack.py`; figures in
-    benchmark/README.md, "Figures behind the shard's code"):
-    - float32: F.linear goes through MKL, whose fp32 kernels are slow on AMD CPUs (MKL's own packed layout, used
-      here before, was no faster than F.linear there). The product sums in a different order than `F.linear`:
-      the same fp32 accuracy, not the same bits.
-    - bfloat16: the same bits as `F.linear` (itself oneDNN).
-    The unpacked copy is dropped so the model's memory does not double.
+    Built with the plain weight and `F.linear` for every row count; the shard's model loader then measures the
+    paths this CPU has and calls `use` (`choose_linear_kernels`), which keeps W only in the layouts the chosen
+    kernels read: the plain copy is dropped unless a bucket runs `F.linear`, so the model's memory does not
+    double for nothing.
 
     `lora` (adapter index -> delta, filled by adapters.py) holds the LoRA adapters that target this
     projection; `forward(x, segments)` adds each one to the rows `segments` gives it (layers/lora.py).
@@ -54,16 +34,27 @@ class Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.packed = onednn_packed(weight)
-        self.weight = nn.Parameter(weight, requires_grad=False) if self.packed is None else None
+        self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)
         self.lora: dict[int, LoraProjection] = {}
+        self.use((PlainKernel.path,) * len(BUCKET_ROWS))
+
+    def plain_weight(self) -> torch.Tensor:
+        """W as loaded; only until `use` chose kernels that do not read it."""
+        if self.weight is None:
+            raise RuntimeError("this projection keeps only packed layouts of its weight: the plain one was dropped")
+        return self.weight
+
+    def use(self, paths: tuple[str, ...]) -> None:
+        """Compute rows of bucket i (linear_choice.bucket) with the kernel of path `paths[i]`."""
+        weight = self.plain_weight()
+        built = {path: KERNELS[path](weight, self.bias) for path in dict.fromkeys(paths)}
+        self.paths = paths
+        self.kernels = tuple(built[path] for path in paths)
+        if PlainKernel.path not in built:
+            self.weight = None
 
     def forward(self, x: torch.Tensor, segments: AdapterSegments | None = None) -> torch.Tensor:
-        if self.packed is None:
-            assert self.weight is not None  # kept exactly when there is no packed copy
-            out = F.linear(x, self.weight, self.bias)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = self.kernels[bucket(x.numel() // self.in_features)](x)
         if segments is not None and self.lora:
             add_lora(out, x, self.lora, segments)
         return out
@@ -152,7 +143,7 @@ class ParallelLMHead(Linear):
         gather = dist.world_size > 1 and vocab % dist.world_size == 0
         if embedding is not None and (gather or dist.world_size == 1):
             # Tied: the embedding's ceil-sized block equals the head's even block, so share the memory
-            # (unless the head packs it).
+            # (while the head keeps a plain copy).
             return cls(embedding.weight.data, gather, dist)
         weight = weights.get_sharded(name, dim=0) if gather else weights.get_tensor(name)
         return cls(weight, gather, dist)

@@ -21,11 +21,13 @@ from transformers.activations import ACT2FN
 
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
+from textgen_server.layers.linear_choice import choose_linear_kernels
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,
+    Linear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -402,4 +404,7 @@ def load_tp_model(
     check_shardable(config, dist.world_size)
     aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
     weights = Weights.from_dir(Path(model_dir), device, dtype, dist.rank, dist.world_size, aliases)
-    return TPCausalLM(config, weights, dist, device).eval()
+    model = TPCausalLM(config, weights, dist, device).eval()
+    # Once per shard start: the kernels this CPU runs fastest, measured on the loaded weights.
+    choose_linear_kernels(m for m in model.modules() if isinstance(m, Linear))
+    return model

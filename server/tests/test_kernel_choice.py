@@ -1,0 +1,189 @@
+"""CPU kernels chosen per projection shape and bucket of rows (layers/linear_choice.py).
+
+Oracles: each path's own output for the dispatch (in float32 the three paths sum in different orders, so the
+bits tell which one ran); `F.linear` for what a chosen layer computes (bfloat16 bit for bit, float32 within
+its tolerance); transformers' greedy tokens for real shard processes started with each TEXTGEN_CPU_LINEAR.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from shard_helpers import HFOracle, make_batch, make_request
+
+from testing.shards import ShardHandle
+from textgen_pb import generate_pb2 as pb
+from textgen_server.config import UnsupportedConfigError
+from textgen_server.layers.linear_choice import (
+    BUCKET_ROWS,
+    ENV,
+    KERNELS,
+    MARGIN,
+    available_paths,
+    bucket,
+    choose,
+    choose_linear_kernels,
+)
+from textgen_server.layers.tensor_parallel import Linear
+
+CPU = torch.device("cpu")
+FP32_PATHS = available_paths(torch.float32, CPU)
+needs_all_fp32_paths = pytest.mark.skipif(
+    FP32_PATHS != ["linear", "mkl", "onednn"], reason=f"this torch has only {FP32_PATHS} for float32"
+)
+needs_onednn_bf16 = pytest.mark.skipif(
+    "onednn" not in available_paths(torch.bfloat16, CPU), reason="no native oneDNN bfloat16 kernels here"
+)
+ROWS = [0, 1, 2, 8, 9, 64, 65, 300]
+LOGGER = "textgen_server.layers.linear_choice"
+
+
+def test_buckets_split_at_1_8_and_64_rows() -> None:
+    assert [bucket(r) for r in (0, 1, 2, 8, 9, 64, 65, 4096)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [bucket(r) for r in BUCKET_ROWS] == [0, 1, 2, 3]
+
+
+def test_choose_keeps_one_main_path_unless_another_is_clearly_faster() -> None:
+    # One path fastest everywhere: it serves every bucket.
+    assert choose({"linear": [2, 2, 2, 2], "mkl": [1, 1, 1, 1]}) == ("mkl",) * 4
+    # The main path (least relative time overall) is within MARGIN at 1 row: no second layout for that.
+    near = 1 + MARGIN / 2
+    assert choose({"linear": [1, 2, 2, 2], "mkl": [near, 1, 1, 1]}) == ("mkl",) * 4
+    # Beyond MARGIN the faster path takes the bucket.
+    far = 1 + MARGIN * 2
+    assert choose({"linear": [1, 2, 2, 2], "mkl": [far, 1, 1, 1]}) == ("linear", "mkl", "mkl", "mkl")
+    # Three layouts when each path wins its own bucket by far.
+    times = {"linear": [1, 3, 3, 1], "mkl": [3, 1, 3, 3], "onednn": [3, 3, 1, 3]}
+    assert choose(times) == ("linear", "mkl", "onednn", "linear")
+
+
+@needs_all_fp32_paths
+@pytest.mark.parametrize(
+    "paths", [("mkl", "linear", "onednn", "linear"), ("onednn", "mkl", "linear", "mkl"), ("linear",) * 4]
+)
+def test_each_row_count_runs_its_buckets_kernel(paths: tuple[str, ...]) -> None:
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(768, 2048, generator=g), torch.randn(768, generator=g)
+    kernels = {path: KERNELS[path](weight, bias) for path in FP32_PATHS}
+    layer = Linear(weight.clone(), bias.clone())
+    layer.use(paths)
+    # Only the layouts some bucket reads are kept.
+    assert {k.path for k in layer.kernels} == set(paths)
+    assert (layer.weight is not None) == ("linear" in paths)
+    for rows in ROWS[1:]:
+        x = torch.randn(rows, 2048, generator=g)
+        outs = {path: kernel(x) for path, kernel in kernels.items()}
+        expected = paths[bucket(rows)]
+        others = [p for p in outs if p != expected]
+        assert not any(torch.equal(outs[expected], outs[p]) for p in others), f"{rows} rows: paths agree"
+        assert torch.equal(layer(x), outs[expected]), f"{rows} rows: not {expected}"
+    assert layer(torch.randn(0, 2048)).shape == (0, 768)
+
+
+def layers_of(shapes: list[tuple[int, int]], dtype: torch.dtype) -> list[Linear]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        Linear(torch.randn(shape, generator=g).to(dtype), torch.randn(shape[0], generator=g).to(dtype))
+        for shape in shapes
+    ]
+
+
+def plain_copies(layers: list[Linear]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    copies = []
+    for layer in layers:
+        assert layer.bias is not None
+        copies.append((layer.plain_weight().clone(), layer.bias.detach().clone()))
+    return copies
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)],
+    ids=["float32", "bfloat16"],
+)
+def test_auto_measures_each_shape_once_and_computes_what_f_linear_does(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    layers = layers_of([(96, 256), (40, 24), (96, 256), (96, 256), (40, 24)], dtype)
+    plain = plain_copies(layers)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        choose_linear_kernels(layers)
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 2, lines  # one per distinct shape
+    assert "96x256" in lines[0] and "(3 layers)" in lines[0] and "measured" in lines[0]
+    assert "40x24" in lines[1] and "(2 layers)" in lines[1]
+    # Every layer of a shape takes the choice measured on the first one.
+    assert layers[0].paths == layers[2].paths == layers[3].paths and layers[1].paths == layers[4].paths
+    g = torch.Generator().manual_seed(2)
+    for layer, (weight, bias) in zip(layers, plain, strict=True):
+        assert {k.path for k in layer.kernels} == set(layer.paths)
+        assert (layer.weight is not None) == ("linear" in layer.paths)
+        for rows in ROWS:
+            x = torch.randn(rows, weight.shape[1], generator=g).to(dtype)
+            out, reference = layer(x), F.linear(x, weight, bias)
+            if dtype == torch.bfloat16:
+                assert torch.equal(out, reference), f"{rows} rows on {layer.paths[bucket(rows)]}"
+            else:
+                torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("forced", ["linear", "mkl", "onednn"])
+def test_the_environment_forces_one_path_for_every_bucket(
+    forced: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(ENV, forced)
+    fp32, fp16 = layers_of([(96, 256)], torch.float32), layers_of([(96, 256)], torch.float16)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        choose_linear_kernels(fp32 + fp16)
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 2 and all(f"{ENV}={forced}" in line for line in lines), lines
+    expected = forced if forced in FP32_PATHS else "linear"
+    assert fp32[0].paths == (expected,) * len(BUCKET_ROWS)
+    # No packed path exists for float16: F.linear serves, and the log line says why.
+    assert fp16[0].paths == ("linear",) * len(BUCKET_ROWS)
+    assert forced == "linear" or f"no {forced} path here" in lines[1]
+
+
+def test_an_unknown_value_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "fastest")
+    with pytest.raises(UnsupportedConfigError, match=f"{ENV}='fastest': expected one of auto, linear, mkl, onednn"):
+        choose_linear_kernels(layers_of([(8, 6)], torch.float32))
+
+
+PROMPTS = ["def foo(x):", "import os\nimport sys\n", "while True:"]
+NEW_TOKENS = 6
+
+
+def greedy_tokens(handle: ShardHandle) -> list[list[int]]:
+    """Prefill the prompts in one batch (decode rows then: 3, prefill rows: 3 x prompt length), decode to the
+    end; each request's tokens."""
+    stub = handle.stub()
+    batch = make_batch(1, [make_request(i, p, NEW_TOKENS) for i, p in enumerate(PROMPTS)])
+    response = stub.Prefill(pb.PrefillRequest(batch=batch), timeout=60)
+    tokens: list[list[int]] = [[] for _ in PROMPTS]
+    while True:
+        for generation in response.generations:
+            tokens[generation.request_id].extend(generation.tokens.ids)
+        if not response.HasField("batch"):
+            return tokens
+        response = stub.Decode(pb.DecodeRequest(batches=[response.batch]), timeout=60)
+
+
+@pytest.mark.parametrize(
+    "dtype, forced",
+    [("float32", "auto"), ("float32", "linear"), ("float32", "mkl"), ("float32", "onednn"), ("bfloat16", "auto")],
+)
+def test_a_shard_started_with_each_override_matches_transformers(
+    dtype: str, forced: str, tiny_llama: Path, start_shard: Callable[..., ShardHandle]
+) -> None:
+    handle = start_shard(tiny_llama, env={ENV: forced}, extra_args=["--dtype", dtype])
+    oracle = HFOracle(tiny_llama, dtype=dtype)
+    assert greedy_tokens(handle) == [oracle.greedy(p, NEW_TOKENS) for p in PROMPTS]
+    log = handle.log_text()
+    assert "CPU linear" in log and (forced == "auto" or f"{ENV}={forced}" in log), log
