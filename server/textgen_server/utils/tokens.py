@@ -193,9 +193,10 @@ class HeterogeneousNextTokenChooser:
                 if bool(mask.any()):
                     rows = _rows_where(mask)
                     built.append(_Stage(rows, make(_take(t[:, column], rows))))
-        stages = [self._watermark, *self._penalties, *self._warpers]
-        self._writes_rows = any(stage is not None and stage.rows is not None for stage in stages)
-        self._writes_rows = self._writes_rows or (self.grammars is not None and self.grammars.rows is not None)
+        row_sets = [stage.rows for stage in (self._watermark, *self._penalties, *self._warpers) if stage is not None]
+        if self.grammars is not None:
+            row_sets.append(self.grammars.rows)
+        self._writes_rows = any(rows is not None for rows in row_sets)
 
     def __len__(self) -> int:
         return len(self.seeds)
