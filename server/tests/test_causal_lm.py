@@ -172,7 +172,7 @@ def check_uneven_batch(model: CausalLM, oracle: HFOracle) -> None:
 
 
 def test_llama_uneven_batch_matches_transformers(tiny_llama: Path, llama_oracle: HFOracle) -> None:
-    model = get_model(ServeConfig(str(tiny_llama)))
+    model = get_model(ServeConfig(str(tiny_llama), use_flash_attention=False))  # the padded engine
     assert isinstance(model, CausalLM)
     check_uneven_batch(model, llama_oracle)
 
@@ -184,7 +184,7 @@ def test_bfloat16_llama_uneven_batch_matches_transformers_eager(
     # bf16 on a CPU: matmul attention; decode steps with the decode attention op over each row's live keys, or
     # (switched off, or where it cannot be built) the matmul over whole KV buffers (PaddedKVCache.whole_decode).
     monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", decode_kernel)
-    model = get_model(ServeConfig(str(tiny_llama), dtype="bfloat16"))
+    model = get_model(ServeConfig(str(tiny_llama), dtype="bfloat16", use_flash_attention=False))
     assert isinstance(model, CausalLM)
     assert model.module.decode_kernel == (decode_kernel == "1" and kernel_available())
     check_uneven_batch(model, HFOracle(tiny_llama, "bfloat16", "eager"))

@@ -34,6 +34,9 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN_ID = "b7ad6b7169203331"
 
 
+POOL_TOKENS = 8192
+
+
 @pytest.fixture(scope="module")
 def shard(tiny_llama: Path, otlp_collector):  # type: ignore[no-untyped-def]
     _, port = otlp_collector
@@ -43,7 +46,8 @@ def shard(tiny_llama: Path, otlp_collector):  # type: ignore[no-untyped-def]
         tiny_llama,
         uds_path=uds_path,
         extra_args=["--max-input-tokens", str(MAX_INPUT_TOKENS), "--otlp-endpoint", f"http://127.0.0.1:{port}"],
-        env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # export spans within 0.1 s instead of 5 s
+        # Export spans within 0.1 s instead of 5 s; a KV pool of a known size.
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100", "TEXTGEN_KV_CACHE_TOKENS": str(POOL_TOKENS)},
     ) as handle:
         yield handle
 
@@ -202,11 +206,13 @@ def test_seeded_sampling_same_alone_and_batched(stub) -> None:
 
 
 def test_info_health_and_service_discovery(stub, shard) -> None:
+    # The Llama family runs the paged engine; without the launcher's environment: ATTENTION "paged" (blocks of
+    # 16), no prefix caching, chunking on (TGI's defaults).
     info = stub.Info(pb.InfoRequest())
-    assert info.requires_padding and info.dtype == "torch.float32" and info.device_type == "cpu"
+    assert not info.requires_padding and info.dtype == "torch.float32" and info.device_type == "cpu"
     assert not info.HasField("window_size") and info.speculate == 0
-    assert not info.support_chunking and not info.use_prefix_caching
-    assert info.attention_impl == "sdpa" and info.block_size == 0
+    assert info.support_chunking and not info.use_prefix_caching
+    assert info.attention_impl == "paged" and info.block_size == 16
     stub.Health(pb.HealthRequest())
     assert list(stub.ServiceDiscovery(pb.ServiceDiscoveryRequest()).urls) == [shard.url]
 
@@ -218,10 +224,9 @@ def test_stale_socket_file_was_replaced(shard) -> None:
 def test_warmup_defaults_and_given_limits(stub, llama_oracle) -> None:
     batch = make_batch(8, [make_request(i, PROMPTS[i], 4) for i in range(4)])
     derived = stub.Warmup(pb.WarmupRequest(batch=batch, max_prefill_tokens=4096))
-    assert not derived.HasField("max_supported_total_tokens")
-    prompt_tokens = sum(len(llama_oracle.tokenizer(p)["input_ids"]) for p in PROMPTS[:4])
-    assert derived.max_total_tokens == prompt_tokens
-    assert derived.max_input_tokens == prompt_tokens - 1
+    # The KV pool's capacity; with chunking a request may use it up to the model's context (2048 positions).
+    assert derived.max_supported_total_tokens == POOL_TOKENS
+    assert (derived.max_input_tokens, derived.max_total_tokens) == (2047, 2048)
     given = stub.Warmup(
         pb.WarmupRequest(batch=batch, max_prefill_tokens=4096, max_input_tokens=40, max_total_tokens=48)
     )
@@ -345,8 +350,10 @@ def test_bad_batch_ids_and_filters(stub) -> None:
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (
-            lambda: stub.Prefill(pb.PrefillRequest(batch=make_batch(31, [make_request(3, "c")]), cached_batch=cached)),
-            grpc.StatusCode.INVALID_ARGUMENT,
+            lambda: stub.Prefill(
+                pb.PrefillRequest(batch=make_batch(31, [make_request(3, "c")]), cached_batch=pb.CachedBatch(id=999))
+            ),
+            grpc.StatusCode.NOT_FOUND,
         ),
     ]
     for call, code in cases:

@@ -41,9 +41,13 @@ class Cache:
 
     def delete(self, batch_id: int) -> None:
         """Drop a batch if present (ClearCache of an unknown id is not an error, as in TGI)."""
-        self._batches.pop(batch_id, None)
+        batch = self._batches.pop(batch_id, None)
+        if batch is not None:
+            batch.release()
 
     def clear(self) -> None:
+        for batch in self._batches.values():
+            batch.release()
         self._batches.clear()
 
     def __len__(self) -> int:

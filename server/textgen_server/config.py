@@ -24,6 +24,15 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "float16", "bfloat16")
+# TGI's attention backends and their BLOCK_SIZE (text_generation_server/models/globals.py); on a CPU each is
+# served by layers/paged_attention.py with the backend's block size.
+BLOCK_SIZES = {"paged": 16, "flashdecoding": 256, "flashinfer": 1, "flashdecoding-ipex": 64}
+ATTENTIONS = tuple(BLOCK_SIZES)
+
+
+def _env_flag(name: str, default: str) -> bool:
+    """TGI's reading of a boolean environment variable: "1" or "true" (any case) is on."""
+    return os.environ.get(name, default).lower() in ("1", "true")
 
 
 class UnsupportedConfigError(ValueError):
@@ -47,6 +56,11 @@ class ServeConfig:
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.server"
     lora_adapters: str | None = None  # LORA_ADAPTERS, as TGI's shard reads it (textgen_common.lora_adapters)
+    # The paged engine's settings, from the environment the launcher sets (TGI's names and defaults).
+    attention: str = "paged"  # ATTENTION
+    prefix_caching: bool = False  # PREFIX_CACHING
+    prefill_chunking: bool = True  # PREFILL_CHUNKING
+    use_flash_attention: bool = True  # USE_FLASH_ATTENTION=false: the padded CausalLM for every model
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
@@ -64,6 +78,10 @@ class ServeConfig:
             otlp_endpoint=args.otlp_endpoint,
             otlp_service_name=args.otlp_service_name,
             lora_adapters=os.environ.get("LORA_ADAPTERS") or None,
+            attention=os.environ.get("ATTENTION") or "paged",
+            prefix_caching=_env_flag("PREFIX_CACHING", "0"),
+            prefill_chunking=_env_flag("PREFILL_CHUNKING", "1"),
+            use_flash_attention=os.environ.get("USE_FLASH_ATTENTION", "true").lower() not in ("false", "0"),
         )
 
     def check(self) -> None:
@@ -80,9 +98,17 @@ class ServeConfig:
             raise UnsupportedConfigError(
                 f"--speculate {self.speculate} is not supported: the padded CausalLM never speculates"
             )
+        if self.attention not in ATTENTIONS:
+            raise UnsupportedConfigError(
+                f"ATTENTION={self.attention} is not supported; use one of {', '.join(ATTENTIONS)}"
+            )
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UnsupportedConfigError(f"--dtype {self.dtype} is not supported; use one of {', '.join(DTYPES)}")
         self.adapters()
+
+    def paging(self) -> PagingConfig:
+        """The paged engine's settings (block size as TGI's for the ATTENTION backend)."""
+        return PagingConfig(self.attention, BLOCK_SIZES[self.attention], self.prefix_caching, self.prefill_chunking)
 
     def adapters(self) -> list[LoraAdapter]:
         """The entries of LORA_ADAPTERS; UnsupportedConfigError for a malformed list."""
@@ -105,3 +131,13 @@ class ShardConfig:
     rank: int = 0  # this shard's rank in the tensor-parallel group; it reports the rows i % world_size == rank
     world_size: int = 1
     max_input_tokens: int | None = None  # prompts longer than this (after truncation) are refused
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """The paged engine's settings for a loaded shard (from ServeConfig)."""
+
+    attention: str  # reported by Info
+    block_size: int  # tokens per KV block (TGI's BLOCK_SIZE for the attention backend)
+    prefix_caching: bool  # Info.use_prefix_caching: the router may send requests with cache_len > 0
+    chunking: bool  # Info.support_chunking: the router may send partial prompts and cached batches to Prefill

@@ -66,25 +66,33 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return generate_pb2.FilterBatchResponse(batch=filtered.to_pb())
 
     async def Warmup(self, request: generate_pb2.WarmupRequest, context: object) -> generate_pb2.WarmupResponse:
-        # `max_prefill_tokens` is not read: a padded model has no prefill buffer to size for it.
         batch = self.model.batch_type.from_pb(request.batch, self.model)
         max_supported, max_input, max_total = self.model.warmup(
             batch,
             request.max_input_tokens if request.HasField("max_input_tokens") else None,
             request.max_total_tokens if request.HasField("max_total_tokens") else None,
+            request.max_prefill_tokens,
         )
-        del batch  # the warmup batch is never cached: its KV cache is freed here
+        del batch  # the warmup batch is never cached
         response = generate_pb2.WarmupResponse(max_input_tokens=max_input, max_total_tokens=max_total)
         if max_supported is not None:
             response.max_supported_total_tokens = max_supported
         return response
 
     async def Prefill(self, request: generate_pb2.PrefillRequest, context: object) -> generate_pb2.PrefillResponse:
+        """A new batch; with chunking, the router's running batch (`cached_batch`) joins it in the same forward."""
         start = time.perf_counter_ns()
-        if request.HasField("cached_batch"):
+        chunking = request.HasField("cached_batch")
+        if chunking and not self.model.info.support_chunking:
             raise InvalidRequestError("this shard does not support prefill chunking (`cached_batch` must be unset)")
+        if chunking and request.cached_batch.id not in self.cache:
+            raise BatchNotFoundError(request.cached_batch.id)
         batch = self.model.batch_type.from_pb(request.batch, self.model)
-        return self._step(generate_pb2.PrefillResponse, batch, start, concat_ns=None)
+        if not chunking:
+            return self._step(generate_pb2.PrefillResponse, batch, start, concat_ns=None)
+        concat_start = time.perf_counter_ns()
+        batch = self.model.batch_type.concatenate([self.cache.pop(request.cached_batch.id), batch])
+        return self._step(generate_pb2.PrefillResponse, batch, start, time.perf_counter_ns() - concat_start)
 
     async def Decode(self, request: generate_pb2.DecodeRequest, context: object) -> generate_pb2.DecodeResponse:
         start = time.perf_counter_ns()

@@ -103,6 +103,12 @@ def get_model(serve: ServeConfig) -> Model:
         world_size=dist.world_size,
         max_input_tokens=serve.max_input_tokens,
     )
+    from textgen_server.models.tp_llama import TPCausalLM
+
+    if isinstance(module, TPCausalLM) and serve.use_flash_attention:
+        from textgen_server.models.paged_lm import PagedCausalLM
+
+        return PagedCausalLM(module, shard, tokenizer, serve.paging())
     return CausalLM(module, shard, tokenizer)
 
 

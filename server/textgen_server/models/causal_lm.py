@@ -10,7 +10,6 @@ Layout of a batch with B rows after t steps (L = max_input_length, the longest r
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
+from textgen_server.models.generations import choose, emit_generations, prompt_logprobs
 from textgen_server.models.kv_cache import (
     KVCache,
     concatenate_caches,
@@ -27,45 +27,13 @@ from textgen_server.models.kv_cache import (
     filter_cache,
     spare_columns,
 )
-from textgen_server.models.model import (
-    Batch,
-    InvalidRequestError,
-    Model,
-    prepare_rows,
-    request_text,
-    validate_stopping,
-)
+from textgen_server.models.model import Batch, InvalidRequestError, Model, prepare_row, prepare_rows
 from textgen_server.utils.grammar import RowGrammars
 from textgen_server.utils.stopping import StoppingCriteria
-from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens, validate_parameters
+from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
 
 if TYPE_CHECKING:
     from typing import Self
-
-    from llguidance import LLMatcher
-
-
-def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
-    """The request's prompt token ids (truncated on the left to `truncate`), after checking everything about the
-    request that could refuse it: stopping and sampling values, the prompt and its length."""
-    validate_stopping(request)
-    validate_parameters(request.parameters)
-    ids: list[int] = model.tokenizer(request_text(request), add_special_tokens=request.add_special_tokens)["input_ids"]
-    if request.truncate and len(ids) > request.truncate:
-        ids = ids[len(ids) - request.truncate :]  # TGI truncates on the left: the prompt's end matters
-    max_input_tokens = model.config.max_input_tokens
-    if max_input_tokens is not None and len(ids) > max_input_tokens:
-        raise InvalidRequestError(f"`inputs` must have less than {max_input_tokens} tokens. Given: {len(ids)}")
-    if not ids:
-        raise InvalidRequestError("the prompt has no tokens")
-    return ids
-
-
-def prepare_row(request: generate_pb2.Request, model: Model) -> tuple[list[int], LLMatcher | None, int]:
-    """The request's prompt ids, a matcher at its grammar's start when it has one, and its LoRA adapter index."""
-    ids = prompt_ids(request, model)
-    matcher = model.grammar_compiler.compile(request.parameters) if request.parameters.grammar else None
-    return ids, matcher, model.adapter_index(request)
 
 
 @dataclass
@@ -157,6 +125,9 @@ class CausalLMBatch(Batch):
     @property
     def total_tokens(self) -> int:
         return sum(self.input_lengths)
+
+    def release(self) -> None:
+        """Nothing to give back: the batch's KV cache is its own."""
 
     def filter(self, request_ids: list[int]) -> CausalLMBatch:
         """Keep `request_ids` in place: rows, mask columns and KV positions nobody needs any more go."""
@@ -294,100 +265,27 @@ class CausalLM(Model[CausalLMBatch]):
         prefill = batch.past_key_values is None
         want_prefill_logprobs = prefill and any(r.prefill_logprobs for r in batch.requests)
         logits, cache = self.forward(batch, all_logits=want_prefill_logprobs)
-        last_logits = logits[:, -1, :]
-        next_ids, logprobs = batch.next_token_chooser(batch.input_ids[:, -1], last_logits)
-        chosen_logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
-        # One host sync per step for the chosen ids and their logprobs (float64 holds every id exactly).
-        chosen = torch.stack([next_ids.double(), chosen_logprobs.double()]).tolist()
-        top_ids: list[list[int]] = []
-        top_logprobs: list[list[float]] = []
-        if any(batch.top_n_tokens):
-            # TGI's CausalLM reports top-n from the raw logits, not the processed scores.
-            top_ids, top_logprobs = batch_top_tokens(batch.top_n_tokens, torch.log_softmax(last_logits.float(), -1))
-        prompt_logprobs = self._prompt_logprobs(batch, logits) if want_prefill_logprobs else None
+        chosen = choose(batch.next_token_chooser, batch.input_ids[:, -1], logits[:, -1, :], batch.top_n_tokens)
+        if want_prefill_logprobs:
+            width = logits.shape[1]
+            for i, (request, ids) in enumerate(zip(batch.requests, batch.all_input_ids, strict=True)):
+                if request.prefill_logprobs:
+                    chosen.prompt_logprobs[i] = prompt_logprobs(logits[i, width - len(ids) :], ids[1:])
         forward_ns = time.perf_counter_ns() - start
 
         decode_start = time.perf_counter_ns()
-        generations: list[generate_pb2.Generation] = []
-        stopped_all = True
-        special = self.all_special_ids
-        rank, world_size = self.config.rank, self.config.world_size
-        for i, request in enumerate(batch.requests):
-            next_id = int(chosen[0][i])
-            ids = batch.all_input_ids[i]
-            ids.append(next_id)
-            text, batch.prefix_offsets[i], batch.read_offsets[i] = self.decode_token(
-                ids, batch.prefix_offsets[i], batch.read_offsets[i]
-            )
-            criteria = batch.stopping_criterias[i]
-            stop, reason = criteria(next_id, text)
-            stopped_all = stopped_all and stop
-            batch.input_lengths[i] += 1
-            if i % world_size != rank:
-                continue  # another rank reports this row; the router concatenates all ranks' lists
-            generation = generate_pb2.Generation(
-                request_id=request.id,
-                tokens=generate_pb2.Tokens(
-                    ids=[next_id], logprobs=[chosen[1][i]], texts=[text], is_special=[next_id in special]
-                ),
-            )
-            if stop:
-                generation.generated_text.CopyFrom(self._generated_text(batch, i, criteria, reason))
-            if prompt_logprobs is not None and request.prefill_logprobs:
-                generation.prefill_tokens.CopyFrom(self._tokens(batch.all_input_ids[i][:-1], prompt_logprobs[i]))
-            if batch.top_n_tokens[i]:
-                generation.top_tokens.append(self._tokens(top_ids[i], top_logprobs[i]))
-            generations.append(generation)
+        generations, stopped = emit_generations(self, batch, range(len(batch)), chosen)
+        batch.input_lengths = [n + 1 for n in batch.input_lengths]
+        stopped_all = all(stopped)
 
         if stopped_all:
             return generations, None, (forward_ns, time.perf_counter_ns() - decode_start)
 
         # Advance in place: the fed column leaves, the chosen ids become the next input.
-        batch.input_ids = next_ids.view(-1, 1)
+        batch.input_ids = chosen.next_ids.view(-1, 1)
         batch.attention_mask[:, batch.attention_mask.shape[1] - batch.padding_right_offset] = 1
         batch.padding_right_offset -= 1
         batch.position_ids = batch.position_ids[:, -1:] + 1
         batch.past_key_values = cache
         batch.max_input_length += 1
         return generations, batch, (forward_ns, time.perf_counter_ns() - decode_start)
-
-    def _prompt_logprobs(self, batch: CausalLMBatch, logits: torch.Tensor) -> list[list[float]]:
-        """Per row: NaN for the first prompt token, then log_softmax(raw logits) of each next prompt id."""
-        result: list[list[float]] = []
-        width = logits.shape[1]
-        for i, ids in enumerate(batch.all_input_ids):
-            n = len(ids)
-            if n == 1:
-                result.append([math.nan])
-                continue
-            rows = logits[i, width - n : width - 1].float().log_softmax(-1)
-            targets = torch.tensor(ids[1:], dtype=torch.long, device=rows.device).unsqueeze(1)
-            result.append([math.nan] + rows.gather(1, targets).squeeze(1).tolist())
-        return result
-
-    def _tokens(self, ids: list[int], logprobs: list[float]) -> generate_pb2.Tokens:
-        """Prompt tokens or top-n alternatives: each id decoded on its own, with its logprob."""
-        return generate_pb2.Tokens(
-            ids=ids,
-            logprobs=logprobs,
-            texts=self.tokenizer.batch_decode([[t] for t in ids]),
-            is_special=[t in self.all_special_ids for t in ids],
-        )
-
-    def _generated_text(
-        self, batch: CausalLMBatch, i: int, criteria: StoppingCriteria, reason: generate_pb2.FinishReason | None
-    ) -> generate_pb2.GeneratedText:
-        """The whole generated text, decoded with one token of left context so a leading space survives."""
-        ids = batch.all_input_ids[i]
-        read = len(ids) - criteria.current_tokens
-        prefix = max(read - 1, 0)
-        context = self.decode(ids[prefix:read], skip_special_tokens=True)
-        full = self.decode(ids[prefix:], skip_special_tokens=True)
-        generated = generate_pb2.GeneratedText(
-            text=full[len(context) :],
-            generated_tokens=criteria.current_tokens,
-            finish_reason=reason if reason is not None else generate_pb2.FINISH_REASON_LENGTH,
-        )
-        if batch.next_token_chooser.do_sample[i]:
-            generated.seed = batch.next_token_chooser.seeds[i]
-        return generated

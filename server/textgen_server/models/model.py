@@ -17,9 +17,12 @@ from transformers import PreTrainedTokenizerBase
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
 from textgen_server.utils.grammar import GrammarCompiler
+from textgen_server.utils.tokens import validate_parameters
 
 if TYPE_CHECKING:
     from typing import Self
+
+    from llguidance import LLMatcher
 
 
 class InvalidRequestError(ValueError):
@@ -76,6 +79,11 @@ class Batch(ABC):
     def total_tokens(self) -> int:
         """Tokens held for all requests now: every prompt token plus every token generated so far."""
 
+    @abstractmethod
+    def release(self) -> None:
+        """Give back what the batch holds outside itself (the paged engine's self-allocated KV blocks); called
+        when the shard drops the batch."""
+
 
 B = TypeVar("B", bound=Batch)
 T = TypeVar("T")
@@ -115,6 +123,29 @@ def request_text(request: generate_pb2.Request) -> str:
     if not text:
         raise InvalidRequestError("the prompt is empty")
     return text
+
+
+def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
+    """The request's prompt token ids (truncated on the left to `truncate`), after checking everything about the
+    request that could refuse it: stopping and sampling values, the prompt and its length."""
+    validate_stopping(request)
+    validate_parameters(request.parameters)
+    ids: list[int] = model.tokenizer(request_text(request), add_special_tokens=request.add_special_tokens)["input_ids"]
+    if request.truncate and len(ids) > request.truncate:
+        ids = ids[len(ids) - request.truncate :]  # TGI truncates on the left: the prompt's end matters
+    max_input_tokens = model.config.max_input_tokens
+    if max_input_tokens is not None and len(ids) > max_input_tokens:
+        raise InvalidRequestError(f"`inputs` must have less than {max_input_tokens} tokens. Given: {len(ids)}")
+    if not ids:
+        raise InvalidRequestError("the prompt has no tokens")
+    return ids
+
+
+def prepare_row(request: generate_pb2.Request, model: Model) -> tuple[list[int], LLMatcher | None, int]:
+    """The request's prompt ids, a matcher at its grammar's start when it has one, and its LoRA adapter index."""
+    ids = prompt_ids(request, model)
+    matcher = model.grammar_compiler.compile(request.parameters) if request.parameters.grammar else None
+    return ids, matcher, model.adapter_index(request)
 
 
 class Model(ABC, Generic[B]):
@@ -168,13 +199,18 @@ class Model(ABC, Generic[B]):
         )
 
     def warmup(
-        self, batch: B, max_input_tokens: int | None, max_total_tokens: int | None
+        self,
+        batch: B,
+        max_input_tokens: int | None,
+        max_total_tokens: int | None,
+        max_prefill_tokens: int | None = None,
     ) -> tuple[int | None, int, int]:
-        """Run the warmup batch's prefill once (then the caller frees it) and settle the token limits.
+        """Run the warmup batch's prefill once (the batch is not kept) and settle the token limits.
 
         Returns (max_supported_total_tokens, max_input_tokens, max_total_tokens). A padded model has no
-        KV-cache pool to size, so the first is None (the router then picks its own budget). Unset limits
-        default as in TGI: max_total = tokens of the warmup batch, max_input = max_total - 1.
+        KV-cache pool to size, so the first is None (the router then picks its own budget), and no prefill
+        chunks to size, so `max_prefill_tokens` is not read. Unset limits default as in TGI: max_total =
+        tokens of the warmup batch, max_input = max_total - 1.
         """
         warmup_tokens = batch.total_tokens
         self.generate_token(batch)

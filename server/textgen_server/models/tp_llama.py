@@ -24,6 +24,7 @@ from textgen_server.layers.decode_attention import decode_attention, first_visib
 from textgen_server.layers.linear_choice import choose_linear_kernels
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
+from textgen_server.layers.paged_attention import paged_attention, write_kv
 from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -33,6 +34,7 @@ from textgen_server.layers.tensor_parallel import (
     VocabParallelEmbedding,
 )
 from textgen_server.models.kv_cache import KVCache, PaddedKVCache
+from textgen_server.models.kv_pool import KVPool, PoolShape
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 
@@ -162,12 +164,45 @@ def _row_groups(attention_mask: torch.Tensor) -> list[tuple[int, int, int]] | No
     return groups if any(start > 0 for _, _, start in groups) else None
 
 
+@dataclass
+class PaddedStep:
+    """What attention needs in a step of the padded CausalLM: where the real tokens sit on the [B, S] grid, one
+    mask per window size (None: causal / nothing masked), the cache, and (bf16 decode op) each row's first
+    visible column per window size."""
+
+    layout: TokenLayout
+    masks: dict[int | None, torch.Tensor | None]
+    cache: KVCache | None
+    firsts: dict[int | None, torch.Tensor | None]
+
+
+@dataclass
+class PagedStep:
+    """What attention needs in a step of the paged engine (models/paged_lm.py): the pool, the slot each new token's
+    key and value go to, and per row its query run, key count and block table (layers/paged_attention.py)."""
+
+    pool: KVPool
+    slots: torch.Tensor  # int64 [T]
+    cu_seqlens_q: torch.Tensor  # [B + 1]
+    seq_lens: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+
+
 class Attention(nn.Module):
     """This rank's heads: fused q/k/v column projection, RoPE, attention, row-parallel o_proj (one all_reduce)."""
 
-    def __init__(self, config: PretrainedConfig, weights: Weights, prefix: str, layer_idx: int, dist: DistInfo) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        weights: Weights,
+        prefix: str,
+        layer_idx: int,
+        dist: DistInfo,
+        window: int | None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.window = window  # sliding window (None: full attention)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // dist.world_size
         self.num_kv_heads = config.num_key_value_heads // dist.world_size
@@ -188,23 +223,39 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        layout: TokenLayout,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None,
-        first: torch.Tensor | None,
+        step: PaddedStep | PagedStep,
         segments: AdapterSegments | None,
     ) -> torch.Tensor:
-        """`hidden` [T, hidden] holds the layout's real tokens, `cos`/`sin` [T, 1, head_dim] their angles;
-        attention itself runs on the padded [B, S] grid. `first` (a decode step of a PaddedKVCache with the
-        decode op, see decode_attention.py): each row's first visible column of the cache window.
+        """`hidden` [T, hidden] holds the step's real tokens, `cos`/`sin` [T, 1, head_dim] their angles.
         `segments`: the LoRA adapters' rows of `hidden` (None: every row runs the base model)."""
-        batch, seq_len, tokens = layout.batch, layout.seq_len, hidden.shape[0]
+        tokens = hidden.shape[0]
         q, k, v = self.qkv(hidden, segments).split(self.split, dim=-1)
-        # RoPE on the real tokens only, before padding: much of a W1 prefill grid is padding.
+        # RoPE on the real tokens only, before any padding: much of a W1 prefill grid is padding.
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        if isinstance(step, PagedStep):
+            out = self._attend_paged(q, k, v.view(tokens, self.num_kv_heads, self.head_dim), step)
+            return self.o_proj(out.reshape(tokens, -1), segments)
+        return self.o_proj(self._attend_padded(q, k, v, step), segments)
+
+    def _attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PagedStep) -> torch.Tensor:
+        """The new keys and values go to their slots of the pool; every query attends through its row's block
+        table (layers/paged_attention.py)."""
+        k_cache, v_cache = step.pool.keys[self.layer_idx], step.pool.values[self.layer_idx]
+        write_kv(k_cache, v_cache, step.slots, k, v)
+        return paged_attention(
+            q, k_cache, v_cache, step.cu_seqlens_q, step.seq_lens, step.block_tables, self.scaling, self.window
+        )
+
+    def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> torch.Tensor:
+        """Attention on the padded [B, S] grid of `step.layout`; returns the real tokens' outputs [T, features].
+        `step.firsts` (a decode step of a PaddedKVCache with the decode op, see decode_attention.py): each row's
+        first visible column of the cache window."""
+        layout, cache = step.layout, step.cache
+        batch, seq_len, tokens = layout.batch, layout.seq_len, q.shape[0]
+        mask, first = step.masks[self.window], step.firsts.get(self.window)
         q, k, v = (
             layout.pad(x.reshape(tokens, -1)).view(batch, seq_len, -1, self.head_dim).transpose(1, 2) for x in (q, k, v)
         )
@@ -221,7 +272,7 @@ class Attention(nn.Module):
                     k.shape[2],
                     self.scaling,
                 )
-                return self.o_proj(out.reshape(batch, -1), segments)
+                return out.reshape(batch, -1)
             if seq_len == 1 and isinstance(cache, PaddedKVCache) and cache.whole_decode:
                 # Every column, the ones outside the window masked (see PaddedKVCache): cutting row groups'
                 # padding columns would make the operands strided again.
@@ -234,7 +285,7 @@ class Attention(nn.Module):
             shift = max(mask.shape[-1] - k.shape[2], 0)
             mask = mask[..., shift:]
         out = self._attend(q, k, v, mask, groups, shift)
-        return self.o_proj(layout.pack(out.transpose(1, 2).reshape(batch * seq_len, -1)), segments)
+        return layout.pack(out.transpose(1, 2).reshape(batch * seq_len, -1))
 
     def _attend(
         self,
@@ -280,27 +331,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, weights: Weights, layer_idx: int, dist: DistInfo) -> None:
+    def __init__(
+        self, config: PretrainedConfig, weights: Weights, layer_idx: int, dist: DistInfo, window: int | None
+    ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.input_layernorm.weight"), eps)
-        self.self_attn = Attention(config, weights, f"{prefix}.self_attn", layer_idx, dist)
+        self.self_attn = Attention(config, weights, f"{prefix}.self_attn", layer_idx, dist, window)
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = MLP(config, weights, f"{prefix}.mlp", dist)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        layout: TokenLayout,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None,
-        first: torch.Tensor | None,
+        step: PaddedStep | PagedStep,
         segments: AdapterSegments | None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), layout, cos, sin, mask, cache, first, segments)
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, step, segments)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden), segments)
 
@@ -320,12 +370,16 @@ class TPCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight", dist)
-        self.layers = nn.ModuleList(DecoderLayer(config, weights, i, dist) for i in range(config.num_hidden_layers))
+        self.windows = _layer_windows(config)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads // dist.world_size  # this shard's
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weights, i, dist, window) for i, window in enumerate(self.windows)
+        )
         self.norm = RMSNorm(weights.get_tensor("model.norm.weight"), config.rms_norm_eps)
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", dist, embedding=tied)
         self.rotary = RotaryEmbedding(config, device)
-        self.windows = _layer_windows(config)
         # bf16 on a CPU decodes with the op that reads only live keys; the matmul path, where it cannot be
         # built, reads whole buffers.
         self.decode_kernel = use_decode_kernel(weights.dtype, device)
@@ -372,8 +426,9 @@ class TPCausalLM(nn.Module):
         firsts: dict[int | None, torch.Tensor | None] = {}
         if seq_len == 1 and self.decode_kernel and isinstance(cache, PaddedKVCache):
             firsts = {window: first_visible(mask, batch, input_ids.device) for window, mask in masks.items()}
-        for layer, window in zip(self.layers, self.windows, strict=True):
-            hidden = layer(hidden, layout, cos, sin, masks[window], cache, firsts.get(window), segments)
+        step = PaddedStep(layout, masks, cache, firsts)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, step, segments)
         if logits_to_keep:
             # Left padding: every row's newest positions are real tokens, the last ones of its packed run.
             hidden = hidden[layout.last_positions(logits_to_keep)].view(batch, logits_to_keep, -1)
@@ -381,6 +436,30 @@ class TPCausalLM(nn.Module):
         else:
             logits = layout.pad(self.lm_head(self.norm(hidden))).view(batch, seq_len, -1)
         return CausalLMOutput(logits, cache)
+
+    @torch.inference_mode()
+    def forward_paged(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        step: PagedStep,
+        logits_index: torch.Tensor | None,
+        segments: AdapterSegments | None,
+    ) -> torch.Tensor:
+        """The paged engine's forward: `input_ids`/`position_ids` [T] are every row's new tokens one row after
+        another; their keys and values are written to `step.slots`. Returns the logits [N, V] of the tokens
+        `logits_index` picks (None: all T)."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = (x.unsqueeze(1) for x in self.rotary(hidden, position_ids))
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, step, segments)
+        if logits_index is not None:
+            hidden = hidden.index_select(0, logits_index)
+        return self.lm_head(self.norm(hidden))
+
+    def pool_shape(self, block_size: int) -> PoolShape:
+        """The shape of one block of this shard's KV pool."""
+        return PoolShape(len(self.layers), block_size, self.kv_heads, self.head_dim, self.embed_tokens.weight.dtype)
 
     def _masks(self, attention_mask: torch.Tensor, seq_len: int) -> dict[int | None, torch.Tensor | None]:
         """One mask per distinct window size; None (SDPA's own causal path) when nothing needs masking."""

@@ -1,0 +1,138 @@
+"""From the tokens a step chose to the Generation messages the router receives: one place for both engines.
+
+The padded CausalLM and the paged engine keep their rows differently but the same per-row token state
+(`TokenRows`). After a forward each engine chooses tokens for the rows that emit one this step (`Chosen`);
+`emit_generations` appends them, detokenizes incrementally, applies the stopping criteria and builds this rank's
+Generations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from textgen_pb import generate_pb2
+from textgen_server.models.model import Model
+from textgen_server.utils.stopping import StoppingCriteria
+from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
+
+
+class TokenRows(Protocol):
+    """The per-row token state both batch types hold, row i of each list belonging to `requests[i]`."""
+
+    requests: list[generate_pb2.Request]
+    all_input_ids: list[list[int]]  # prompt + generated ids
+    prefix_offsets: list[int]
+    read_offsets: list[int]
+    stopping_criterias: list[StoppingCriteria]
+    top_n_tokens: list[int]
+    next_token_chooser: HeterogeneousNextTokenChooser
+
+
+@dataclass
+class Chosen:
+    """The tokens a step chose, k-th entry for the k-th emitting row; `prompt_logprobs` by row."""
+
+    next_ids: torch.Tensor  # int64 [N], on the model's device
+    ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] = field(default_factory=list)  # empty when no row asked for top-n tokens
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)
+
+
+def choose(
+    chooser: HeterogeneousNextTokenChooser, last_ids: torch.Tensor, logits: torch.Tensor, top_n_tokens: list[int]
+) -> Chosen:
+    """One token per row of `logits` [B, V] (the rows' last positions), with its logprob and the top-n tokens
+    (from the raw logits, as TGI's CausalLM reports them); one host sync for the ids and logprobs."""
+    next_ids, logprobs = chooser(last_ids, logits)
+    chosen_logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+    # float64 holds every id exactly
+    ids, values = torch.stack([next_ids.double(), chosen_logprobs.double()]).tolist()
+    result = Chosen(next_ids, [int(i) for i in ids], values)
+    if any(top_n_tokens):
+        result.top_ids, result.top_logprobs = batch_top_tokens(top_n_tokens, torch.log_softmax(logits.float(), -1))
+    return result
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int]) -> list[float]:
+    """log_softmax(logits[j])[targets[j]] for each j: the logprob each position gave the token after it."""
+    if not targets:
+        return []
+    rows = logits[: len(targets)].float().log_softmax(-1)
+    index = torch.tensor(targets, dtype=torch.long, device=rows.device).unsqueeze(1)
+    return [float(x) for x in rows.gather(1, index).squeeze(1).tolist()]
+
+
+def emit_generations(
+    model: Model, batch: TokenRows, rows: Sequence[int], chosen: Chosen, by_request_id: bool = False
+) -> tuple[list[generate_pb2.Generation], list[bool]]:
+    """Record `chosen` for `rows` of `batch`; returns this rank's Generations and, per row of `rows`, whether
+    the request stopped. A rank reports row i when `i % world_size == rank` (TGI's CausalLM), or with
+    `by_request_id` when `request.id % world_size == rank` (TGI's FlashCausalLM, whose rows move)."""
+    generations: list[generate_pb2.Generation] = []
+    stopped: list[bool] = []
+    special = model.all_special_ids
+    rank, world_size = model.config.rank, model.config.world_size
+    for k, i in enumerate(rows):
+        request = batch.requests[i]
+        next_id = chosen.ids[k]
+        ids = batch.all_input_ids[i]
+        ids.append(next_id)
+        text, batch.prefix_offsets[i], batch.read_offsets[i] = model.decode_token(
+            ids, batch.prefix_offsets[i], batch.read_offsets[i]
+        )
+        criteria = batch.stopping_criterias[i]
+        stop, reason = criteria(next_id, text)
+        stopped.append(stop)
+        if (request.id if by_request_id else i) % world_size != rank:
+            continue  # another rank reports this row; the router concatenates all ranks' lists
+        generation = generate_pb2.Generation(
+            request_id=request.id,
+            tokens=generate_pb2.Tokens(
+                ids=[next_id], logprobs=[chosen.logprobs[k]], texts=[text], is_special=[next_id in special]
+            ),
+        )
+        if stop:
+            generation.generated_text.CopyFrom(_generated_text(model, batch, i, criteria, reason))
+        if request.prefill_logprobs and i in chosen.prompt_logprobs:
+            prompt = ids[: len(chosen.prompt_logprobs[i]) + 1]
+            generation.prefill_tokens.CopyFrom(_tokens(model, prompt, [math.nan, *chosen.prompt_logprobs[i]]))
+        if batch.top_n_tokens[i]:
+            generation.top_tokens.append(_tokens(model, chosen.top_ids[k], chosen.top_logprobs[k]))
+        generations.append(generation)
+    return generations, stopped
+
+
+def _tokens(model: Model, ids: list[int], logprobs: list[float]) -> generate_pb2.Tokens:
+    """Prompt tokens or top-n alternatives: each id decoded on its own, with its logprob."""
+    return generate_pb2.Tokens(
+        ids=ids,
+        logprobs=logprobs,
+        texts=model.tokenizer.batch_decode([[t] for t in ids]),
+        is_special=[t in model.all_special_ids for t in ids],
+    )
+
+
+def _generated_text(
+    model: Model, batch: TokenRows, i: int, criteria: StoppingCriteria, reason: generate_pb2.FinishReason | None
+) -> generate_pb2.GeneratedText:
+    """The whole generated text, decoded with one token of left context so a leading space survives."""
+    ids = batch.all_input_ids[i]
+    read = len(ids) - criteria.current_tokens
+    prefix = max(read - 1, 0)
+    context = model.decode(ids[prefix:read], skip_special_tokens=True)
+    full = model.decode(ids[prefix:], skip_special_tokens=True)
+    generated = generate_pb2.GeneratedText(
+        text=full[len(context) :],
+        generated_tokens=criteria.current_tokens,
+        finish_reason=reason if reason is not None else generate_pb2.FINISH_REASON_LENGTH,
+    )
+    if batch.next_token_chooser.do_sample[i]:
+        generated.seed = batch.next_token_chooser.seeds[i]
+    return generated

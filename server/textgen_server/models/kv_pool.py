@@ -1,0 +1,120 @@
+"""The paged KV pool of one shard: fixed-size blocks of key/value slots that every request's tokens live in.
+
+Who owns what (TGI v3's split, see ARCHITECTURE.md "The v3 engine"): the router's block allocator decides
+which blocks a request gets (`Request.blocks` / `slots`); the shard owns the memory. Per layer, keys and values
+are one tensor each, `[num_blocks, block_size, kv_heads, head_dim]` (TGI's flashinfer/flashdecoding layout):
+slot `s = block * block_size + offset` is row `s` of its `[num_blocks * block_size, kv_heads, head_dim]` view.
+Block 0 is reserved (TGI's health check and padding target): the router never hands it to a request.
+
+Requests that arrive without blocks (the warmup batch, shard-level benchmarks, a client without an
+allocator) get blocks from `SelfAllocator`, the shard's own free list; they must not be mixed with a router
+that allocates from the same pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Share of the free memory the pool may take, as TGI's get_free_memory on CPU (and its TGI_WIGGLE_ROOM).
+FREE_MEMORY_SHARE = 0.95
+# textgen's cap on the pool (tokens), for tests and reproducible runs; TGI has no equivalent.
+POOL_TOKENS_ENV = "TEXTGEN_KV_CACHE_TOKENS"
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """What one block holds: every layer's keys and values for `block_size` tokens of this shard's KV heads."""
+
+    num_layers: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * element
+
+
+def free_memory(device: torch.device, world_size: int) -> int:
+    """Bytes this shard may give its KV pool: TGI's rule, `CUDA_MEMORY_FRACTION` of the free device memory (on a
+    CPU: of the available host memory, shared by the shards of the machine), times its wiggle room."""
+    fraction = float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0"))
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, int(free - (1 - fraction) * total))
+    return int(psutil.virtual_memory().available * FREE_MEMORY_SHARE * fraction / world_size)
+
+
+def pool_blocks(shape: PoolShape, free_bytes: int) -> int:
+    """Blocks that fit in `free_bytes`, capped by TEXTGEN_KV_CACHE_TOKENS when set (block 0 included)."""
+    blocks = free_bytes // shape.bytes_per_block
+    cap = os.environ.get(POOL_TOKENS_ENV)
+    if cap:
+        blocks = min(blocks, -(-int(cap) // shape.block_size))
+    return int(blocks)
+
+
+class KVPool:
+    """Every layer's key and value blocks. Allocated uninitialised: a slot is written before any row reads it,
+    and on a CPU untouched pages cost no memory until a request first writes them."""
+
+    def __init__(self, shape: PoolShape, num_blocks: int, device: torch.device) -> None:
+        if num_blocks < 2:
+            raise RuntimeError(
+                f"Not enough memory for the KV cache: {num_blocks} block(s) of {shape.block_size} tokens fit "
+                f"({shape.bytes_per_block} bytes each); block 0 is reserved, so at least 2 are needed"
+            )
+        self.shape = shape
+        self.num_blocks = num_blocks
+        dims = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
+        self.keys = [torch.empty(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [torch.empty(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.allocator = SelfAllocator(num_blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    @property
+    def tokens(self) -> int:
+        """Token capacity of the pool (Warmup's max_supported_total_tokens)."""
+        return self.num_blocks * self.block_size
+
+
+class SelfAllocator:
+    """The shard's own free list, for requests that come without blocks (see the module docstring).
+
+    Blocks never handed out are a counter, not a list: a pool of small-model blocks can hold millions.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._fresh = num_blocks - 1  # blocks 1..fresh were never handed out (block 0 never is)
+        self._returned: list[int] = []
+
+    @property
+    def free_blocks(self) -> int:
+        return self._fresh + len(self._returned)
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` free blocks; RuntimeError when the pool has fewer."""
+        if count > self.free_blocks:
+            raise RuntimeError(f"the KV cache has {self.free_blocks} free blocks, {count} are needed")
+        reused = min(count, len(self._returned))
+        taken = self._returned[len(self._returned) - reused :]
+        del self._returned[len(self._returned) - reused :]
+        fresh = count - reused
+        taken.extend(range(self._fresh, self._fresh - fresh, -1))
+        self._fresh -= fresh
+        return taken
+
+    def free(self, blocks: list[int]) -> None:
+        self._returned.extend(blocks)
