@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textgen_pb import generate_pb2 as pb
+
+if TYPE_CHECKING:
+    from textgen_server.models.model import Batch, Model
 
 
 def chooser(**overrides: object) -> pb.NextTokenChooserParameters:
@@ -83,3 +87,47 @@ class HFOracle:
         ids = self.tokenizer(text, return_tensors="pt")
         with torch.inference_mode():
             return torch.log_softmax(self.model(**ids).logits[0].float(), -1)
+
+
+def record(tokens: dict[int, list[int]], generations: list[pb.Generation]) -> None:
+    """Append each generation's token ids to its request's list."""
+    for g in generations:
+        tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+
+
+def generate_all(model: Model, batch: Batch | None) -> dict[int, list[int]]:
+    """Run to the end, filtering finished requests out (and dropping an empty batch) as the router would."""
+    tokens: dict[int, list[int]] = {}
+    while batch is not None:
+        generations, batch, _ = model.generate_token(batch)
+        record(tokens, generations)
+        done = {g.request_id for g in generations if g.HasField("generated_text")}
+        if batch is not None and done:
+            live = [r.id for r in batch.requests if r.id not in done]  # type: ignore[attr-defined]
+            if not live:
+                batch.release()
+            batch = batch.filter(live) if live else None
+    return tokens
+
+
+def check_uneven_batch(model: Model, oracle: HFOracle) -> None:
+    """Ten rows (enough for grouped decode attention), prompts of 1-30 words, uneven lengths to generate; a
+    second batch of three joins after two steps, so the batch is filtered and concatenated. Greedy tokens must
+    be transformers'."""
+    endings = ["def foo(x):", "class", "for i in range(10):\n    print(i)", "x = 1"]
+    prompts = [" ".join(["word"] * (1 + 3 * i)) + endings[i % 4] for i in range(13)]
+    new_tokens = [3 + i % 5 for i in range(10)] + [4, 12, 9]
+    requests = [make_request(i, p, n) for i, (p, n) in enumerate(zip(prompts, new_tokens, strict=True))]
+    batch: Batch | None = model.batch_type.from_pb(make_batch(1, requests[:10]), model)
+    tokens: dict[int, list[int]] = {}
+    for _ in range(2):
+        assert batch is not None
+        generations, batch, _ = model.generate_token(batch)
+        record(tokens, generations)
+    generations, joiners, _ = model.generate_token(model.batch_type.from_pb(make_batch(2, requests[10:]), model))
+    record(tokens, generations)
+    assert batch is not None and joiners is not None
+    for request_id, ids in generate_all(model, model.batch_type.concatenate([batch, joiners])).items():
+        tokens[request_id].extend(ids)
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == oracle.greedy(prompt, new_tokens[i]), f"request {i}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import HFOracle, make_batch, make_request
+from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch, make_request, record
 
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
@@ -28,25 +28,6 @@ def gpt2(tiny_gpt2: Path) -> CausalLM:
 @pytest.fixture(scope="module")
 def gpt2_oracle(tiny_gpt2: Path) -> HFOracle:
     return HFOracle(tiny_gpt2)
-
-
-def record(tokens: dict[int, list[int]], generations: list[pb.Generation]) -> None:
-    """Append each generation's token ids to its request's list."""
-    for g in generations:
-        tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
-
-
-def generate_all(model: CausalLM, batch: CausalLMBatch | None) -> dict[int, list[int]]:
-    """Run to the end, filtering finished requests out as the router would."""
-    tokens: dict[int, list[int]] = {}
-    while batch is not None:
-        generations, batch, _ = model.generate_token(batch)
-        record(tokens, generations)
-        done = {g.request_id for g in generations if g.HasField("generated_text")}
-        if batch is not None and done:
-            live = [r.id for r in batch.requests if r.id not in done]
-            batch = batch.filter(live) if live else None
-    return tokens
 
 
 def test_from_pb_pads_left_and_reserves_right(gpt2: CausalLM) -> None:
@@ -150,25 +131,12 @@ def test_concatenate_keeps_each_rows_kv_right_aligned(gpt2: CausalLM) -> None:
     assert live.sum(1).tolist() == merged.input_lengths
 
 
-def check_uneven_batch(model: CausalLM, oracle: HFOracle) -> None:
-    """Ten rows (enough for grouped decode attention), prompts of 1-30 words, uneven lengths to generate; a
-    second batch of three joins after two steps, so the cache is filtered and concatenated."""
-    prompts = [" ".join(["word"] * (1 + 3 * i)) + PROMPTS[i % 4] for i in range(13)]
-    new_tokens = [3 + i % 5 for i in range(10)] + [4, 12, 9]
-    requests = [make_request(i, p, n) for i, (p, n) in enumerate(zip(prompts, new_tokens, strict=True))]
-    batch = CausalLMBatch.from_pb(make_batch(1, requests[:10]), model)
-    lengths = batch.input_lengths
+def test_llama_rows_are_ordered_longest_prompt_first(tiny_llama: Path) -> None:
+    model = get_model(ServeConfig(str(tiny_llama), use_flash_attention=False))  # the padded engine
+    assert isinstance(model, CausalLM)
+    requests = [make_request(i, " ".join(["word"] * (1 + 3 * i)), 4) for i in range(5)]
+    lengths = CausalLMBatch.from_pb(make_batch(1, requests), model).input_lengths
     assert lengths == sorted(lengths, reverse=True)  # longest first: the attention groups rely on it
-    tokens: dict[int, list[int]] = {}
-    for _ in range(2):
-        generations, batch, _ = model.generate_token(batch)
-        record(tokens, generations)
-    generations, joiners, _ = model.generate_token(CausalLMBatch.from_pb(make_batch(2, requests[10:]), model))
-    record(tokens, generations)
-    for request_id, ids in generate_all(model, CausalLMBatch.concatenate([batch, joiners])).items():
-        tokens[request_id].extend(ids)
-    for i, prompt in enumerate(prompts):
-        assert tokens[i] == oracle.greedy(prompt, new_tokens[i]), f"request {i}"
 
 
 def test_llama_uneven_batch_matches_transformers(tiny_llama: Path, llama_oracle: HFOracle) -> None:
