@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch, make_request, record
+from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch, make_request
 
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
