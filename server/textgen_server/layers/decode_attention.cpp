@@ -1,14 +1,23 @@
-// bfloat16 decode attention over each row's live key range, for the padded KV cache on a CPU.
+// Decode attention on a CPU (one query token per row) over a KV cache, reading only the keys each row attends to.
 //
-// Op textgen::decode_attention(q, k, v, first, offset, window) -> out, built and documented by
-// decode_attention.py. Shapes: q [B, Hkv, G, D] (queries already scaled, G query heads per KV head),
-// k / v [B, Hkv, C, D] (whole cache buffers), first [B] int64. Row b attends to columns
-// [offset + first[b], offset + window) and to nothing else: left padding, columns left of the live window and
-// the unwritten spare columns are never read, which is where the matmul path spends most of its bytes.
+// Two ops, built together (one library, one set of helpers) by decode_attention.py:
 //
-// Rounding follows the eager matmul attention it replaces: scores accumulate in float32 and are rounded to
-// bfloat16 (the bf16 matmul's output), the softmax runs in float32, its probabilities are rounded to bfloat16,
-// and the weighted sum of values accumulates in float32 before the final rounding.
+// textgen::decode_attention(q, k, v, first, offset, window) -> out: bfloat16, over the padded cache.
+// Shapes: q [B, Hkv, G, D] (queries already scaled, G query heads per KV head), k / v [B, Hkv, C, D] (whole
+// cache buffers), first [B] int64. Row b attends to columns [offset + first[b], offset + window) and to nothing
+// else: left padding, columns left of the live window and the unwritten spare columns are never read, which is
+// where the matmul path spends most of its bytes.
+//
+// textgen::paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window) -> out:
+// bfloat16 or float32, over the paged KV pool of paged_attention.py. Shapes: q [B, H, D] (unscaled; any row and
+// head strides), k_cache / v_cache [N, S, Hkv, D] (S slots per block), block_tables int32 [B, M], seq_lens int64
+// [B]. Row b's key at position p sits in slot block_tables[b, p / S] * S + p % S; the row attends to positions
+// [max(0, seq_lens[b] - window), seq_lens[b]) (window 0: from 0). Returns [B, H, D].
+//
+// bfloat16 rounding follows the eager matmul attention both replace: the scaled query is rounded to bfloat16
+// (`q * scale` in bf16), scores accumulate in float32 and are rounded to bfloat16 (the bf16 matmul's output),
+// the softmax runs in float32, its probabilities are rounded to bfloat16, and the weighted sum of values
+// accumulates in float32 before the final rounding. float32 rounds nowhere in between, as SDPA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -59,8 +68,22 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
+inline float to_float(uint16_t x) { return bf16_to_float(x); }
+inline float to_float(float x) { return x; }
+
+// What the eager attention's bf16 matmul output does to a score or a probability; float32 keeps it.
+inline float round_as(uint16_t, float f) { return round_bf16(f); }
+inline float round_as(float, float f) { return f; }
+inline void store_as(uint16_t* out, float f) { *out = float_to_bf16(f); }
+inline void store_as(float* out, float f) { *out = f; }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+
 // sum_d q[d] * key[d]
-inline float dot(const float* q, const uint16_t* key, int64_t dim) {
+template <typename T>
+inline float dot(const float* q, const T* key, int64_t dim) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0) {
     __m512 acc = _mm512_setzero_ps();
@@ -69,7 +92,7 @@ inline float dot(const float* q, const uint16_t* key, int64_t dim) {
   }
 #endif
   float acc = 0.f;
-  for (int64_t d = 0; d < dim; ++d) acc += q[d] * bf16_to_float(key[d]);
+  for (int64_t d = 0; d < dim; ++d) acc += q[d] * to_float(key[d]);
   return acc;
 }
 
@@ -165,10 +188,185 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+
+// acc[g][d] += p[g * stride] * value[d] for the G query heads of one KV head: the value row is loaded once.
+template <typename T>
+inline void add_weighted(const float* p, int64_t stride, const T* value, int64_t group, int64_t dim, float* acc) {
+#if defined(__AVX512F__)
+  if (dim == 64) {  // the common head size: the value row held in four registers for all the group
+    const __m512 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32), v3 = load16(value + 48);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * stride]);
+      float* a = acc + g * dim;
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(w, v0, _mm512_loadu_ps(a)));
+      _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(w, v1, _mm512_loadu_ps(a + 16)));
+      _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(w, v2, _mm512_loadu_ps(a + 32)));
+      _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(w, v3, _mm512_loadu_ps(a + 48)));
+    }
+    return;
+  }
+  if (dim % 16 == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * stride]);
+      float* a = acc + g * dim;
+      for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(a + d, _mm512_fmadd_ps(w, load16(value + d), _mm512_loadu_ps(a + d)));
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) {
+    const float w = p[g * stride];
+    float* a = acc + g * dim;
+    for (int64_t d = 0; d < dim; ++d) a[d] += w * to_float(value[d]);
+  }
+}
+
+// Every cache line of `bytes` bytes from p.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
+// One task: row `b`, KV heads [h0, h1). `slots` and `scores` are the thread's scratch; returns false (reading
+// nothing) when the row's block table names a block outside the pool.
+template <typename T>
+bool paged_row(const T* Q, int64_t q_row_stride, int64_t q_head_stride, const T* K, const T* V, const int32_t* table,
+               int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group, int64_t dim, int64_t length,
+               int64_t window, float scale, int64_t h0, int64_t h1, std::vector<int64_t>& slots,
+               std::vector<float>& queries, std::vector<float>& scores, std::vector<float>& acc, T* out) {
+  const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0, rows = length - start;
+  const int64_t heads = (h1 - h0) * group;
+  slots.resize(rows);
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t pos = start + t, block = table[pos / block_size];
+    if (block < 0 || block >= num_blocks) return false;
+    slots[t] = block * block_size + pos % block_size;
+  }
+  // A slot holds all KV heads side by side: the task's heads are one contiguous run of `span` bytes per slot.
+  const int64_t slot_stride = kv_heads * dim, span = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
+  queries.resize(heads * dim);
+  for (int64_t i = 0; i < heads; ++i) {
+    const T* q = Q + (h0 * group + i) * q_head_stride;
+    for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = round_as(T{}, to_float(q[d]) * scale);
+  }
+  scores.resize(heads * rows);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (t + AHEAD < rows) prefetch_lines(K + slots[t + AHEAD] * slot_stride + h0 * dim, span);
+    const T* key = K + slots[t] * slot_stride + h0 * dim;
+    for (int64_t i = 0; i < heads; ++i) {
+      scores[i * rows + t] = round_as(T{}, dot(queries.data() + i * dim, key + (i / group) * dim, dim));
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    float* s = scores.data() + i * rows;
+    const float top = *std::max_element(s, s + rows);
+    float total = 0.f;
+    for (int64_t t = 0; t < rows; ++t) {
+      s[t] = std::exp(s[t] - top);
+      total += s[t];
+    }
+    for (int64_t t = 0; t < rows; ++t) s[t] = round_as(T{}, s[t] / total);
+  }
+  acc.assign(heads * dim, 0.f);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (t + AHEAD < rows) prefetch_lines(V + slots[t + AHEAD] * slot_stride + h0 * dim, span);
+    const T* value = V + slots[t] * slot_stride + h0 * dim;
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      add_weighted(scores.data() + h * group * rows + t, rows, value + h * dim, group, dim,
+                   acc.data() + h * group * dim);
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    for (int64_t d = 0; d < dim; ++d) store_as(out + (h0 * group + i) * dim + d, acc[i * dim + d]);
+  }
+  return true;
+}
+
+template <typename T>
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                  at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
+  const auto* Q = reinterpret_cast<const T*>(q.data_ptr());
+  const auto* K = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const auto* V = reinterpret_cast<const T*>(v_cache.data_ptr());
+  auto* O = reinterpret_cast<T*>(out.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* lengths = seq_lens.data_ptr<int64_t>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+
+  // One task per (row, share of its KV heads). At a large batch a share is all of a row's heads, so each slot's
+  // keys are read as one contiguous run; a small batch splits the heads so every thread gets work. Rows differ
+  // in length, so tasks are handed out dynamically.
+  const int threads = at::get_num_threads();  // torch.set_num_threads, as torch's own kernels use
+  const int64_t shares = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (4 * threads + batch - 1) / batch));
+  const int64_t tasks = batch * shares;
+  bool bad_block = false;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<int64_t> slots;
+    std::vector<float> queries, scores, acc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / shares, share = task % shares;
+      const int64_t h0 = share * kv_heads / shares, h1 = (share + 1) * kv_heads / shares;
+      if (!paged_row(Q + b * q_row, q_row, q_head, K, V, tables + b * max_blocks, num_blocks, block_size, kv_heads,
+                     group, dim, lengths[b], window, static_cast<float>(scale), h0, h1, slots, queries, scores, acc,
+                     O + b * heads * dim)) {
+#pragma omp atomic write
+        bad_block = true;
+      }
+    }
+  }
+  TORCH_CHECK(!bad_block, "paged_decode_attention: a block table names a block outside the pool");
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "paged_decode_attention: q must be bfloat16 or float32");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "paged_decode_attention: the caches must have q's dtype");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D] with unit head_dim stride");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "paged_decode_attention: caches must be contiguous [N, S, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "paged_decode_attention: block_tables must be contiguous int32 [B, M]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
+              "paged_decode_attention: seq_lens must be contiguous int64");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "paged_decode_attention: heads or head size disagree");
+  TORCH_CHECK(block_tables.size(0) == batch && seq_lens.numel() == batch,
+              "paged_decode_attention: q, block_tables and seq_lens disagree on the batch");
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
+  const int64_t* lengths = seq_lens.data_ptr<int64_t>();
+  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lengths[b] > 0 && lengths[b] <= capacity,
+                "paged_decode_attention: every row must see a key and fit its block table");
+  }
+  at::Tensor out = at::empty({batch, heads, dim}, q.options());
+  if (dtype == at::kBFloat16) {
+    paged_decode<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, out);
+  } else {
+    paged_decode<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, out);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(textgen, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor first, int offset, int window) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(textgen, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
