@@ -38,6 +38,8 @@ namespace {
 // prefetcher, made a W1-like step faster (benchmark/attention.py; figures in benchmark/README.md).
 // Prefetches past the end of a buffer are harmless: they never fault.
 #define AHEAD 32
+// Slots the paged op's weighted sum takes at a time.
+#define CHUNK 16
 #define PREFETCH(p)                 \
   do {                              \
     __builtin_prefetch((p), 0, 3);      \
@@ -80,6 +82,72 @@ inline void store_as(float* out, float f) { *out = f; }
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 #endif
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (Cephes' expf polynomial on x - n ln 2, scaled by 2^n): within about one float32 ulp of the
+// libm's, as torch's own vectorized exp is. A scalar exp per score cost more than reading the keys.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below, e^x is 0 in float32 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// round_bf16 on 16 lanes
+inline __m512 round_bf16(__m512 f) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline __m512 round_as(uint16_t, __m512 f) { return round_bf16(f); }
+inline __m512 round_as(float, __m512 f) { return f; }
+#endif
+
+// s[0, n) <- softmax(s), in float32; the probabilities rounded as T's eager attention rounds them.
+template <typename T>
+inline void softmax(float* s, int64_t n) {
+  float top = -INFINITY, total = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 top16 = _mm512_set1_ps(-INFINITY), total16 = _mm512_setzero_ps();
+  for (; t + 16 <= n; t += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(s + t));
+  top = _mm512_reduce_max_ps(top16);
+  for (int64_t u = t; u < n; ++u) top = std::max(top, s[u]);
+  const __m512 shift = _mm512_set1_ps(top);
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+    _mm512_storeu_ps(s + t, e);
+    total16 = _mm512_add_ps(total16, e);
+  }
+  for (int64_t u = t; u < n; ++u) {  // the tail through the same polynomial, one lane
+    const __m512 e = exp_nonpositive(_mm512_set1_ps(s[u] - top));
+    s[u] = _mm512_cvtss_f32(e);
+    total += s[u];
+  }
+  total += _mm512_reduce_add_ps(total16);
+  const __m512 inv16 = _mm512_set1_ps(1.f / total);
+  for (t = 0; t + 16 <= n; t += 16) _mm512_storeu_ps(s + t, round_as(T{}, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv16)));
+#else
+  for (; t < n; ++t) top = std::max(top, s[t]);
+  for (t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - top);
+    total += s[t];
+  }
+  t = 0;
+#endif
+  const float inv = 1.f / total;
+  for (; t < n; ++t) s[t] = round_as(T{}, s[t] * inv);
+}
 
 // sum_d q[d] * key[d]
 template <typename T>
@@ -172,13 +240,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * window;
-        const float top = *std::max_element(s, s + rows);
-        float total = 0.f;
-        for (int64_t t = 0; t < rows; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total += s[t];
-        }
-        for (int64_t t = 0; t < rows; ++t) s[t] = round_bf16(s[t] / total);
+        softmax<uint16_t>(s, rows);
         weighted_sum(s, values, rows, dim, acc.data());
         uint16_t* o = O + (bh * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = float_to_bf16(acc[d]);
@@ -189,35 +251,39 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 
-// acc[g][d] += p[g * stride] * value[d] for the G query heads of one KV head: the value row is loaded once.
+// acc[d] += sum_t p[t] * base[offsets[t] + d]: one query head's weighted sum over a chunk of slots, its
+// accumulators held in registers for the chunk.
 template <typename T>
-inline void add_weighted(const float* p, int64_t stride, const T* value, int64_t group, int64_t dim, float* acc) {
+inline void accumulate(const float* p, const T* base, const int64_t* offsets, int64_t n, int64_t dim, float* acc) {
 #if defined(__AVX512F__)
-  if (dim == 64) {  // the common head size: the value row held in four registers for all the group
-    const __m512 v0 = load16(value), v1 = load16(value + 16), v2 = load16(value + 32), v3 = load16(value + 48);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * stride]);
-      float* a = acc + g * dim;
-      _mm512_storeu_ps(a, _mm512_fmadd_ps(w, v0, _mm512_loadu_ps(a)));
-      _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(w, v1, _mm512_loadu_ps(a + 16)));
-      _mm512_storeu_ps(a + 32, _mm512_fmadd_ps(w, v2, _mm512_loadu_ps(a + 32)));
-      _mm512_storeu_ps(a + 48, _mm512_fmadd_ps(w, v3, _mm512_loadu_ps(a + 48)));
-    }
-    return;
-  }
   if (dim % 16 == 0) {
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * stride]);
-      float* a = acc + g * dim;
-      for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(a + d, _mm512_fmadd_ps(w, load16(value + d), _mm512_loadu_ps(a + d)));
+    for (int64_t d = 0; d + 64 <= dim; d += 64) {  // four accumulators at a time (all of the common head size)
+      __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16);
+      __m512 a2 = _mm512_loadu_ps(acc + d + 32), a3 = _mm512_loadu_ps(acc + d + 48);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 w = _mm512_set1_ps(p[t]);
+        const T* row = base + offsets[t] + d;
+        a0 = _mm512_fmadd_ps(w, load16(row), a0);
+        a1 = _mm512_fmadd_ps(w, load16(row + 16), a1);
+        a2 = _mm512_fmadd_ps(w, load16(row + 32), a2);
+        a3 = _mm512_fmadd_ps(w, load16(row + 48), a3);
+      }
+      _mm512_storeu_ps(acc + d, a0);
+      _mm512_storeu_ps(acc + d + 16, a1);
+      _mm512_storeu_ps(acc + d + 32, a2);
+      _mm512_storeu_ps(acc + d + 48, a3);
+    }
+    for (int64_t d = dim - dim % 64; d < dim; d += 16) {
+      __m512 a = _mm512_loadu_ps(acc + d);
+      for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(base + offsets[t] + d), a);
+      _mm512_storeu_ps(acc + d, a);
     }
     return;
   }
 #endif
-  for (int64_t g = 0; g < group; ++g) {
-    const float w = p[g * stride];
-    float* a = acc + g * dim;
-    for (int64_t d = 0; d < dim; ++d) a[d] += w * to_float(value[d]);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = base + offsets[t];
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p[t] * to_float(row[d]);
   }
 }
 
@@ -249,31 +315,26 @@ bool paged_row(const T* Q, int64_t q_row_stride, int64_t q_head_stride, const T*
     const T* q = Q + (h0 * group + i) * q_head_stride;
     for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = round_as(T{}, to_float(q[d]) * scale);
   }
+  // Prefetch as many bytes ahead as the padded op's AHEAD rows of 128 bytes, at least a few slots.
+  const int64_t ahead = std::max<int64_t>(4, AHEAD * 128 / span);
   scores.resize(heads * rows);
   for (int64_t t = 0; t < rows; ++t) {
-    if (t + AHEAD < rows) prefetch_lines(K + slots[t + AHEAD] * slot_stride + h0 * dim, span);
+    if (t + ahead < rows) prefetch_lines(K + slots[t + ahead] * slot_stride + h0 * dim, span);
     const T* key = K + slots[t] * slot_stride + h0 * dim;
     for (int64_t i = 0; i < heads; ++i) {
       scores[i * rows + t] = round_as(T{}, dot(queries.data() + i * dim, key + (i / group) * dim, dim));
     }
   }
-  for (int64_t i = 0; i < heads; ++i) {
-    float* s = scores.data() + i * rows;
-    const float top = *std::max_element(s, s + rows);
-    float total = 0.f;
-    for (int64_t t = 0; t < rows; ++t) {
-      s[t] = std::exp(s[t] - top);
-      total += s[t];
-    }
-    for (int64_t t = 0; t < rows; ++t) s[t] = round_as(T{}, s[t] / total);
-  }
+  for (int64_t i = 0; i < heads; ++i) softmax<T>(scores.data() + i * rows, rows);
+  // Values a chunk of slots at a time, head by head: each head's accumulators stay in registers for the chunk.
+  for (int64_t t = 0; t < rows; ++t) slots[t] *= slot_stride;
   acc.assign(heads * dim, 0.f);
-  for (int64_t t = 0; t < rows; ++t) {
-    if (t + AHEAD < rows) prefetch_lines(V + slots[t + AHEAD] * slot_stride + h0 * dim, span);
-    const T* value = V + slots[t] * slot_stride + h0 * dim;
-    for (int64_t h = 0; h < h1 - h0; ++h) {
-      add_weighted(scores.data() + h * group * rows + t, rows, value + h * dim, group, dim,
-                   acc.data() + h * group * dim);
+  for (int64_t c = 0; c < rows; c += CHUNK) {
+    const int64_t n = std::min<int64_t>(CHUNK, rows - c);
+    for (int64_t t = c + ahead; t < std::min(c + n + ahead, rows); ++t) prefetch_lines(V + slots[t] + h0 * dim, span);
+    for (int64_t i = 0; i < heads; ++i) {
+      accumulate(scores.data() + i * rows + c, V + (h0 + i / group) * dim, slots.data() + c, n, dim,
+                 acc.data() + i * dim);
     }
   }
   for (int64_t i = 0; i < heads; ++i) {
