@@ -19,11 +19,23 @@ whole buffer's for `matmul whole`, the rows' live columns for the op) against a 
 
     python benchmark/attention.py [--batch 64] [--window 300] [--capacity 413] [--shortest 0.35] [--threads 2]
                                   [--runs 7]
+
+With `--paged` it compares instead the paged KV pool of layers/paged_attention.py with today's padded decode
+paths, on W1-like rows: prompts from `--longest` (300) down to `--prompt` (20) tokens, longest first, each with
+`--decoded` (50, halfway through W1's 100) tokens decoded since. Per dtype: the padded path (float32: SDPA on the
+window views; bfloat16: the decode op over whole buffers; the buffers hold the longest prompt plus 100 spare
+columns, as `PaddedKVCache` after a W1 prefill) and `paged_attention` over a pool of `--block-sizes` (1 and 16),
+each row's blocks scattered over the pool in random order (a pool after churn, the worst case for block size 1),
+through the op and through its torch fallback (TEXTGEN_CPU_DECODE_KERNEL=0).
+
+    python benchmark/attention.py --paged [--batch 64] [--longest 300] [--prompt 20] [--decoded 50]
+                                  [--block-sizes 1 16] [--threads 2] [--runs 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,7 +44,8 @@ import torch
 
 from textgen_benchmark.decode import copy_bandwidth_gbs
 from textgen_server.layers.attention_kernels import matmul_attention, sdpa
-from textgen_server.layers.decode_attention import decode_attention, first_visible, kernel_available
+from textgen_server.layers.decode_attention import ENV_SWITCH, decode_attention, first_visible, kernel_available
+from textgen_server.layers.paged_attention import paged_attention
 
 LAYERS, HEADS, HEAD_DIM = 12, 12, 64
 
@@ -56,6 +69,106 @@ def step(
     return run
 
 
+def medians(cases: dict[str, tuple[Callable[[], None], float]], runs: int) -> dict[str, float]:
+    """Median seconds per call of each case, run alternately so drift on a shared machine hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for run, _ in cases.values():
+        run()  # warm-up
+    for _ in range(runs):
+        for name, (run, _) in cases.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def report(dtype: torch.dtype, cases: dict[str, tuple[Callable[[], None], float]], batch: int, runs: int) -> None:
+    """One table line per case: median ms per step and GB/s of the K/V bytes it reads (mean columns per row)."""
+    for name, median in medians(cases, runs).items():
+        read = 2 * LAYERS * batch * HEADS * cases[name][1] * HEAD_DIM * dtype.itemsize
+        print(f"| {str(dtype).removeprefix('torch.')} | {name} | {median * 1e3:.1f} | {read / median / 1e9:.1f} |")
+
+
+def without_op(run: Callable[[], None]) -> Callable[[], None]:
+    """`run` with the decode ops switched off: paged_attention takes its torch path."""
+
+    def fallback() -> None:
+        os.environ[ENV_SWITCH] = "0"
+        try:
+            run()
+        finally:
+            del os.environ[ENV_SWITCH]
+
+    return fallback
+
+
+def paged_step(
+    q: torch.Tensor,
+    pools: list[tuple[torch.Tensor, torch.Tensor]],
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tables: torch.Tensor,
+) -> Callable[[], None]:
+    """One decode step's paged attention over every layer's pool."""
+
+    def run() -> None:
+        for k_cache, v_cache in pools:
+            paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, tables, HEAD_DIM**-0.5)
+
+    return run
+
+
+def paged(args: argparse.Namespace) -> None:
+    """W1-like decode step: the padded cache's decode paths against the paged pool's."""
+    bandwidth = copy_bandwidth_gbs(args.threads)  # also sets the thread count
+    batch, longest = args.batch, args.longest
+    prompts = [round(longest - (longest - args.prompt) * b / max(batch - 1, 1)) for b in range(batch)]
+    lengths = [n + args.decoded for n in prompts]
+    window, capacity = longest + args.decoded, longest + 100  # PaddedKVCache: left padded, 100 spare columns
+    mask = torch.zeros(batch, 1, 1, capacity, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        mask[b, ..., window - n : window] = True
+    first = first_visible(mask[..., :window], batch, torch.device("cpu"))
+    assert first is not None
+    live = sum(lengths) / batch
+    print(
+        f"batch {batch}, prompts {longest}..{args.prompt} + {args.decoded} decoded ({live:.0f} keys a row on "
+        f"average), {LAYERS} layers, {HEADS} heads of {HEAD_DIM}, {args.threads} threads; copy bandwidth "
+        f"{bandwidth:.1f} GB/s"
+    )
+    print("| dtype | path | ms/step | GB/s read |")
+    print("|---|---|---|---|")
+    seq_lens = torch.tensor(lengths)
+    cu_seqlens_q = torch.arange(batch + 1)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype)
+        shape = (batch, HEADS, capacity, HEAD_DIM)
+        buffers = [(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)) for _ in range(LAYERS)]
+        padded_q = q.unsqueeze(2)
+        if dtype == torch.float32:
+            padded = step(sdpa, padded_q, buffers, mask, slice(0, window))
+            cases = {"padded: sdpa window": (padded, float(window))}
+        else:
+            op = lambda q, k, v, mask, scale: decode_attention(q, k, v, first, 0, window, scale)  # noqa: E731
+            cases = {"padded: decode op": (step(op, padded_q, buffers, mask, None), live)}
+        del buffers
+        for block_size in args.block_sizes:
+            needed = [-(-n // block_size) for n in lengths]
+            order = torch.randperm(sum(needed), generator=g)
+            tables = torch.zeros(batch, max(needed), dtype=torch.int32)
+            for b, blocks in enumerate(order.split(needed)):
+                tables[b, : len(blocks)] = blocks
+            pool = (sum(needed), block_size, HEADS, HEAD_DIM)
+            pools = [(torch.randn(pool, dtype=dtype), torch.randn(pool, dtype=dtype)) for _ in range(LAYERS)]
+            run = paged_step(q, pools, cu_seqlens_q, seq_lens, tables)
+            if kernel_available():
+                cases[f"paged {block_size}: op"] = (run, live)
+            cases[f"paged {block_size}: torch"] = (without_op(run), live)
+        report(dtype, cases, batch, args.runs)
+        del cases
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
@@ -64,7 +177,15 @@ def main() -> None:
     p.add_argument("--shortest", type=float, default=0.35, help="live share of the window for the last row")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--paged", action="store_true", help="paged pool against the padded paths")
+    p.add_argument("--longest", type=int, default=300, help="--paged: the longest prompt")
+    p.add_argument("--prompt", type=int, default=20, help="--paged: the shortest prompt")
+    p.add_argument("--decoded", type=int, default=50, help="--paged: tokens decoded since the prefill")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[1, 16], help="--paged: pool block sizes")
     args = p.parse_args()
+    if args.paged:
+        paged(args)
+        return
     bandwidth = copy_bandwidth_gbs(args.threads)  # also sets the thread count
     start = (args.capacity - args.window) // 2
     window = slice(start, start + args.window)
@@ -92,18 +213,7 @@ def main() -> None:
         if dtype == torch.bfloat16 and kernel_available():
             op = lambda q, k, v, mask, scale: decode_attention(q, k, v, first, start, args.window, scale)  # noqa: E731
             cases["decode op"] = (step(op, q, buffers, mask, None), sum(lengths) / args.batch)
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for run, _ in cases.values():
-            run()  # warm-up
-        for _ in range(args.runs):  # alternate, so drift on a shared machine hits every kernel alike
-            for name, (run, _) in cases.items():
-                t0 = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - t0)
-        for name, (_, columns) in cases.items():
-            median = statistics.median(times[name])
-            read = 2 * LAYERS * args.batch * HEADS * columns * HEAD_DIM * dtype.itemsize
-            print(f"| {str(dtype).removeprefix('torch.')} | {name} | {median * 1e3:.1f} | {read / median / 1e9:.1f} |")
+        report(dtype, cases, args.batch, args.runs)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,23 @@
-// bfloat16 decode attention over each row's live key range, for the padded KV cache on a CPU.
+// Decode attention on a CPU (one query token per row) over a KV cache, reading only the keys each row attends to.
 //
-// Op textgen::decode_attention(q, k, v, first, offset, window) -> out, built and documented by
-// decode_attention.py. Shapes: q [B, Hkv, G, D] (queries already scaled, G query heads per KV head),
-// k / v [B, Hkv, C, D] (whole cache buffers), first [B] int64. Row b attends to columns
-// [offset + first[b], offset + window) and to nothing else: left padding, columns left of the live window and
-// the unwritten spare columns are never read, which is where the matmul path spends most of its bytes.
+// Two ops, built together (one library, one set of helpers) by decode_attention.py:
 //
-// Rounding follows the eager matmul attention it replaces: scores accumulate in float32 and are rounded to
-// bfloat16 (the bf16 matmul's output), the softmax runs in float32, its probabilities are rounded to bfloat16,
-// and the weighted sum of values accumulates in float32 before the final rounding.
+// textgen::decode_attention(q, k, v, first, offset, window) -> out: bfloat16, over the padded cache.
+// Shapes: q [B, Hkv, G, D] (queries already scaled, G query heads per KV head), k / v [B, Hkv, C, D] (whole
+// cache buffers), first [B] int64. Row b attends to columns [offset + first[b], offset + window) and to nothing
+// else: left padding, columns left of the live window and the unwritten spare columns are never read, which is
+// where the matmul path spends most of its bytes.
+//
+// textgen::paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window) -> out:
+// bfloat16 or float32, over the paged KV pool of paged_attention.py. Shapes: q [B, H, D] (unscaled; any row and
+// head strides), k_cache / v_cache [N, S, Hkv, D] (S slots per block), block_tables int32 [B, M], seq_lens int64
+// [B]. Row b's key at position p sits in slot block_tables[b, p / S] * S + p % S; the row attends to positions
+// [max(0, seq_lens[b] - window), seq_lens[b]) (window 0: from 0). Returns [B, H, D].
+//
+// bfloat16 rounding follows the eager matmul attention both replace: the scaled query is rounded to bfloat16
+// (`q * scale` in bf16), scores accumulate in float32 and are rounded to bfloat16 (the bf16 matmul's output),
+// the softmax runs in float32, its probabilities are rounded to bfloat16, and the weighted sum of values
+// accumulates in float32 before the final rounding. float32 rounds nowhere in between, as SDPA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,6 +38,8 @@ namespace {
 // prefetcher, made a W1-like step faster (benchmark/attention.py; figures in benchmark/README.md).
 // Prefetches past the end of a buffer are harmless: they never fault.
 #define AHEAD 32
+// Slots the paged op's weighted sum takes at a time.
+#define CHUNK 16
 #define PREFETCH(p)                 \
   do {                              \
     __builtin_prefetch((p), 0, 3);      \
@@ -59,8 +70,88 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
+inline float to_float(uint16_t x) { return bf16_to_float(x); }
+inline float to_float(float x) { return x; }
+
+// What the eager attention's bf16 matmul output does to a score or a probability; float32 keeps it.
+inline float round_as(uint16_t, float f) { return round_bf16(f); }
+inline float round_as(float, float f) { return f; }
+inline void store_as(uint16_t* out, float f) { *out = float_to_bf16(f); }
+inline void store_as(float* out, float f) { *out = f; }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (Cephes' expf polynomial on x - n ln 2, scaled by 2^n): within about one float32 ulp of the
+// libm's, as torch's own vectorized exp is. A scalar exp per score cost more than reading the keys.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below, e^x is 0 in float32 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// round_bf16 on 16 lanes
+inline __m512 round_bf16(__m512 f) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline __m512 round_as(uint16_t, __m512 f) { return round_bf16(f); }
+inline __m512 round_as(float, __m512 f) { return f; }
+#endif
+
+// s[0, n) <- softmax(s), in float32; the probabilities rounded as T's eager attention rounds them.
+template <typename T>
+inline void softmax(float* s, int64_t n) {
+  float top = -INFINITY, total = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 top16 = _mm512_set1_ps(-INFINITY), total16 = _mm512_setzero_ps();
+  for (; t + 16 <= n; t += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(s + t));
+  top = _mm512_reduce_max_ps(top16);
+  for (int64_t u = t; u < n; ++u) top = std::max(top, s[u]);
+  const __m512 shift = _mm512_set1_ps(top);
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+    _mm512_storeu_ps(s + t, e);
+    total16 = _mm512_add_ps(total16, e);
+  }
+  for (int64_t u = t; u < n; ++u) {  // the tail through the same polynomial, one lane
+    const __m512 e = exp_nonpositive(_mm512_set1_ps(s[u] - top));
+    s[u] = _mm512_cvtss_f32(e);
+    total += s[u];
+  }
+  total += _mm512_reduce_add_ps(total16);
+  const __m512 inv16 = _mm512_set1_ps(1.f / total);
+  for (t = 0; t + 16 <= n; t += 16) _mm512_storeu_ps(s + t, round_as(T{}, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv16)));
+#else
+  for (; t < n; ++t) top = std::max(top, s[t]);
+  for (t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - top);
+    total += s[t];
+  }
+  t = 0;
+#endif
+  const float inv = 1.f / total;
+  for (; t < n; ++t) s[t] = round_as(T{}, s[t] * inv);
+}
+
 // sum_d q[d] * key[d]
-inline float dot(const float* q, const uint16_t* key, int64_t dim) {
+template <typename T>
+inline float dot(const float* q, const T* key, int64_t dim) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0) {
     __m512 acc = _mm512_setzero_ps();
@@ -69,7 +160,7 @@ inline float dot(const float* q, const uint16_t* key, int64_t dim) {
   }
 #endif
   float acc = 0.f;
-  for (int64_t d = 0; d < dim; ++d) acc += q[d] * bf16_to_float(key[d]);
+  for (int64_t d = 0; d < dim; ++d) acc += q[d] * to_float(key[d]);
   return acc;
 }
 
@@ -149,13 +240,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * window;
-        const float top = *std::max_element(s, s + rows);
-        float total = 0.f;
-        for (int64_t t = 0; t < rows; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total += s[t];
-        }
-        for (int64_t t = 0; t < rows; ++t) s[t] = round_bf16(s[t] / total);
+        softmax<uint16_t>(s, rows);
         weighted_sum(s, values, rows, dim, acc.data());
         uint16_t* o = O + (bh * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) o[d] = float_to_bf16(acc[d]);
@@ -165,10 +250,184 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+
+// acc[d] += sum_t p[t] * base[offsets[t] + d]: one query head's weighted sum over a chunk of slots, its
+// accumulators held in registers for the chunk.
+template <typename T>
+inline void accumulate(const float* p, const T* base, const int64_t* offsets, int64_t n, int64_t dim, float* acc) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    for (int64_t d = 0; d + 64 <= dim; d += 64) {  // four accumulators at a time (all of the common head size)
+      __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16);
+      __m512 a2 = _mm512_loadu_ps(acc + d + 32), a3 = _mm512_loadu_ps(acc + d + 48);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 w = _mm512_set1_ps(p[t]);
+        const T* row = base + offsets[t] + d;
+        a0 = _mm512_fmadd_ps(w, load16(row), a0);
+        a1 = _mm512_fmadd_ps(w, load16(row + 16), a1);
+        a2 = _mm512_fmadd_ps(w, load16(row + 32), a2);
+        a3 = _mm512_fmadd_ps(w, load16(row + 48), a3);
+      }
+      _mm512_storeu_ps(acc + d, a0);
+      _mm512_storeu_ps(acc + d + 16, a1);
+      _mm512_storeu_ps(acc + d + 32, a2);
+      _mm512_storeu_ps(acc + d + 48, a3);
+    }
+    for (int64_t d = dim - dim % 64; d < dim; d += 16) {
+      __m512 a = _mm512_loadu_ps(acc + d);
+      for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(base + offsets[t] + d), a);
+      _mm512_storeu_ps(acc + d, a);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = base + offsets[t];
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p[t] * to_float(row[d]);
+  }
+}
+
+// Every cache line of `bytes` bytes from p.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
+// One task: row `b`, KV heads [h0, h1). `slots` and `scores` are the thread's scratch; returns false (reading
+// nothing) when the row's block table names a block outside the pool.
+template <typename T>
+bool paged_row(const T* Q, int64_t q_row_stride, int64_t q_head_stride, const T* K, const T* V, const int32_t* table,
+               int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group, int64_t dim, int64_t length,
+               int64_t window, float scale, int64_t h0, int64_t h1, std::vector<int64_t>& slots,
+               std::vector<float>& queries, std::vector<float>& scores, std::vector<float>& acc, T* out) {
+  const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0, rows = length - start;
+  const int64_t heads = (h1 - h0) * group;
+  slots.resize(rows);
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t pos = start + t, block = table[pos / block_size];
+    if (block < 0 || block >= num_blocks) return false;
+    slots[t] = block * block_size + pos % block_size;
+  }
+  // A slot holds all KV heads side by side: the task's heads are one contiguous run of `span` bytes per slot.
+  const int64_t slot_stride = kv_heads * dim, span = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
+  queries.resize(heads * dim);
+  for (int64_t i = 0; i < heads; ++i) {
+    const T* q = Q + (h0 * group + i) * q_head_stride;
+    for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = round_as(T{}, to_float(q[d]) * scale);
+  }
+  // Prefetch as many bytes ahead as the padded op's AHEAD rows of 128 bytes, at least a few slots.
+  const int64_t ahead = std::max<int64_t>(4, AHEAD * 128 / span);
+  scores.resize(heads * rows);
+  for (int64_t t = 0; t < rows; ++t) {
+    if (t + ahead < rows) prefetch_lines(K + slots[t + ahead] * slot_stride + h0 * dim, span);
+    const T* key = K + slots[t] * slot_stride + h0 * dim;
+    for (int64_t i = 0; i < heads; ++i) {
+      scores[i * rows + t] = round_as(T{}, dot(queries.data() + i * dim, key + (i / group) * dim, dim));
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) softmax<T>(scores.data() + i * rows, rows);
+  // Values a chunk of slots at a time, head by head: each head's accumulators stay in registers for the chunk.
+  for (int64_t t = 0; t < rows; ++t) slots[t] *= slot_stride;
+  acc.assign(heads * dim, 0.f);
+  for (int64_t c = 0; c < rows; c += CHUNK) {
+    const int64_t n = std::min<int64_t>(CHUNK, rows - c);
+    for (int64_t t = c + ahead; t < std::min(c + n + ahead, rows); ++t) prefetch_lines(V + slots[t] + h0 * dim, span);
+    for (int64_t i = 0; i < heads; ++i) {
+      accumulate(scores.data() + i * rows + c, V + (h0 + i / group) * dim, slots.data() + c, n, dim,
+                 acc.data() + i * dim);
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    for (int64_t d = 0; d < dim; ++d) store_as(out + (h0 * group + i) * dim + d, acc[i * dim + d]);
+  }
+  return true;
+}
+
+template <typename T>
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                  at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
+  const auto* Q = reinterpret_cast<const T*>(q.data_ptr());
+  const auto* K = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const auto* V = reinterpret_cast<const T*>(v_cache.data_ptr());
+  auto* O = reinterpret_cast<T*>(out.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* lengths = seq_lens.data_ptr<int64_t>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+
+  // One task per (row, share of its KV heads). At a large batch a share is all of a row's heads, so each slot's
+  // keys are read as one contiguous run; a small batch splits the heads so every thread gets work. Rows differ
+  // in length, so tasks are handed out dynamically.
+  const int threads = at::get_num_threads();  // torch.set_num_threads, as torch's own kernels use
+  const int64_t shares = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (4 * threads + batch - 1) / batch));
+  const int64_t tasks = batch * shares;
+  bool bad_block = false;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<int64_t> slots;
+    std::vector<float> queries, scores, acc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / shares, share = task % shares;
+      const int64_t h0 = share * kv_heads / shares, h1 = (share + 1) * kv_heads / shares;
+      if (!paged_row(Q + b * q_row, q_row, q_head, K, V, tables + b * max_blocks, num_blocks, block_size, kv_heads,
+                     group, dim, lengths[b], window, static_cast<float>(scale), h0, h1, slots, queries, scores, acc,
+                     O + b * heads * dim)) {
+#pragma omp atomic write
+        bad_block = true;
+      }
+    }
+  }
+  TORCH_CHECK(!bad_block, "paged_decode_attention: a block table names a block outside the pool");
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "paged_decode_attention: q must be bfloat16 or float32");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "paged_decode_attention: the caches must have q's dtype");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D] with unit head_dim stride");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "paged_decode_attention: caches must be contiguous [N, S, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "paged_decode_attention: block_tables must be contiguous int32 [B, M]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
+              "paged_decode_attention: seq_lens must be contiguous int64");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "paged_decode_attention: heads or head size disagree");
+  TORCH_CHECK(block_tables.size(0) == batch && seq_lens.numel() == batch,
+              "paged_decode_attention: q, block_tables and seq_lens disagree on the batch");
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
+  const int64_t* lengths = seq_lens.data_ptr<int64_t>();
+  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lengths[b] > 0 && lengths[b] <= capacity,
+                "paged_decode_attention: every row must see a key and fit its block table");
+  }
+  at::Tensor out = at::empty({batch, heads, dim}, q.options());
+  if (dtype == at::kBFloat16) {
+    paged_decode<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, out);
+  } else {
+    paged_decode<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, out);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(textgen, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor first, int offset, int window) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(textgen, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

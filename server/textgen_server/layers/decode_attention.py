@@ -8,9 +8,13 @@ row attends to, once for all the query heads of its group, which cuts the attent
 attention rounds, so its output differs from it only where float32 sums taken in another order round to another
 bfloat16 (a few values, by one unit in the last place).
 
-The op is compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; once
+decode_attention.cpp also holds `textgen::paged_decode_attention`, the decode op of the paged KV pool
+(paged_attention.py), which shares its helpers: one library, built once.
+
+The ops are compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; once
 per machine, cached under TORCH_EXTENSIONS_DIR). Where it cannot be built, or with
-TEXTGEN_CPU_DECODE_KERNEL=0, the model keeps the matmul attention over whole buffers.
+TEXTGEN_CPU_DECODE_KERNEL=0, the model keeps the matmul attention over whole buffers (the paged pool: its torch
+path).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def kernel_available() -> bool:
             verbose=False,
         )
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the matmul path still works
-        logger.warning("bfloat16 decode attention kernel unavailable, using matmul attention: %s", err)
+        logger.warning("CPU decode attention ops unavailable, using torch attention: %s", err)
         return False
     return True
 

@@ -1,0 +1,157 @@
+"""Attention through a paged KV pool on a CPU: `write_kv` stores a step's keys and values, `paged_attention`
+attends through each row's block table (TGI's flashinfer / flashdecoding layout, `[num_blocks, block_size,
+kv_heads, head_dim]` per layer; slot `s` = `block * block_size + offset`).
+
+Decode rows (one query token) in float32 and bfloat16 go to `textgen::paged_decode_attention`, the C++ op built
+with the padded decode op (decode_attention.cpp; built at first use, TEXTGEN_CPU_DECODE_KERNEL=0 turns both
+off): it reads each row's keys through its block table, once for all the query heads of a group, and nothing
+else. Rows of several query tokens (prefills, prefill chunks) and every row where the op is unavailable or the
+dtype is another (float16) take the torch path: keys gathered from the pool, then the shard's attention kernel
+(`attention_for`: SDPA in float32, `matmul_attention` in half precision) under an explicit bottom-right causal
+mask. Both paths round where transformers' eager attention rounds in bfloat16 (see attention_kernels.py), so
+the op differs from the torch path only where float32 sums taken in another order round to another bfloat16.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from textgen_server.layers.attention_kernels import attention_for
+from textgen_server.layers.decode_attention import ENV_SWITCH, kernel_available
+
+# Row metadata: a host tensor or, as cheaply, a Python list of ints.
+Lengths = torch.Tensor | Sequence[int]
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store k, v [T, kv_heads, head_dim] at slots [T] (int64) of the pools [num_blocks, block_size, kv_heads,
+    head_dim]; slot `s` is `block * block_size + offset`."""
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def use_paged_kernel(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode rows of `dtype` on `device` go to the C++ op (float32 and bfloat16 on a CPU, where it
+    builds, unless TEXTGEN_CPU_DECODE_KERNEL=0)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return kernel_available()
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: Lengths,
+    seq_lens: Lengths,
+    block_tables: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a step's query tokens through the KV pool; returns [T, heads, head_dim] in q's dtype.
+
+    - q [T, heads, head_dim]: the rows' query tokens one row after another (any token and head strides);
+    - k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim], contiguous, q's dtype; heads // kv_heads
+      query heads share a KV head;
+    - cu_seqlens_q [B + 1] (int32 / int64 host tensor or list of ints): row b's queries are q[cu[b]:cu[b + 1]],
+      at least one per row;
+    - seq_lens [B] (int32 / int64 host tensor or list of ints): row b attends to its first seq_lens[b] positions,
+      its new ones (already stored with `write_kv`) last;
+    - block_tables int32 [B, max_blocks]: row b's position p lives in block block_tables[b, p // block_size];
+    - window: sliding window, a query at position p sees keys (p - window, p]; None: all keys up to p.
+
+    Bottom-right aligned: query i of a row of n queries sits at position seq_lens[b] - n + i. When every row has
+    one query (T == B) the metadata is never read on the host; lists avoid a tensor-to-list copy otherwise.
+    """
+    batch = len(seq_lens)
+    block_tables = block_tables.to(torch.int32)
+    kernel = use_paged_kernel(q.dtype, q.device)
+    if kernel and q.shape[0] == batch:  # every row a decode row: the common step, straight to the op
+        lengths = torch.as_tensor(seq_lens, dtype=torch.int64)
+        return torch.ops.textgen.paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, scale, window or 0)
+    cu = cu_seqlens_q.tolist() if isinstance(cu_seqlens_q, torch.Tensor) else list(cu_seqlens_q)
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+    out = torch.empty(q.shape[0], q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
+    decode = [b for b in range(batch) if cu[b + 1] - cu[b] == 1]
+    if decode:
+        tokens = torch.tensor([cu[b] for b in decode])
+        rows = torch.tensor(decode)
+        lengths = torch.tensor([lens[b] for b in decode])
+        if kernel:
+            out[tokens] = torch.ops.textgen.paged_decode_attention(
+                q[tokens], k_cache, v_cache, block_tables[rows].contiguous(), lengths, scale, window or 0
+            )
+        else:
+            out[tokens] = _decode_rows(q[tokens], k_cache, v_cache, block_tables[rows], lengths, scale, window)
+    for b in range(batch):
+        if cu[b + 1] - cu[b] > 1:
+            out[cu[b] : cu[b + 1]] = _row(
+                q[cu[b] : cu[b + 1]], k_cache, v_cache, block_tables[b], lens[b], scale, window
+            )
+    return out
+
+
+def _visible(positions: torch.Tensor, length: int | torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which key positions [..., K] a query at `positions` [..., 1] sees: those up to it, within the window."""
+    keys = torch.arange(int(length) if isinstance(length, int) else int(length.max()))
+    visible = keys <= positions
+    if window is not None:
+        visible &= keys > positions - window
+    return visible
+
+
+def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slots (int64) of `positions` through block table rows `table` (same leading shape)."""
+    return table.gather(-1, positions // block_size).long() * block_size + positions % block_size
+
+
+def _row(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    length: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One row's n queries [n, H, D] over its first `length` positions, gathered from the pool."""
+    count, kv_heads, dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    slots = _slots(table, torch.arange(length), k_cache.shape[1])
+    keys = k_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    values = v_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)
+    # A full-length causal block without a window is what both kernels do unmasked; otherwise an explicit mask,
+    # since SDPA's own causal mask is top-left aligned.
+    mask = None
+    if count != length or (window is not None and window < length):
+        positions = torch.arange(length - count, length).unsqueeze(1)
+        mask = _visible(positions, length, window).view(1, 1, count, length)
+    attend = attention_for(q.dtype, q.device)
+    return attend(q.transpose(0, 1).unsqueeze(0), keys, values, mask, scale)[0].transpose(0, 1)
+
+
+def _decode_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """The op's work in torch: decode rows' queries [B, H, D] over their keys gathered into [B, Hkv, max_len, D].
+    Positions past a row's length read its position 0, which is written (a masked column's zero weight times
+    an unwritten slot's NaN would be NaN)."""
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    visible = _visible((lengths - 1).unsqueeze(1), lengths, window)  # [B, max_len]
+    positions = torch.where(visible, torch.arange(visible.shape[1]), 0)
+    slots = _slots(tables, positions, k_cache.shape[1])
+    keys = k_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)  # [B, Hkv, max_len, D]
+    values = v_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)
+    attend = attention_for(q.dtype, q.device)
+    return attend(q.unsqueeze(2), keys, values, visible.view(q.shape[0], 1, 1, -1), scale).squeeze(2)
