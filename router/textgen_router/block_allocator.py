@@ -135,7 +135,8 @@ class RadixAllocator(BlockAllocator):
         self.trie = RadixTrie(block_size)
 
     def allocate(self, tokens: int, prompt: Sequence[int] | None = None) -> BlockAllocation | None:
-        node, blocks = self.trie.root, []
+        node: Node = self.trie.root
+        blocks: list[int] = []
         if prompt is not None:
             node, blocks = self.trie.find(prompt)
         # Referenced before anything is evicted below, so the prefix just found stays cached.
