@@ -3,6 +3,8 @@ only a prefilled request's prompt is cached."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from textgen_router.block_allocator import BlockAllocation, BlockAllocator, RadixAllocator, SimpleAllocator
@@ -172,3 +174,34 @@ def test_a_referenced_prefix_is_never_evicted() -> None:
     b.release(cache_prompt=True)
     c = allocator.allocate(4, [9, 9, 9, 9])
     assert c is not None and sorted(c.blocks) == [1, 2, 3, 4]
+
+
+def trie_blocks(allocator: RadixAllocator) -> list[int]:
+    blocks, stack = [], [allocator.trie.root]
+    while stack:
+        node = stack.pop()
+        blocks.extend(node.blocks)
+        stack.extend(node.children.values())
+    return blocks
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_random_traffic_never_loses_or_shares_a_writable_block(block_size: int) -> None:
+    rng = random.Random(block_size)
+    allocator = RadixAllocator(n_blocks=40, block_size=block_size)
+    live: list[BlockAllocation] = []
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            live.pop(rng.randrange(len(live))).release(cache_prompt=rng.random() < 0.7)
+        else:
+            # Prompts over a tiny vocabulary share prefixes often.
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+            a = allocator.allocate(len(prompt) + rng.randrange(1, 6), None if rng.random() < 0.1 else prompt)
+            if a is not None:
+                assert a.prefix_len % block_size == 0 and a.prefix_len <= len(prompt)
+                live.append(a)
+        cached = trie_blocks(allocator)
+        written = [b for a in live for b in a.blocks[a.prefix_len // block_size :]]
+        everything = allocator.free_blocks + cached + written
+        assert sorted(everything) == list(range(1, 40))  # each block in exactly one place
+        assert all(b in cached for a in live for b in a.blocks[: a.prefix_len // block_size])

@@ -187,12 +187,9 @@ class RadixTrie:
         head = self._add_child(node.parent, node.key[:n], node.blocks[:n])
         node.key, node.blocks = node.key[n:], node.blocks[n:]
         node.parent = head
-        self._add_child_node(head, node)
+        head.children[node.key[0]] = node
+        self.incref(head)
         return head
-
-    def _add_child_node(self, parent: Node, child: Node) -> None:
-        parent.children[child.key[0]] = child
-        self.incref(parent)
 
     def _remove(self, node: Node) -> None:
         assert node.parent is not None and not node.children
