@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from textgen_pb import generate_pb2
 from textgen_router import metrics
-from textgen_router.backend import Backend, StartupError, connect_backend, warmup_batch
+from textgen_router.backend import Backend, StartupError, _check_limits, connect_backend, warmup_batch
 from textgen_router.shard_client import ShardedClient, ShardError, _metadata
 from textgen_router.types import GenerationError
 
@@ -68,6 +68,12 @@ def test_contradictory_limits_after_warmup(run: Any, shard: Any, overrides: dict
     with pytest.raises(StartupError) as err:
         run(connect(shard, **overrides))
     assert str(err.value) == f"Argument validation error: {message}"
+
+
+def test_shards_that_chunk_prefills_take_prompts_longer_than_a_prefill() -> None:
+    _check_limits(64, 128, 32, 16000, chunking=True)
+    with pytest.raises(StartupError, match="must be >= `max_input_tokens`"):
+        _check_limits(64, 128, 32, 16000, chunking=False)
 
 
 def test_connect_backend_settles_limits(run: Any, shard: Any, oracle: Any) -> None:

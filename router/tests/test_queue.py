@@ -1,10 +1,12 @@
-"""Queue budget logic (pure, no processes): TGI v3's next_batch for padded and block-rounded shards."""
+"""Queue budget logic (pure, no processes): TGI v3's next_batch for padded, block-rounded and paged shards."""
 
 from __future__ import annotations
 
 import pytest
 
+from textgen_pb import generate_pb2
 from textgen_router import metrics
+from textgen_router.block_allocator import RadixAllocator, SimpleAllocator
 from textgen_router.queue import Entry, Queue
 from textgen_router.types import ChooserParameters, StoppingParameters, ValidRequest
 
@@ -118,3 +120,141 @@ def test_queue_metrics() -> None:
     assert metrics.QUEUE_SIZE.value() == 1 and metrics.BATCH_NEXT_SIZE.count() == 1
     text = metrics.render()[0].decode()
     assert 'tgi_batch_next_size_bucket{le="2"} 1' in text and 'tgi_batch_next_size_bucket{le="1"} 0' in text
+
+
+# -- paged shards: the queue hands out KV blocks (TGI v3) ------------------------------------------------------
+
+
+def paged(
+    block_size: int = 4, prefix_caching: bool = True, chunking: bool = False, total_tokens: int = 64, speculate: int = 0
+) -> Queue:
+    info = generate_pb2.InfoResponse(
+        requires_padding=False,
+        block_size=block_size,
+        use_prefix_caching=prefix_caching,
+        support_chunking=chunking,
+        speculate=speculate,
+    )
+    return Queue.for_shards(info, total_tokens)
+
+
+def free_blocks(q: Queue) -> int:
+    assert q.allocator is not None
+    return len(q.allocator.free_blocks)
+
+
+def test_for_shards_gives_paged_shards_an_allocator() -> None:
+    padded = Queue.for_shards(generate_pb2.InfoResponse(requires_padding=True, block_size=16), 1000)
+    assert padded.allocator is None
+    simple = paged(prefix_caching=False)
+    assert isinstance(simple.allocator, SimpleAllocator) and not simple.support_chunking
+    radix = paged(chunking=True)
+    assert isinstance(radix.allocator, RadixAllocator) and radix.support_chunking
+    assert free_blocks(radix) == 64 // 4 - 1
+
+
+def test_paged_requests_carry_their_blocks_and_slots() -> None:
+    q = paged(speculate=1)
+    filled(q, (5, 3), (2, 1))
+    entries, batch = q.next_batch(None, None, 100, 100)
+    a, b = batch.requests
+    # 5 + 3 + 1 - 1 = 8 tokens: 2 blocks; 2 + 1 + 1 - 1 = 3 tokens: 1 block
+    assert list(a.blocks) == [14, 15] and list(a.slots) == list(range(56, 64)) and a.cache_len == 0
+    assert list(b.blocks) == [13] and list(b.slots) == [52, 53, 54]
+    assert not a.HasField("chunk_len") and not b.HasField("chunk_len")
+    assert batch.max_blocks == 2 and batch.max_tokens == 5 + 2  # the prompts; the blocks cover the decode
+    assert entries[0].allocation is not None and entries[0].allocation.blocks == [14, 15]
+
+
+def test_paged_admission_stops_at_the_first_request_without_blocks() -> None:
+    q = paged(total_tokens=32)  # 7 usable blocks of 4
+    filled(q, (8, 9), (8, 9), (1, 1))
+    entries, batch = q.next_batch(None, None, 100, 100)
+    assert batch.size == 1 and [e.id for e in q.entries] == [1, 2]  # 16 tokens = 4 blocks; 3 left: no skipping
+    assert free_blocks(q) == 3
+    for e in entries.values():
+        e.release()
+    _, batch = q.next_batch(None, None, 100, 100)
+    assert batch.size == 2
+
+
+def prefilled_and_released(q: Queue, entries: dict[int, Entry]) -> None:
+    for e in entries.values():
+        e.prefilled = True
+        e.release()
+
+
+def test_a_cached_prefix_is_not_computed_again_and_counts_nothing_in_the_prefill() -> None:
+    q = paged()
+    q.append(entry(10, 2))
+    prefilled_and_released(q, q.next_batch(None, None, 100, 100)[0])  # caches 2 whole blocks: 8 tokens
+    q.append(entry(10, 2))
+    q.append(entry(3, 1))
+    entries, batch = q.next_batch(None, None, 5, 100)  # 10 - 8 + 3 = 5 prompt tokens to compute
+    assert batch.requests[0].cache_len == 8 and batch.size == 2 and batch.max_tokens == 5
+    r = batch.requests[0]
+    assert list(r.slots[:8]) == [b * 4 + i for b in r.blocks[:2] for i in range(4)]  # the slots cover the prefix
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token() -> None:
+    q = paged()
+    q.append(entry(8, 2))
+    prefilled_and_released(q, q.next_batch(None, None, 100, 100)[0])
+    q.append(entry(8, 2))
+    _, batch = q.next_batch(None, None, 100, 100)
+    assert batch.requests[0].cache_len == 7 and batch.max_tokens == 1
+
+
+def test_prefill_logprobs_skip_the_prefix_cache() -> None:
+    q = paged()
+    q.append(entry(8, 2))
+    prefilled_and_released(q, q.next_batch(None, None, 100, 100)[0])
+    q.append(entry(8, 2, details=True))
+    _, batch = q.next_batch(None, None, 100, 100)
+    assert batch.requests[0].cache_len == 0 and batch.requests[0].prefill_logprobs
+
+
+def test_an_entry_not_prefilled_caches_nothing() -> None:
+    q = paged()
+    q.append(entry(8, 2))
+    for e in q.next_batch(None, None, 100, 100)[0].values():
+        e.release()  # e.g. failed or dropped before its first token
+    q.append(entry(8, 2))
+    _, batch = q.next_batch(None, None, 100, 100)
+    assert batch.requests[0].cache_len == 0
+
+
+def test_without_chunking_a_prompt_over_the_prefill_budget_waits_with_no_blocks() -> None:
+    q = paged()
+    filled(q, (4, 1), (6, 1))
+    before = free_blocks(q)
+    entries, batch = q.next_batch(None, None, 8, 100)
+    assert batch.size == 1 and len(q) == 1 and free_blocks(q) == before - 1  # the second's 2 blocks came back
+
+
+def test_with_chunking_the_overflowing_prompt_takes_the_rest_of_the_budget() -> None:
+    q = paged(chunking=True)
+    filled(q, (4, 1), (10, 1), (1, 1))
+    entries, batch = q.next_batch(None, None, 8, 100)
+    a, b = batch.requests
+    assert not a.HasField("chunk_len") and b.chunk_len == 4 and batch.size == 2 and len(q) == 1
+    assert batch.max_tokens == 4  # as TGI: the chunk is not counted
+    assert len(b.blocks) == 3  # blocks for the whole request all the same
+
+
+def test_with_chunking_a_spent_budget_puts_the_request_back() -> None:
+    q = paged(chunking=True)
+    filled(q, (8, 1), (4, 1))
+    before = free_blocks(q)
+    entries, batch = q.next_batch(None, None, 8, 100)
+    assert batch.size == 1 and len(q) == 1 and free_blocks(q) == before - 2  # the second's block came back
+
+
+def test_paged_min_size_put_back_frees_the_blocks() -> None:
+    q = paged()
+    filled(q, (4, 1), (4, 1), (4, 1))
+    before = free_blocks(q)
+    assert q.next_batch(3, None, 8, 100) is None
+    assert free_blocks(q) == before and [e.id for e in q.entries] == [0, 1, 2]
+    assert all(e.allocation is None for e in q.entries)
+    assert q.next_batch(None, None, 100, 100) is not None

@@ -166,7 +166,9 @@ async def warm_up(client: ShardedClient, config: RouterConfig) -> Backend:
     await _shard_call(client.clear_cache(None), "Unable to clear the Python model shards cache")
     info = await _shard_call(client.info(), "Unable to get the Python model shards info")
     if info.support_chunking:
-        logger.warning("The shards support chunked prefill; this router schedules whole prompts only")
+        logger.warning(
+            "Model supports prefill chunking. `waiting_served_ratio` and `max_waiting_tokens` will be ignored."
+        )
     logger.info("Warming up model")
     batch = warmup_batch(
         config.max_input_tokens, config.max_batch_prefill_tokens, config.max_total_tokens, config.max_batch_size
@@ -183,10 +185,10 @@ async def warm_up(client: ShardedClient, config: RouterConfig) -> Backend:
     batch_total = _settle_batch_total_tokens(config, supported, shard_total)
     logger.info("Setting max batch total tokens to %d", batch_total)
     metrics.BATCH_MAX_TOTAL_TOKENS.set(batch_total)
-    _check_limits(shard_input, shard_total, config.max_batch_prefill_tokens, batch_total)
+    _check_limits(shard_input, shard_total, config.max_batch_prefill_tokens, batch_total, info.support_chunking)
     metrics.configure_length_buckets(shard_input, shard_total)
 
-    queue = Queue.for_shards(info)
+    queue = Queue.for_shards(info, batch_total)
     batcher = Batcher(client, queue, config.batching(batch_total))
     infer = Infer(client, queue, batcher, config.max_concurrent_requests)
     infer.start()
@@ -208,13 +210,16 @@ def _settle_batch_total_tokens(config: RouterConfig, supported: int | None, shar
     return supported
 
 
-def _check_limits(max_input_tokens: int, max_total_tokens: int, max_prefill_tokens: int, batch_total: int) -> None:
-    """TGI's checks of the settled limits against each other."""
+def _check_limits(
+    max_input_tokens: int, max_total_tokens: int, max_prefill_tokens: int, batch_total: int, chunking: bool
+) -> None:
+    """TGI's checks of the settled limits against each other.
+
+    Shards that chunk prefills may take prompts longer than a prefill step (`chunking`).
+    """
     if max_input_tokens >= max_total_tokens:
         raise _invalid("`max_input_tokens` must be < `max_total_tokens`")
-    # TGI skips this check for shards that chunk prefills; this router never chunks, so a longer prompt
-    # could never be scheduled: the check always applies.
-    if max_input_tokens > max_prefill_tokens:
+    if not chunking and max_input_tokens > max_prefill_tokens:
         raise _invalid(
             "`max_batch_prefill_tokens` must be >= `max_input_tokens`. "
             f"Given: {max_prefill_tokens} and {max_input_tokens}"

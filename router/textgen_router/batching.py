@@ -1,20 +1,27 @@
 """The continuous-batching loop: decides *when* queued requests run, and routes results to their streams.
 
-TGI's non-chunking loop: wait for a request; prefill the largest batch the queue yields; then decode the
-running batch step by step. Before each step, waiting requests may join: the queue must yield at least
-`waiting_served_ratio` x the running batch size (backpressure), or anything that fits once
-`max_waiting_tokens` steps passed without onboarding. The joiners are prefilled alone (the running batch pauses
-one step) and then decoded together with it (a Decode with two batches, concatenated by the shards).
+TGI v3's loop: wait for a request; prefill the largest batch the queue yields; then decode the running batch
+step by step. Before each step, waiting requests may join:
+- shards without chunking: the queue must yield at least `waiting_served_ratio` x the running batch size
+  (backpressure), or anything that fits once `max_waiting_tokens` steps passed without onboarding. The joiners
+  are prefilled alone (the running batch pauses one step) and then decoded together with it (a Decode with two
+  batches, concatenated by the shards);
+- shards that chunk prefills: whatever fits in the prefill budget left by the running batch's next forward
+  (`max_batch_prefill_tokens - current_tokens`) joins at once, in a Prefill that carries the running batch
+  (`cached_batch`) for the shards to extend; rows still prefilling a prompt get no generation until its last
+  chunk is done.
 After every Prefill/Decode the generations become their entries' events, and finished or dropped requests are
 filtered out of the shard batch in the same step (FilterBatch, or ClearCache when none is left).
 The events are delivered only once the next Prefill/Decode is sent (or the loop goes idle): their HTTP work
 (JSON, SSE, socket writes) then overlaps the shards' step instead of delaying it. An entry's sink (a stream's
 writer, see types.TokenSink) takes its IntermediateEvents right there, in this task; the other events wake the
 request's task.
-A failing Prefill fails only its new requests; a failing Decode fails the whole running batch; either way the
-shard caches of the failed batches are cleared. A Prefill the shards refuse for some of its requests only
-(`ShardError.refused`) fails just those, each with its reason, and the others are prefilled again.
-TGI's chunked-prefill branch is not implemented: our shards never report `support_chunking`.
+A failing Prefill fails its new requests, and with chunking the running ones it carried too; a failing Decode
+fails the whole running batch; either way the shard caches of the failed batches are cleared. A Prefill the
+shards refuse for some of its requests only (`ShardError.refused`) fails just those, each with its reason, and
+the others are prefilled again.
+An entry's first generation marks it prefilled; every entry that leaves (finished, dropped, failed) releases
+its KV blocks, caching its prompt only when it was prefilled (see queue.Entry).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 from opentelemetry import trace
 
@@ -63,6 +71,32 @@ async def keep_requests(
         await client.clear_cache(batch.id)
         return None
     return await client.filter_batch(batch.id, list(request_ids))
+
+
+class JoinLimits(NamedTuple):
+    """`Queue.next_batch`'s arguments for the requests that may join a running batch."""
+
+    min_size: int | None
+    max_size: int | None
+    prefill_token_budget: int
+    token_budget: int
+
+
+def join_limits(
+    cached: generate_pb2.CachedBatch, limits: BatchingLimits, chunking: bool, wait_exceeded: bool
+) -> JoinLimits:
+    """What may join the running batch `cached` (TGI v3's batching task, see the module docstring).
+
+    With chunking the joiners share the running batch's next forward, so the prefill budget is what that
+    forward leaves (`current_tokens`), and sizes do not matter since the budget bounds a step; otherwise a join
+    must be worth pausing the running batch for (`min_size`) unless it waited `max_waiting_tokens` steps.
+    """
+    token_budget = max(0, limits.max_batch_total_tokens - cached.max_tokens)
+    if chunking:
+        return JoinLimits(None, None, max(0, limits.max_batch_prefill_tokens - cached.current_tokens), token_budget)
+    min_size = None if wait_exceeded else math.floor(cached.size * limits.waiting_served_ratio)
+    max_size = None if limits.max_batch_size is None else max(0, limits.max_batch_size - cached.size)
+    return JoinLimits(min_size, max_size, limits.max_batch_prefill_tokens, token_budget)
 
 
 class Batcher:
@@ -137,37 +171,53 @@ class Batcher:
         batches = [cached]
         metrics.BATCH_CURRENT_SIZE.set(cached.size)
         metrics.BATCH_CURRENT_MAX_TOKENS.set(cached.max_tokens)
-        limits = self.limits
-        min_size = None if wait_exceeded else math.floor(cached.size * limits.waiting_served_ratio)
-        max_size = None if limits.max_batch_size is None else max(0, limits.max_batch_size - cached.size)
-        token_budget = max(0, limits.max_batch_total_tokens - cached.max_tokens)
-        nxt = self.queue.next_batch(min_size, max_size, limits.max_batch_prefill_tokens, token_budget)
+        chunking = self.queue.support_chunking
+        join = join_limits(cached, self.limits, chunking, wait_exceeded)
+        nxt = self.queue.next_batch(*join)
         if nxt is not None:
             new_entries, new_batch = nxt
-            metrics.BATCH_CONCAT.labels("backpressure" if min_size is not None else "wait_exceeded").inc()
-            new_cached = await self._prefill(new_batch, new_entries)
-            self.running.update(new_entries)
+            reason = "backpressure" if join.min_size is not None else "chunking" if chunking else "wait_exceeded"
+            metrics.BATCH_CONCAT.labels(reason).inc()
+            if chunking:
+                self.running.update(new_entries)
+                new_cached = await self._prefill(new_batch, self.running, batches.pop())
+                if new_cached is None:  # every request ended (or the Prefill failed): nothing left to decode
+                    return None, True
+            else:
+                new_cached = await self._prefill(new_batch, new_entries)
+                self.running.update(new_entries)
             if new_cached is not None:
                 batches.append(new_cached)
         return await self._decode(batches, self.running), nxt is not None
 
-    async def _prefill(self, batch: generate_pb2.Batch, entries: dict[int, Entry]) -> generate_pb2.CachedBatch | None:
+    async def _prefill(
+        self,
+        batch: generate_pb2.Batch,
+        entries: dict[int, Entry],
+        cached_batch: generate_pb2.CachedBatch | None = None,
+    ) -> generate_pb2.CachedBatch | None:
+        """Prefill `batch` (extending `cached_batch` on the shards when chunking); `entries` are every request
+        of the resulting batch."""
         start = time.monotonic()
         metrics.BATCH_INFERENCE_COUNT.labels(PREFILL).inc()
+        batch_ids = [batch.id] if cached_batch is None else [batch.id, cached_batch.id]
         links = [trace.Link(e.span.get_span_context()) for e in entries.values() if e.span is not None]
         with tracer.start_as_current_span("batch", links=links, attributes={"batch_size": len(entries)}):
             try:
-                result = await self.client.prefill(batch, sent=self._deliver_soon)
+                result = await self.client.prefill(batch, cached_batch, sent=self._deliver_soon)
             except ShardError as err:
                 metrics.BATCH_INFERENCE_FAILURE.labels(PREFILL).inc()
                 rest = self._refuse(batch, entries, err.refused)
                 if rest is None:
-                    await self._fail([batch.id], entries, err)
+                    await self._fail(batch_ids, entries, err)
                     return None
             else:
-                return await self._after(PREFILL, result, entries, [batch.id], start)
-        # Every refusal ends an entry, so these retries stop.
-        return await self._prefill(rest, entries) if rest.requests else None
+                return await self._after(PREFILL, result, entries, batch_ids, start)
+        # Every refusal ends an entry, so these retries stop. A refusing shard validates the new requests
+        # before it touches `cached_batch`, which it still holds as it was.
+        if rest.requests:
+            return await self._prefill(rest, entries, cached_batch)
+        return cached_batch
 
     def _refuse(
         self, batch: generate_pb2.Batch, entries: dict[int, Entry], refused: dict[int, str]
@@ -177,12 +227,19 @@ class Batcher:
         None (nothing ended) when the failure refused no request of `batch` in particular. The refused call
         cached nothing, so the rest keeps the batch id; its `max_tokens` still covers the rest.
         """
-        if not refused or not refused.keys() <= entries.keys():
+        new_ids = {r.id for r in batch.requests}
+        if not refused or not refused.keys() <= new_ids:
             return None
         for request_id, reason in refused.items():
             self._end(entries.pop(request_id), f"Server error: {reason}")
         requests = [r for r in batch.requests if r.id not in refused]
-        return generate_pb2.Batch(id=batch.id, requests=requests, size=len(requests), max_tokens=batch.max_tokens)
+        return generate_pb2.Batch(
+            id=batch.id,
+            requests=requests,
+            size=len(requests),
+            max_tokens=batch.max_tokens,
+            max_blocks=max((len(r.blocks) for r in requests), default=0),
+        )
 
     async def _decode(
         self, batches: Sequence[generate_pb2.CachedBatch], entries: dict[int, Entry]
@@ -246,9 +303,11 @@ class Batcher:
         for g in generations:
             rid = g.request_id
             entry = entries[rid]
+            entry.prefilled = True
             if entry.dropped:
                 metrics.REQUEST_FAILURE.labels("dropped").inc()
                 entry.finish_span()
+                entry.release()
                 del entries[rid]
                 continue
             request = entry.request
@@ -286,6 +345,7 @@ class Batcher:
                     put((entry, IntermediateEvent(token, top)))
             if done:
                 entry.finish_span()
+                entry.release()
                 del entries[rid]
 
     async def _fail(self, batch_ids: list[int], entries: dict[int, Entry], err: ShardError) -> None:
@@ -310,6 +370,7 @@ class Batcher:
         logger.error("%s", error)
         entry.events.put_nowait(error)
         entry.finish_span()
+        entry.release()
 
     def fail_all(self, message: str, queued: bool = True) -> None:
         """End every running request (and every queued one if `queued`) with GenerationError(message)."""
@@ -323,3 +384,4 @@ class Batcher:
         for entry in pending:
             entry.events.put_nowait(GenerationError(message))
             entry.finish_span()
+            entry.release()

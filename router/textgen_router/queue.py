@@ -1,13 +1,15 @@
 """The request queue: decides *what* runs next, within token budgets, in strict FIFO order.
 
-`Queue.next_batch(min_size, max_size, prefill_token_budget, token_budget)` follows TGI v3's queue for
-shards without a block allocator:
+`Queue.next_batch(min_size, max_size, prefill_token_budget, token_budget)` follows TGI v3's queue:
 - padded shards (Info.requires_padding): the prefill costs (n + 1) * longest prompt, since the shard pads
-  every row to the longest; decode tokens add up every max_new_tokens;
-- other shards: prompts and (window-capped) max_new_tokens are each rounded up to the shard's block size.
+  every row to the longest; decode tokens add up every max_new_tokens (`BatchBudget`);
+- paged shards (a `BlockAllocator` given): a request is admitted when the allocator has blocks for all its
+  tokens; the prefill counts only the prompt tokens past its cached prefix, and with chunking the request
+  that overflows the prefill budget takes what is left of it (`chunk_len`) and closes the batch;
+- no padding and no allocator: prompts and (window-capped) max_new_tokens are each rounded up to the block
+  size (TGI v2's queue; `BatchBudget`).
 A request that does not fit goes back to the front and closes the batch (no skipping ahead); requests whose
-consumer went away are dropped when reached. `BatchBudget` holds that arithmetic over plain numbers. Pure
-logic, no I/O: the batching loop awaits nothing here.
+consumer went away are dropped when reached. Pure logic, no I/O: the batching loop awaits nothing here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from opentelemetry import trace
 from textgen_pb import generate_pb2
 
 from . import metrics
+from .block_allocator import BlockAllocation, BlockAllocator
 from .types import InferError, StreamEvent, TokenSink, ValidRequest
 
 tracer = trace.get_tracer("textgen_router")
@@ -65,6 +68,10 @@ class Entry:
     `events` receives the StreamEvents of the request, or an InferError that ends it; `sink`, when set, takes
     the IntermediateEvents first (see types.TokenSink); `dropped` is set by the consumer's side when it stops
     listening, and makes the queue and batching loop let go of it.
+
+    `allocation` (paged shards) holds the request's KV blocks from the batch it joins until it leaves the
+    router, when whoever lets it go calls `release()`; `prefilled` turns True with its first generation, the
+    proof that the shards computed its whole prompt.
     """
 
     request: ValidRequest
@@ -77,6 +84,14 @@ class Entry:
     dropped: bool = False
     pb: generate_pb2.Request | None = None
     span: trace.Span | None = None
+    allocation: BlockAllocation | None = None
+    prefilled: bool = False
+
+    def release(self) -> None:
+        """Give back the entry's blocks, if it holds any: its prompt is cached only when prefilled."""
+        if self.allocation is not None:
+            self.allocation.release(cache_prompt=self.prefilled)
+            self.allocation = None
 
     def finish_span(self) -> None:
         if self.span is not None:
@@ -165,24 +180,47 @@ class BatchBudget:
 
 
 class Queue:
-    """FIFO of Entries; ids increase per appended request, batch ids per created batch."""
+    """FIFO of Entries; ids increase per appended request, batch ids per created batch.
+
+    `allocator` set: the shards are paged and the queue hands out their blocks (see the module docstring);
+    `support_chunking`: the shards may prefill a prompt over several steps.
+    """
 
     def __init__(
-        self, requires_padding: bool, block_size: int = 1, window_size: int | None = None, speculate: int = 0
+        self,
+        requires_padding: bool,
+        block_size: int = 1,
+        window_size: int | None = None,
+        speculate: int = 0,
+        allocator: BlockAllocator | None = None,
+        support_chunking: bool = False,
     ) -> None:
         self.requires_padding = requires_padding
         self.block_size = max(1, block_size)
         self.window_size = window_size
         self.speculate = speculate
+        self.allocator = allocator
+        self.support_chunking = support_chunking
         self.entries: deque[Entry] = deque()
         self.next_id = 0
         self.next_batch_id = 0
 
     @classmethod
-    def for_shards(cls, info: generate_pb2.InfoResponse) -> Queue:
-        """The queue for shards that answered Info with `info` (padding, block size, window, speculation)."""
+    def for_shards(cls, info: generate_pb2.InfoResponse, max_batch_total_tokens: int) -> Queue:
+        """The queue for shards that answered Info with `info`, holding `max_batch_total_tokens` in a batch.
+
+        Shards without padding that report a block size get a block allocator over that many tokens (the
+        radix one when they cache prefixes), as TGI v3.
+        """
         window_size = info.window_size if info.HasField("window_size") else None
-        return cls(info.requires_padding, info.block_size, window_size, info.speculate)
+        allocator = None
+        if not info.requires_padding and info.block_size > 0:
+            allocator = BlockAllocator.for_shards(
+                max_batch_total_tokens, info.block_size, info.use_prefix_caching, window_size
+            )
+        return cls(
+            info.requires_padding, info.block_size, window_size, info.speculate, allocator, info.support_chunking
+        )
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -208,30 +246,42 @@ class Queue:
             return None
         if min_size is not None and len(self.entries) < min_size:
             return None
-        budget = BatchBudget(
-            self.requires_padding,
-            self.block_size,
-            self.window_size,
-            self.speculate,
-            _round_up(prefill_token_budget, self.block_size),
-            token_budget,
-        )
-        batch = self._take(budget, max_size)
+        prefill_token_budget = _round_up(prefill_token_budget, self.block_size)
+        chunk_len: int | None = None
+        if self.allocator is not None:
+            batch, max_tokens, chunk_len = self._take_paged(self.allocator, max_size, prefill_token_budget)
+        else:
+            budget = BatchBudget(
+                self.requires_padding,
+                self.block_size,
+                self.window_size,
+                self.speculate,
+                prefill_token_budget,
+                token_budget,
+            )
+            batch, max_tokens = self._take(budget, max_size), budget.max_tokens
         if not batch or (min_size is not None and len(batch) < min_size):
+            for entry in batch:  # TGI frees them too, and allocates again when they next fit
+                entry.release()
             self.entries.extendleft(reversed(batch))
             metrics.QUEUE_SIZE.set(len(self.entries))
             return None
-        return {e.id: e for e in batch}, self._start(batch, budget.max_tokens)
+        return {e.id: e for e in batch}, self._start(batch, max_tokens, chunk_len)
 
-    def _take(self, budget: BatchBudget, max_size: int | None) -> list[Entry]:
-        """Pop entries in order while `budget` admits them (at most `max_size`), dropping abandoned ones."""
-        batch: list[Entry] = []
+    def _pop(self) -> Entry | None:
+        """The first entry still wanted, dropping (and counting) the abandoned ones before it."""
         while self.entries:
             entry = self.entries.popleft()
-            if entry.dropped:
-                metrics.REQUEST_FAILURE.labels("dropped").inc()
-                entry.finish_span()
-                continue
+            if not entry.dropped:
+                return entry
+            metrics.REQUEST_FAILURE.labels("dropped").inc()
+            entry.finish_span()
+        return None
+
+    def _take(self, budget: BatchBudget, max_size: int | None) -> list[Entry]:
+        """Pop entries in order while `budget` admits them (at most `max_size`)."""
+        batch: list[Entry] = []
+        while (entry := self._pop()) is not None:
             request = entry.request
             if not budget.admit(request.input_length, request.stopping_parameters.max_new_tokens):
                 self.entries.appendleft(entry)
@@ -241,17 +291,76 @@ class Queue:
                 break
         return batch
 
-    def _start(self, batch: list[Entry], max_tokens: int) -> generate_pb2.Batch:
-        """Mark `batch`'s entries as running (time, tracing span) and make their gRPC Batch."""
+    def _take_paged(
+        self, allocator: BlockAllocator, max_size: int | None, prefill_token_budget: int
+    ) -> tuple[list[Entry], int, int | None]:
+        """Pop entries in order while the allocator has their blocks and the prefill budget their uncached
+        prompt tokens (at most `max_size`).
+
+        Returns the entries (each holding its allocation), the prefill tokens counted (TGI's Batch.max_tokens
+        for paged shards: decode tokens are covered by the blocks) and the chunk length of the last entry when
+        it was chunked.
+        """
+        batch: list[Entry] = []
+        prefill_tokens = 0
+        while (entry := self._pop()) is not None:
+            request = entry.request
+            tokens = request.input_length + request.stopping_parameters.max_new_tokens + self.speculate - 1
+            # Prefill logprobs need every prompt token computed: no lookup, and nothing cached afterwards.
+            prompt = None if request.decoder_input_details else request.input_ids
+            allocation = allocator.allocate(tokens, prompt)
+            if allocation is None:
+                self.entries.appendleft(entry)
+                break
+            entry.allocation = allocation
+            postfix = request.input_length - self._cache_len(entry)
+            if prefill_tokens + postfix > prefill_token_budget:
+                chunk_len = prefill_token_budget - prefill_tokens
+                if self.support_chunking and chunk_len > 0:
+                    batch.append(entry)
+                    return batch, prefill_tokens, chunk_len
+                entry.release()
+                self.entries.appendleft(entry)
+                break
+            prefill_tokens += postfix
+            batch.append(entry)
+            if max_size is not None and len(batch) == max_size:
+                break
+        return batch, prefill_tokens, None
+
+    @staticmethod
+    def _cache_len(entry: Entry) -> int:
+        """The prompt tokens the shards need not compute: the cached prefix, short of the whole prompt (the
+        forward needs at least one token to produce the next one)."""
+        assert entry.allocation is not None
+        return min(entry.allocation.prefix_len, entry.request.input_length - 1)
+
+    def _start(self, batch: list[Entry], max_tokens: int, chunk_len: int | None) -> generate_pb2.Batch:
+        """Mark `batch`'s entries as running (time, tracing span) and make their gRPC Batch.
+
+        Paged shards also get each request's blocks, slots and cached prefix length, the batch's largest block
+        count, and `chunk_len` on the last request when it was chunked.
+        """
         now = time.monotonic()
         requests: list[generate_pb2.Request] = []
+        max_blocks = 0
         for entry in batch:
             entry.batch_time = now
             entry.finish_span()
             entry.span = tracer.start_span("infer", context=entry.parent)
-            assert entry.pb is not None  # set by append
-            requests.append(entry.pb)
-        pb = generate_pb2.Batch(id=self.next_batch_id, requests=requests, size=len(batch), max_tokens=max_tokens)
+            pb = entry.pb
+            assert pb is not None  # set by append
+            if entry.allocation is not None:
+                pb.blocks[:] = entry.allocation.blocks
+                pb.slots[:] = entry.allocation.slots
+                pb.cache_len = self._cache_len(entry)
+                max_blocks = max(max_blocks, len(entry.allocation.blocks))
+            requests.append(pb)
+        if chunk_len is not None:
+            requests[-1].chunk_len = chunk_len
+        pb = generate_pb2.Batch(
+            id=self.next_batch_id, requests=requests, size=len(batch), max_tokens=max_tokens, max_blocks=max_blocks
+        )
         self.next_batch_id += 1
         metrics.QUEUE_SIZE.set(len(self.entries))
         metrics.BATCH_NEXT_SIZE.observe(len(batch))
