@@ -22,10 +22,40 @@ Pure data structures, no I/O.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .radix import Node, RadixTrie
+
+
+class FreeBlocks:
+    """The free list: blocks given back (reused first, most recent first, so the shards' pages a request
+    touched serve the next one) and the blocks never handed out, kept as a count: a CPU shard's pool of a
+    small model holds millions of blocks."""
+
+    def __init__(self, n_blocks: int) -> None:
+        self._fresh = max(0, n_blocks - 1)  # blocks 1..fresh were never handed out (block 0 never is)
+        self._returned: list[int] = []
+
+    def __len__(self) -> int:
+        return self._fresh + len(self._returned)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(1, self._fresh + 1)
+        yield from self._returned
+
+    def take(self, n: int) -> list[int]:
+        """The last `n` of the free list `[1..fresh] + returned` (the caller checked there are enough)."""
+        reused = min(n, len(self._returned))
+        fresh = n - reused
+        blocks = list(range(self._fresh - fresh + 1, self._fresh + 1))
+        self._fresh -= fresh
+        blocks.extend(self._returned[len(self._returned) - reused :])
+        del self._returned[len(self._returned) - reused :]
+        return blocks
+
+    def extend(self, blocks: Iterable[int]) -> None:
+        self._returned.extend(blocks)
 
 
 @dataclass(eq=False)
@@ -61,7 +91,7 @@ class BlockAllocator(ABC):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.n_blocks = n_blocks
-        self.free_blocks = list(range(1, n_blocks))
+        self.free_blocks = FreeBlocks(n_blocks)
 
     @classmethod
     def for_shards(
@@ -85,12 +115,8 @@ class BlockAllocator(ABC):
         """Take `allocation`'s blocks back (through `BlockAllocation.release`, which makes it happen once)."""
 
     def _take(self, n: int) -> list[int]:
-        """The last `n` free blocks, as TGI hands them out."""
-        if n <= 0:
-            return []
-        blocks = self.free_blocks[-n:]
-        del self.free_blocks[-n:]
-        return blocks
+        """`n` free blocks: the end of the free list, as TGI hands them out."""
+        return self.free_blocks.take(n) if n > 0 else []
 
     def _slots(self, blocks: Sequence[int], tokens: int) -> list[int]:
         """Each block's slots in order, cycling through `blocks`, until there are `tokens` of them."""
