@@ -7,7 +7,7 @@ HTTP tests:
 
 Inference-side tests (backend, batching; plain helpers in inference_harness.py):
 - `shard` (module): real `textgen-server serve` processes of the tiny llama on unique unix sockets; a module
-  sets `NUM_SHARD = 2` to get a tensor-parallel group.
+  sets `NUM_SHARD = 2` to get a tensor-parallel group, `SHARD_ENV` to add to their environment.
 - `run` (module): runs a coroutine (90 s at most) on the module's own event loop. The backend's grpc.aio
   channels and batching task live on one loop, so module-scoped fixtures drive a loop that outlives tests.
 - `oracle` (module): `oracle(prompt, n)`, the n greedy token ids of transformers `generate` on the prompt alone
@@ -49,9 +49,10 @@ def client(router: RouterProcess) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def shard(request: pytest.FixtureRequest, tiny_llama: Path) -> Iterator[ShardHandle]:
-    """The module's shard processes (NUM_SHARD of them, default 1), stopped after the module."""
+    """The module's shard processes (NUM_SHARD of them, default 1; SHARD_ENV added to their environment),
+    stopped after the module."""
     num_shard = getattr(request.module, "NUM_SHARD", 1)
-    with ShardProcess(tiny_llama, num_shard=num_shard) as handle:
+    with ShardProcess(tiny_llama, num_shard=num_shard, env=getattr(request.module, "SHARD_ENV", None)) as handle:
         yield handle
 
 

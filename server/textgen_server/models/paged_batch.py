@@ -224,7 +224,7 @@ class PagedBatch(Batch):
         if self._block_table_tensor is not None:
             width = max(len(blocks) for blocks in self.block_tables)
             index = torch.tensor(keep, dtype=torch.long)
-            self._block_table_tensor = self._block_table_tensor.index_select(0, index)[:, :width]
+            self._block_table_tensor = self._block_table_tensor.index_select(0, index)[:, :width].contiguous()
         return self
 
     @classmethod
