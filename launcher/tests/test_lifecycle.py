@@ -26,8 +26,8 @@ def launch(launcher: Callable[..., LauncherProcess]) -> Iterator[LaunchFactory]:
     """The session's launcher factory, not waiting for health, and every launcher stopped with its test."""
     started: list[LauncherProcess] = []
 
-    def start(model: Path, *args: str) -> LauncherProcess:
-        started.append(launcher(model, *args, wait=False))
+    def start(model: Path, *args: str, env: dict[str, str] | None = None) -> LauncherProcess:
+        started.append(launcher(model, *args, env=env, wait=False))
         return started[-1]
 
     yield start
@@ -84,13 +84,14 @@ def test_a_dead_shard_stops_everything(launch: LaunchFactory, tiny_llama: Path) 
 
 
 def test_a_router_that_fails_stops_the_shards(launch: LaunchFactory, tiny_llama: Path) -> None:
-    # The launcher does not check this pair (TGI 3 moved the check into the router, after warmup).
+    # Only the router learns it, after warmup: the shards' KV pool (capped to 128 tokens) cannot hold one
+    # request of --max-total-tokens.
     launched = launch(
-        tiny_llama, "--max-input-tokens", "100", "--max-total-tokens", "200", "--max-batch-prefill-tokens", "50"
+        tiny_llama, "--max-input-tokens", "100", "--max-total-tokens", "200", env={"TEXTGEN_KV_CACHE_TOKENS": "128"}
     )
     assert launched.wait_exit(240) == 1
     log = launched.log
-    assert "`max_batch_prefill_tokens` must be >= `max_input_tokens`. Given: 50 and 100" in log
+    assert "Not enough memory to handle `max_total_tokens=200`" in log
     assert "Webserver Crashed" in log and "Error: WebserverFailed" in log
     assert log.index("Webserver Crashed") < log.index("Terminating shard 0")
     assert launched.sockets_left() == []

@@ -19,6 +19,9 @@ from textgen_router.shard_client import ShardedClient, ShardError, _metadata
 from textgen_router.types import GenerationError
 
 NUM_SHARD = 2  # every call fans out to two ranks; each answers generations for its own rows only
+# The limits as TGI settles them for shards without a KV pool (the padded engine); test_paged_engine.py covers
+# paged shards, whose pool sets max_batch_total_tokens.
+SHARD_ENV = {"USE_FLASH_ATTENTION": "false"}
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -77,9 +77,14 @@ def exporter() -> InMemorySpanExporter:
     return spans
 
 
+# The same KV pool for the shard and its replacement (the router keeps the blocks warmup sized: a pool sized
+# from free memory again could be smaller).
+POOL = {"TEXTGEN_KV_CACHE_TOKENS": "65536"}
+
+
 @pytest.fixture(scope="module")
 def shard_and_router(tiny_llama: Path, exporter: InMemorySpanExporter) -> Iterator[tuple[Any, InProcessRouter]]:
-    shard = spawn_shards(tiny_llama)
+    shard = spawn_shards(tiny_llama, env=POOL)
     try:
         argv = [
             "--master-shard-uds-path",
@@ -149,7 +154,7 @@ def test_health_after_a_shard_failure_and_recovery(
     assert unhealthy.status_code == 503
     assert unhealthy.json() == {"error": "unhealthy", "error_type": "healthcheck"}
     # A new shard on the same socket: the next check's liveness prefill passes and health comes back.
-    replacement = spawn_shards(tiny_llama, uds_path=shard.uds_path)
+    replacement = spawn_shards(tiny_llama, uds_path=shard.uds_path, env=POOL)
     try:
         deadline = time.monotonic() + 60
         status = 503

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from inference_harness import Run, collect, router_config, valid
+from inference_harness import Run, collect, router_config
+from inference_harness import valid as short_valid
 
 from testing.shards import ShardProcess
 from textgen_router.backend import Backend, connect_backend
 from textgen_router.block_allocator import RadixAllocator
 from textgen_router.config import RouterConfig
-from textgen_router.types import EndEvent, PrefillEvent, StoppingParameters
+from textgen_router.types import EndEvent, PrefillEvent, StoppingParameters, ValidRequest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,6 +56,11 @@ SETUPS = [
     Setup("cache-chunked-blocks-of-1", prefill_tokens=32, attention="flashinfer"),
     Setup("cache-small-pool", pool_tokens=768, prefill_tokens=256),
 ]
+
+
+def valid(oracle: Any, text: str, max_new_tokens: int) -> ValidRequest:
+    """The request the router builds for `text`, untruncated (the prompts here exceed the harness's 64 tokens)."""
+    return dataclasses.replace(short_valid(oracle, text, max_new_tokens), truncate=400)
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=[s.name for s in SETUPS])
@@ -141,7 +147,9 @@ def test_prompt_logprobs_skip_the_prefix_cache(backend: Backend, oracle: Any, ru
 
 def test_many_distinct_prompts_then_the_first_again(backend: Backend, oracle: Any, run: Run) -> None:
     """More distinct prompts than a small pool caches: the trie evicts, and every answer stays right."""
-    prompts = [f"Document {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][i % 4 :]) * (4 + i % 3) for i in range(12)]
+    prompts = [
+        f"Document {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][i % 4 :]) * (4 + i % 3) for i in range(12)
+    ]
     requests = [valid(oracle, p, 5) for p in prompts]
 
     async def scenario() -> list[list[int]]:

@@ -76,7 +76,9 @@ def test_a_tgi_router_gets_transformers_tokens(shard: Any, llama_oracle: HFOracl
     stub = shard.stub()
     info = stub.Info(pb.InfoRequest())
     assert (info.block_size, info.use_prefix_caching, info.support_chunking) == (BLOCK_SIZE, True, True)
-    warmup = stub.Warmup(pb.WarmupRequest(batch=make_batch(0, [make_request(0, "_test " * 20, 2)]), max_prefill_tokens=BUDGET))
+    warmup = stub.Warmup(
+        pb.WarmupRequest(batch=make_batch(0, [make_request(0, "_test " * 20, 2)]), max_prefill_tokens=BUDGET)
+    )
     assert warmup.max_supported_total_tokens == 4096
     allocator = Allocator()
     ids = lambda text: llama_oracle.tokenizer(text)["input_ids"]  # noqa: E731
