@@ -61,7 +61,9 @@ def start(name: str, model: Path, dtype: str, threads: int, flags: list[str], en
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **env}
     if "ATTENTION" in os.environ:
         env.setdefault("ATTENTION", os.environ["ATTENTION"])
-    return launcher(name, str(model), ["--dtype", dtype, *flags], env)
+    # The launcher's --dtype takes float16 and bfloat16 only (TGI's choices); without it a CPU shard loads float32.
+    dtype_flags = [] if dtype == "float32" else ["--dtype", dtype]
+    return launcher(name, str(model), [*dtype_flags, *flags], env)
 
 
 def stop_on_sigterm() -> None:
