@@ -26,12 +26,12 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from textgen_benchmark.servers import DECODE, Server, scrape
+from textgen_benchmark.servers import DECODE, Server, launcher, scrape
+from textgen_benchmark.sse_client import sse_events
 from textgen_benchmark.stats import Latency
 from textgen_benchmark.w1 import Budgets, Job, make_workload, request_body, workload_budgets
 from textgen_common.ports import free_port
@@ -52,41 +52,6 @@ def _is_token_event(route: str, payload: dict) -> bool:
     return bool(choices and (choices[0].get("delta") or {}).get("content"))
 
 
-async def _events(host: str, port: int, path: str, body: dict) -> AsyncGenerator[tuple[float, bytes], None]:
-    """POST `body` and yield (arrival time, data) per SSE event of the answer; an HTTP error raises
-    RuntimeError. A bare asyncio HTTP/1.1 client: httpx took several times its CPU per event (README), on the
-    cores the server under test runs on (a real client runs on another machine)."""
-    data = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(
-            b"POST %s HTTP/1.1\r\nhost: w1\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (path.encode(), len(data), data)
-        )
-        head = await reader.readuntil(b"\r\n\r\n")
-        status = head.split(b" ", 2)[1].decode()
-        if status != "200":
-            raise RuntimeError(f"HTTP {status}: {(await reader.read())[:200]!r}")
-        chunked = b"transfer-encoding: chunked" in head.lower()
-        pending = b""
-        while True:
-            if chunked:
-                size = int((await reader.readline()).split(b";")[0], 16)
-                chunk = (await reader.readexactly(size + 2))[:-2]
-            else:
-                size = len(chunk := await reader.read(65536))
-            if not size:
-                return
-            now = time.perf_counter()
-            *events, pending = (pending + chunk).replace(b"\r\n", b"\n").split(b"\n\n")
-            for event in events:
-                for line in event.split(b"\n"):
-                    if line.startswith(b"data:"):
-                        yield now, line[5:].strip()
-    finally:
-        writer.close()
-
-
 async def _one(url: str, route: str, job: Job, t0: float, model: str) -> Result:
     await asyncio.sleep(max(0.0, t0 + job.send_at - time.perf_counter()))
     path, body = request_body(route, job, model)
@@ -96,7 +61,7 @@ async def _one(url: str, route: str, job: Job, t0: float, model: str) -> Result:
     res, start = Result(), time.perf_counter()
     last = start
     try:
-        async with contextlib.aclosing(_events(address.hostname, address.port, path, body)) as events:
+        async with contextlib.aclosing(sse_events(address.hostname, address.port, path, body)) as events:
             async for now, data in events:
                 if data == b"[DONE]":
                     break
@@ -149,23 +114,8 @@ def dtype_args(dtype: str | None) -> list[str]:
 
 
 def textgen_server(model: str, budgets: Budgets, env: dict[str, str], dtype: str | None) -> Server:
-    port = free_port()
-    argv = [
-        "textgen-launcher",
-        "--model-id",
-        model,
-        "--port",
-        str(port),
-        "--hostname",
-        "127.0.0.1",
-        "--shard-uds-path",
-        f"/tmp/w1-{port}",
-        "--max-concurrent-requests",
-        "256",
-        *budgets.launcher_args(),
-        *dtype_args(dtype),
-    ]
-    return Server("textgen", argv, port, "/health", env)
+    args = ["--max-concurrent-requests", "256", *budgets.launcher_args(), *dtype_args(dtype)]
+    return launcher("textgen", model, args, env)
 
 
 def step_figures(m0: dict[str, float], m1: dict[str, float], router_cpu: float, client_cpu: float) -> dict:

@@ -1,8 +1,10 @@
 """Server processes that benchmark scripts start and measure over HTTP: `Server` (its own process group, waited
-on until healthy) and `scrape` (every sample of its Prometheus /metrics)."""
+on until healthy), `launcher` (a `textgen-launcher` on loopback as a Server) and `scrape` (every sample of its
+Prometheus /metrics)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -12,19 +14,27 @@ import time
 import httpx
 import psutil
 
+from textgen_common.ports import free_port
+
+
+def log_path(name: str) -> str:
+    """Where the Server named `name` writes its output (read it when the start fails)."""
+    return f"/tmp/http_load_{name}.log"
+
 
 class Server:
     """A server process started by a benchmark script, in its own process group, waited on until healthy."""
 
     def __init__(self, name: str, argv: list[str], port: int, health: str, env: dict | None = None) -> None:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
-        self.log = open(f"/tmp/http_load_{name}.log", "w")
+        self.log = open(log_path(name), "w")
         self.proc = subprocess.Popen(
             argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
         )
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # children it left behind, if any
                 raise RuntimeError(f"{name} exited early; see {self.log.name}")
             try:
                 if httpx.get(self.url + health, timeout=2).status_code == 200:
@@ -48,18 +58,34 @@ class Server:
         return total
 
     def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL after 60 s; a group already gone is fine."""
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.log.close()
+
+
+def launcher(name: str, model: str, args: list[str], env: dict[str, str]) -> Server:
+    """`textgen-launcher --model-id model *args` on 127.0.0.1 as the Server `name`: free ports for HTTP, the
+    router's Prometheus listener and torch.distributed's master (other sessions' shards may hold the defaults),
+    its own shard socket, no hub access; `env` is added to its environment (and so its shard's and router's)."""
+    port = free_port()
+    argv = ["textgen-launcher", "--model-id", model, "--hostname", "127.0.0.1", "--port", str(port)]
+    argv += ["--prometheus-port", str(free_port()), "--master-port", str(free_port())]
+    argv += ["--shard-uds-path", f"/tmp/{name}-{port}", *args]
+    return Server(name, argv, port, "/health", {"HF_HUB_OFFLINE": "1", "USAGE_STATS": "off", **env})
 
 
 # One exposed sample: name, optional {labels}, value. (prometheus_client's parser would rename TGI's counters,
 # which have no _total suffix, so the series are read as exposed.)
 SAMPLE = re.compile(r"^(\S+?(?:\{[^}]*\})?) (\S+)$", re.M)
 DECODE = '{method="decode"}'
+PREFILL = '{method="prefill"}'
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from textgen_benchmark.stats import BatchResult, Latency, Throughput
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table, each column padded to its widest cell."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
 
     def line(cells: list[str]) -> str:
@@ -16,7 +17,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def parameters_table(params: dict[str, object]) -> str:
-    return _table(["Parameter", "Value"], [[k, str(v)] for k, v in params.items()])
+    return markdown_table(["Parameter", "Value"], [[k, str(v)] for k, v in params.items()])
 
 
 def _ms(v: float) -> str:
@@ -49,7 +50,7 @@ def latency_table(results: list[BatchResult]) -> str:
                     _ms(lat.p99),
                 ]
             )
-    return _table(["Step", "Batch Size", "Average", "Lowest", "Highest", "p50", "p90", "p99"], rows)
+    return markdown_table(["Step", "Batch Size", "Average", "Lowest", "Highest", "p50", "p90", "p99"], rows)
 
 
 def throughput_table(results: list[BatchResult]) -> str:
@@ -58,7 +59,7 @@ def throughput_table(results: list[BatchResult]) -> str:
         for r in results:
             t: Throughput = getattr(r, attr)
             rows.append([label, str(r.batch_size), _tps(t.average), _tps(t.lowest), _tps(t.highest)])
-    return _table(["Step", "Batch Size", "Average", "Lowest", "Highest"], rows)
+    return markdown_table(["Step", "Batch Size", "Average", "Lowest", "Highest"], rows)
 
 
 def report(params: dict[str, object], results: list[BatchResult]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -25,19 +26,24 @@ def make_workload(tokenizer_dir: str, n: int, seed: int, arrival: str, rate: flo
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     rng = random.Random(seed)
-    special = set(tok.all_special_ids)
-    ids = [i for i in range(len(tok)) if i not in special]
     jobs, t = [], 0.0
     for _ in range(n):
-        length = rng.randint(32, 256)
-        text = tok.decode([rng.choice(ids) for _ in range(length)])
-        # Re-encode and cut so the prompt really has about `length` tokens after tokenization.
-        text = tok.decode(tok(text, add_special_tokens=False)["input_ids"][:length])
-        assert isinstance(text, str)  # one flat list of ids decodes to one string
+        text = random_text(tok, rng, rng.randint(32, 256))
         if arrival == "poisson":
             t += rng.expovariate(rate)
         jobs.append(Job(text, rng.randint(64, 128), t))
     return jobs
+
+
+def random_text(tok: Any, rng: random.Random, length: int) -> str:
+    """Text of about `length` tokens of `tok` (a transformers tokenizer), decoded from random non-special ids."""
+    special = set(tok.all_special_ids)
+    ids = [i for i in range(len(tok)) if i not in special]
+    text = tok.decode([rng.choice(ids) for _ in range(length)])
+    # Re-encode and cut so the text really has about `length` tokens after tokenization.
+    text = tok.decode(tok(text, add_special_tokens=False)["input_ids"][:length])
+    assert isinstance(text, str)  # one flat list of ids decodes to one string
+    return text
 
 
 def request_body(route: str, job: Job, model: str) -> tuple[str, dict]:
