@@ -84,14 +84,14 @@ def test_a_dead_shard_stops_everything(launch: LaunchFactory, tiny_llama: Path) 
 
 
 def test_a_router_that_fails_stops_the_shards(launch: LaunchFactory, tiny_llama: Path) -> None:
-    # Only the router learns it, after warmup: the shards' KV pool (capped to 128 tokens) cannot hold one
-    # request of --max-total-tokens.
+    # Only the router learns it, at warmup: the shards' KV pool (capped to 128 tokens) cannot hold the warmup
+    # batch of --max-total-tokens requests.
     launched = launch(
         tiny_llama, "--max-input-tokens", "100", "--max-total-tokens", "200", env={"TEXTGEN_KV_CACHE_TOKENS": "128"}
     )
     assert launched.wait_exit(240) == 1
     log = launched.log
-    assert "Not enough memory to handle `max_total_tokens=200`" in log
+    assert "Unable to warmup the Python model shards: Server error: Not enough KV cache for this batch" in log
     assert "Webserver Crashed" in log and "Error: WebserverFailed" in log
     assert log.index("Webserver Crashed") < log.index("Terminating shard 0")
     assert launched.sockets_left() == []
