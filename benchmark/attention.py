@@ -30,6 +30,12 @@ through the op and through its torch fallback (TEXTGEN_CPU_DECODE_KERNEL=0).
 
     python benchmark/attention.py --paged [--batch 64] [--longest 300] [--prompt 20] [--decoded 50]
                                   [--block-sizes 1 16] [--threads 2] [--runs 7]
+
+With `--prefill` it times one layer's bf16 attention of a prefill chunk (`--chunk` queries over each of `--keys`
+positions, bottom-right causal, as paged attention's prefill rows): the masked softmax by torch
+(TEXTGEN_CPU_DECODE_KERNEL=0) against `textgen::causal_softmax_bf16`. Median ms per layer.
+
+    python benchmark/attention.py --prefill [--chunk 224] [--keys 2800 500] [--threads 2] [--runs 7]
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from collections.abc import Callable
 import torch
 
 from textgen_benchmark.decode import copy_bandwidth_gbs
-from textgen_server.layers.attention_kernels import matmul_attention, sdpa
+from textgen_server.layers.attention_kernels import causal_attention, matmul_attention, sdpa
 from textgen_server.layers.decode_attention import ENV_SWITCH, decode_attention, first_visible, kernel_available
 from textgen_server.layers.paged_attention import paged_attention
 
@@ -169,6 +175,22 @@ def paged(args: argparse.Namespace) -> None:
         del cases
 
 
+def prefill(args: argparse.Namespace) -> None:
+    """One layer's bf16 attention of a prefill chunk (`--chunk` queries over `--keys` positions, as paged
+    attention's `_row` computes it): the masked softmax by torch against the op (causal_softmax_bf16)."""
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    for keys in args.keys:
+        q = torch.randn(1, HEADS, args.chunk, HEAD_DIM, generator=g).bfloat16()
+        k, v = (torch.randn(1, HEADS, keys, HEAD_DIM, generator=g).bfloat16() for _ in range(2))
+
+        def run(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+            causal_attention(q, k, v, HEAD_DIM**-0.5, None, matmul_attention)
+
+        times = medians({"torch": (without_op(run), 0.0), "op": (run, 0.0)}, args.runs)
+        print(f"| {args.chunk} x {keys} | {times['torch'] * 1e3:.2f} | {times['op'] * 1e3:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
@@ -182,7 +204,13 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=20, help="--paged: the shortest prompt")
     p.add_argument("--decoded", type=int, default=50, help="--paged: tokens decoded since the prefill")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[1, 16], help="--paged: pool block sizes")
+    p.add_argument("--prefill", action="store_true", help="one layer's bf16 prefill-chunk attention, torch vs op")
+    p.add_argument("--chunk", type=int, default=224, help="--prefill: queries of the chunk")
+    p.add_argument("--keys", type=int, nargs="+", default=[2800, 500], help="--prefill: positions attended")
     args = p.parse_args()
+    if args.prefill:
+        prefill(args)
+        return
     if args.paged:
         paged(args)
         return

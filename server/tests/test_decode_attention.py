@@ -79,3 +79,62 @@ def test_first_visible_finds_each_rows_run_or_refuses_a_hole() -> None:
     assert first_visible(None, 2, CPU).tolist() == [0, 0]  # type: ignore[union-attr]
     holed = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool).view(1, 1, 1, 4)
     assert first_visible(holed, 1, CPU) is None
+
+
+def torch_causal_softmax(scores: torch.Tensor, offset: int, window: int) -> torch.Tensor:
+    """What matmul_attention computes between its two matmuls, in torch."""
+    seq, total = scores.shape[-2:]
+    positions = torch.arange(offset, offset + seq).unsqueeze(1)
+    keys = torch.arange(total)
+    visible = keys <= positions
+    if window > 0:
+        visible &= keys > positions - window
+    return torch.softmax(scores.float().masked_fill(~visible, float("-inf")), -1).to(torch.bfloat16)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("shape", "window"),
+    [
+        ((1, 12, 224, 500), 0),  # a prefill chunk over earlier positions
+        ((2, 3, 1, 37), 0),  # S = 1
+        ((1, 4, 50, 50), 0),  # S = T
+        ((1, 4, 5, 9), 0),  # T shorter than a vector
+        ((1, 4, 17, 17), 0),
+        ((1, 4, 13, 13), 3),  # windows
+        ((1, 4, 100, 300), 64),
+        ((1, 2, 40, 1000), 17),
+        ((1, 1, 1, 1), 0),
+    ],
+)
+def test_causal_softmax_op_equals_torch_bit_for_bit(shape: tuple[int, ...], window: int) -> None:
+    assert kernel_available()
+    g = torch.Generator().manual_seed(1)
+    scores = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    offset = shape[-1] - shape[-2]
+    out = torch.ops.textgen.causal_softmax_bf16(scores, offset, window)
+    expected = torch_causal_softmax(scores, offset, window)
+    # torch's own vector exp and summation order: every value equal (allowing one bf16 ulp on 0.1%, in case a
+    # torch build takes another exp; none differed with torch 2.13 on AVX-512).
+    ulps = (out.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+    assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) <= 1e-3
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 5, 1000])
+@pytest.mark.parametrize(("seq", "total"), [(1, 20), (7, 7), (6, 40)])
+def test_causal_attention_by_the_op_equals_the_masked_matmul(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, seq: int, total: int
+) -> None:
+    from textgen_server.layers.attention_kernels import causal_attention
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 6, seq, 64, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, total, 64, generator=g).bfloat16() for _ in range(2))
+    fast = causal_attention(q, k, v, 0.125, window, matmul_attention)
+    monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", "0")
+    slow = causal_attention(q, k, v, 0.125, window, matmul_attention)
+    assert torch.equal(fast, slow)
+    if window is None:  # mask None: matmul_attention's own causal block, by the op and by torch
+        monkeypatch.delenv("TEXTGEN_CPU_DECODE_KERNEL")
+        assert torch.equal(matmul_attention(q, k, v, None, 0.125), slow)

@@ -6,6 +6,10 @@ softmax between them beat the float32 SDPA, provided their operands are whole KV
 windows of them (`PaddedKVCache.whole`; `python benchmark/attention.py` measures all four). That is the
 computation transformers' own "eager" attention does, so it also rounds the way the reference model does.
 bf16 decode steps of the padded cache go to the op of decode_attention.py instead, which reads only live keys.
+
+In bfloat16, causal blocks (a prefill, a prefill chunk: `mask` None, or `causal_attention` with a window) take
+their masked float32 softmax from `textgen::causal_softmax_bf16` (decode_attention.cpp) where it builds: one
+pass over the bf16 scores instead of four elementwise passes over a float32 copy, bit for bit torch's result.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from textgen_server.layers.decode_attention import use_decode_kernel
 
 # (q [B, H, S, D], k / v [B, H_kv, T, D], bool mask [B, 1, S, T] or None for causal / none, scale) -> [B, H, S, D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
@@ -39,6 +45,8 @@ def matmul_attention(
     kv_heads, total = k.shape[1], k.shape[2]
     group = heads // kv_heads
     queries = (q * scale).reshape(batch, kv_heads, group * seq, dim)
+    if mask is None and seq > 1 and use_decode_kernel(q.dtype, q.device):
+        return _causal_op(queries, k, v, 0, heads, seq)
     scores = torch.matmul(queries, k.transpose(-1, -2)).float()
     if mask is None and seq > 1:
         mask = torch.ones(1, 1, seq, total, dtype=torch.bool, device=q.device).tril(total - seq)
@@ -47,6 +55,41 @@ def matmul_attention(
         scores.view(batch, kv_heads, group, seq, total).masked_fill_(~mask.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v).view(batch, heads, seq, dim)
+
+
+def _causal_op(
+    queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, heads: int, seq: int
+) -> torch.Tensor:
+    """matmul_attention's bottom-right causal block with the softmax by the op: queries [B, H_kv, G * S, D]
+    (scaled), k / v [B, H_kv, T, D]; query s sees keys (T - S + s - window, T - S + s] (window 0: all up to it)."""
+    batch, kv_heads, rows, dim = queries.shape
+    total = k.shape[2]
+    scores = torch.matmul(queries, k.transpose(-1, -2)).view(batch, kv_heads, rows // seq, seq, total)
+    probs = torch.ops.textgen.causal_softmax_bf16(scores.contiguous(), total - seq, window)
+    return torch.matmul(probs.view(batch, kv_heads, rows, total), v).view(batch, heads, seq, dim)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None, attend: AttentionFn
+) -> torch.Tensor:
+    """Bottom-right causal attention of q [B, H, S, D] over k / v [B, H_kv, T, D] (query s at position T - S + s)
+    within `window` keys (None: all up to it): by the op's softmax for bf16 matmul attention, else `attend` under
+    an explicit mask (SDPA's own causal mask is top-left aligned)."""
+    batch, heads, seq, dim = q.shape
+    total = k.shape[2]
+    windowed = window is not None and window < total
+    if attend is matmul_attention and use_decode_kernel(q.dtype, q.device):
+        queries = (q * scale).reshape(batch, k.shape[1], -1, dim)
+        return _causal_op(queries, k, v, window if window is not None and windowed else 0, heads, seq)
+    mask = None
+    if seq != total or windowed:
+        positions = torch.arange(total - seq, total).unsqueeze(1)
+        keys = torch.arange(total)
+        visible = keys <= positions
+        if window is not None:
+            visible &= keys > positions - window
+        mask = visible.view(1, 1, seq, total)
+    return attend(q, k, v, mask, scale)
 
 
 def uses_matmul(dtype: torch.dtype, device: torch.device) -> bool:

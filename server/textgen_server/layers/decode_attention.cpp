@@ -418,6 +418,99 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// textgen::causal_softmax_bf16(scores, offset, window) -> probs: the masked float32 softmax of a prefill's
+// bf16 scores [..., S, T], as torch.softmax(scores.float().masked_fill(~mask, -inf), -1).to(bfloat16) computes
+// it, in one pass per row instead of four over a float32 tensor. Query s sees keys t <= offset + s, and
+// t > offset + s - window when window > 0 (bottom-right causal: offset = T - S).
+//
+// torch's AVX-512 softmax (SoftMaxKernel.cpp, _vec_softmax_lastdim) is followed step by step: the max; exp(x -
+// max) by Sleef_expf16_u10, torch's own vector exp (exported by libtorch_cpu; the Cephes polynomial above where
+// it is missing); the sum in torch's vec::reduce_all order: 16 lane sums of columns t = lane mod 16 in column
+// order (masked columns add exact zeros, so they are skipped), then the 8-4-2-1 tree, or one serial sum when
+// T < 16; and the probabilities as e * (1 / sum). So the result is torch's bit for bit where torch's own build
+// takes that path (test_decode_attention.py measures it).
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+
+inline __m512 torch_exp(__m512 x) { return Sleef_expf16_u10 ? Sleef_expf16_u10(x) : exp_nonpositive(x); }
+#endif
+
+// One row: scores `in` [T] (bf16), visible columns [lo, hi], probabilities to `out` [T] (bf16); `e` scratch [T].
+inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int64_t total, int64_t lo, int64_t hi) {
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  const int64_t first = lo - lo % 16;  // whole 16-column chunks, aligned on absolute columns as torch's lanes
+  __m512 top16 = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = first; c <= hi; c += 16) {
+    const int64_t a = std::max(lo, c), b = std::min(hi + 1, c + 16);
+    const __mmask16 m = static_cast<__mmask16>(((1u << (b - a)) - 1u) << (a - c));
+    const __m256i raw = _mm256_maskz_loadu_epi16(m, in + c);
+    const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    top16 = _mm512_mask_max_ps(top16, m, top16, x);
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top16));
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t c = first; c <= hi; c += 16) {
+    const int64_t a = std::max(lo, c), b = std::min(hi + 1, c + 16);
+    const __mmask16 m = static_cast<__mmask16>(((1u << (b - a)) - 1u) << (a - c));
+    const __m256i raw = _mm256_maskz_loadu_epi16(m, in + c);
+    const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    const __m512 ex = _mm512_maskz_mov_ps(m, torch_exp(_mm512_sub_ps(x, shift)));
+    _mm512_storeu_ps(e + c, ex);
+    lanes = _mm512_add_ps(lanes, ex);
+  }
+  if (total < 16) {  // torch sums a row shorter than a vector serially
+    for (int64_t t = lo; t <= hi; ++t) sum += e[t];
+  } else {
+    sum = _mm512_reduce_add_ps(lanes);  // GCC's and torch's tree: lanes 8 apart, then 4, 2, 1
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / sum);
+  std::memset(out, 0, first * sizeof(uint16_t));
+  int64_t c = first;
+  for (; c <= hi; c += 16) {
+    const int64_t a = std::max(lo, c), b = std::min(hi + 1, c + 16);
+    const __mmask16 m = static_cast<__mmask16>(((1u << (b - a)) - 1u) << (a - c));
+    const __m512 p = round_bf16(_mm512_maskz_mul_ps(m, _mm512_loadu_ps(e + c), inv));
+    const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16));
+    const int64_t n = std::min<int64_t>(16, total - c);
+    _mm256_mask_storeu_epi16(out + c, static_cast<__mmask16>((1u << n) - 1u), packed);
+  }
+  if (c < total) std::memset(out + c, 0, (total - c) * sizeof(uint16_t));
+#else
+  float top = -INFINITY;
+  for (int64_t t = lo; t <= hi; ++t) top = std::max(top, bf16_to_float(in[t]));
+  for (int64_t t = lo; t <= hi; ++t) {
+    e[t] = std::exp(bf16_to_float(in[t]) - top);
+    sum += e[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < total; ++t) out[t] = t < lo || t > hi ? 0 : float_to_bf16(e[t] * inv);
+#endif
+}
+
+at::Tensor causal_softmax_bf16(const at::Tensor& scores, int64_t offset, int64_t window) {
+  TORCH_CHECK(scores.scalar_type() == at::kBFloat16 && scores.dim() >= 2 && scores.is_contiguous(),
+              "causal_softmax_bf16: scores must be contiguous bfloat16 [..., S, T]");
+  const int64_t seq = scores.size(-2), total = scores.size(-1), rows = scores.numel() / std::max<int64_t>(1, total);
+  TORCH_CHECK(offset >= 0 && offset + seq <= total && window >= 0,
+              "causal_softmax_bf16: needs 0 <= offset, offset + S <= T and window >= 0");
+  at::Tensor out = at::empty_like(scores);
+  if (scores.numel() == 0) return out;
+  const auto* in = reinterpret_cast<const uint16_t*>(scores.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> e(total + 16);
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t hi = offset + r % seq, lo = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
+      causal_softmax_row(in + r * total, o + r * total, e.data(), total, lo, hi);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(textgen, m) {
@@ -425,9 +518,11 @@ TORCH_LIBRARY(textgen, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale, int window) -> Tensor");
+  m.def("causal_softmax_bf16(Tensor scores, int offset, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("causal_softmax_bf16", &causal_softmax_bf16);
 }

@@ -52,7 +52,9 @@ def kernel_available() -> bool:
 
     try:
         load(
-            name=f"textgen_decode_attention_{_cpu_tag()}",
+            # The source's hash too: worktrees or versions with another source sharing one build cache would
+            # otherwise rebuild the one name over each other, and a process could load a library without its ops.
+            name=f"textgen_decode_attention_{_cpu_tag()}_{hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]}",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             is_python_module=False,

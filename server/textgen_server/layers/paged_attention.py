@@ -8,8 +8,9 @@ off): it reads each row's keys through its block table, once for all the query h
 else. Rows of several query tokens (prefills, prefill chunks) and every row where the op is unavailable or the
 dtype is another (float16) take the torch path: keys gathered from the pool, then the shard's attention kernel
 (`attention_for`: SDPA in float32, `matmul_attention` in half precision) under an explicit bottom-right causal
-mask. Both paths round where transformers' eager attention rounds in bfloat16 (see attention_kernels.py), so
-the op differs from the torch path only where float32 sums taken in another order round to another bfloat16.
+mask (`causal_attention`; in bfloat16 with the op built, the masked softmax is `textgen::causal_softmax_bf16`).
+Both paths round where transformers' eager attention rounds in bfloat16 (see attention_kernels.py), so the
+decode op differs from the torch path only where float32 sums taken in another order round to another bfloat16.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from textgen_server.layers.attention_kernels import attention_for
+from textgen_server.layers.attention_kernels import attention_for, causal_attention
 from textgen_server.layers.decode_attention import ENV_SWITCH, kernel_available
 
 # Row metadata: a host tensor or, as cheaply, a Python list of ints.
@@ -121,18 +122,12 @@ def _row(
     window: int | None,
 ) -> torch.Tensor:
     """One row's n queries [n, H, D] over its first `length` positions, gathered from the pool."""
-    count, kv_heads, dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     slots = _slots(table, torch.arange(length), k_cache.shape[1])
     keys = k_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     values = v_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)
-    # A full-length causal block without a window is what both kernels do unmasked; otherwise an explicit mask,
-    # since SDPA's own causal mask is top-left aligned.
-    mask = None
-    if count != length or (window is not None and window < length):
-        positions = torch.arange(length - count, length).unsqueeze(1)
-        mask = _visible(positions, length, window).view(1, 1, count, length)
     attend = attention_for(q.dtype, q.device)
-    return attend(q.transpose(0, 1).unsqueeze(0), keys, values, mask, scale)[0].transpose(0, 1)
+    return causal_attention(q.transpose(0, 1).unsqueeze(0), keys, values, scale, window, attend)[0].transpose(0, 1)
 
 
 def _decode_rows(
