@@ -27,7 +27,7 @@ from textgen_server.models.kv_cache import (
     filter_cache,
     spare_columns,
 )
-from textgen_server.models.model import Batch, InvalidRequestError, Model, prepare_row, prepare_rows
+from textgen_server.models.model import Batch, InvalidRequestError, Model, prepare_row, prepare_rows, rows_to_keep
 from textgen_server.utils.grammar import RowGrammars
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
@@ -131,14 +131,10 @@ class CausalLMBatch(Batch):
 
     def filter(self, request_ids: list[int]) -> CausalLMBatch:
         """Keep `request_ids` in place: rows, mask columns and KV positions nobody needs any more go."""
-        if not request_ids:
-            raise InvalidRequestError("Batch must have at least one request")
-        unknown = [i for i in request_ids if i not in self.requests_idx_mapping]
-        if unknown:
-            raise InvalidRequestError(f"request ids {unknown} are not in batch {self.batch_id}")
-        if len(request_ids) == len(self) and len(set(request_ids)) == len(self):
+        rows = rows_to_keep(request_ids, self.requests_idx_mapping, self.batch_id)
+        if len(rows) == len(self):
             return self
-        keep = fill_holes_from_tail(sorted(self.requests_idx_mapping[i] for i in set(request_ids)))
+        keep = fill_holes_from_tail(rows)
         stopping = [self.stopping_criterias[i] for i in keep]
         input_lengths = [self.input_lengths[i] for i in keep]
         new_max_input_length = max(input_lengths)

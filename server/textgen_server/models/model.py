@@ -85,6 +85,17 @@ class Batch(ABC):
         when the shard drops the batch."""
 
 
+def rows_to_keep(request_ids: list[int], rows_by_id: dict[int, int], batch_id: int) -> list[int]:
+    """The batch rows of `request_ids`, ascending and each once (a FilterBatch's list, checked): an empty list
+    or an id the batch does not hold raises InvalidRequestError."""
+    if not request_ids:
+        raise InvalidRequestError("Batch must have at least one request")
+    unknown = [i for i in request_ids if i not in rows_by_id]
+    if unknown:
+        raise InvalidRequestError(f"request ids {unknown} are not in batch {batch_id}")
+    return sorted({rows_by_id[i] for i in request_ids})
+
+
 B = TypeVar("B", bound=Batch)
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ import torch
 
 from textgen_pb import generate_pb2
 from textgen_server.models.kv_pool import KVPool
-from textgen_server.models.model import Batch, InvalidRequestError, Model, prepare_row, prepare_rows
+from textgen_server.models.model import Batch, InvalidRequestError, Model, prepare_row, prepare_rows, rows_to_keep
 from textgen_server.utils.grammar import RowGrammars
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
@@ -204,12 +204,7 @@ class PagedBatch(Batch):
 
     def filter(self, request_ids: list[int]) -> PagedBatch:
         """Keep `request_ids`, in the batch's order; the shard's own blocks of the other rows go back."""
-        if not request_ids:
-            raise InvalidRequestError("Batch must have at least one request")
-        unknown = [i for i in request_ids if i not in self.requests_idx_mapping]
-        if unknown:
-            raise InvalidRequestError(f"request ids {unknown} are not in batch {self.batch_id}")
-        keep = sorted({self.requests_idx_mapping[i] for i in request_ids})
+        keep = rows_to_keep(request_ids, self.requests_idx_mapping, self.batch_id)
         if len(keep) == len(self):
             return self
         kept = set(keep)
