@@ -91,7 +91,10 @@ def test_a_router_that_fails_stops_the_shards(launch: LaunchFactory, tiny_llama:
     )
     assert launched.wait_exit(240) == 1
     log = launched.log
-    assert "Unable to warmup the Python model shards: Server error: Not enough KV cache for this batch" in log
+    assert (
+        "Unable to warmup the Python model shards: Server error: Not enough memory to handle 2048 prefill tokens. "
+        "You need to decrease `--max-batch-prefill-tokens`" in log
+    )
     assert "Webserver Crashed" in log and "Error: WebserverFailed" in log
     assert log.index("Webserver Crashed") < log.index("Terminating shard 0")
     assert launched.sockets_left() == []

@@ -17,7 +17,7 @@ from textgen_pb import generate_pb2, generate_pb2_grpc
 from textgen_server.cache import BatchNotFoundError, Cache
 from textgen_server.config import ServeConfig
 from textgen_server.interceptor import ExceptionInterceptor, TracingInterceptor
-from textgen_server.models.model import Batch, InvalidRequestError, Model
+from textgen_server.models.model import Batch, InvalidRequestError, KVCacheFullError, Model
 
 logger = logging.getLogger("textgen_server.servicer")
 
@@ -66,7 +66,15 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         return generate_pb2.FilterBatchResponse(batch=filtered.to_pb())
 
     async def Warmup(self, request: generate_pb2.WarmupRequest, context: object) -> generate_pb2.WarmupResponse:
-        batch = self.model.batch_type.from_pb(request.batch, self.model)
+        try:
+            batch = self.model.batch_type.from_pb(request.batch, self.model)
+        except KVCacheFullError:
+            # TGI's words for a warmup batch the KV cache cannot hold (its requests are truncated to `truncate`).
+            tokens = sum(r.truncate for r in request.batch.requests)
+            raise KVCacheFullError(
+                f"Not enough memory to handle {tokens} prefill tokens. "
+                "You need to decrease `--max-batch-prefill-tokens`"
+            ) from None
         max_supported, max_input, max_total = self.model.warmup(
             batch,
             request.max_input_tokens if request.HasField("max_input_tokens") else None,

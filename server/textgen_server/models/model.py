@@ -29,6 +29,11 @@ class InvalidRequestError(ValueError):
     """A request the shard cannot run as asked (maps to gRPC INVALID_ARGUMENT); the shard keeps serving."""
 
 
+class KVCacheFullError(InvalidRequestError):
+    """A new batch needs more KV-cache blocks than the shard's pool has free (requests that came without blocks
+    of their own: the shard allocates them)."""
+
+
 class InvalidRequestsError(InvalidRequestError):
     """Some requests of a new batch cannot run as asked; the others could.
 

@@ -22,7 +22,15 @@ import torch
 
 from textgen_pb import generate_pb2
 from textgen_server.models.kv_pool import KVPool
-from textgen_server.models.model import Batch, InvalidRequestError, Model, prepare_row, prepare_rows, rows_to_keep
+from textgen_server.models.model import (
+    Batch,
+    InvalidRequestError,
+    KVCacheFullError,
+    Model,
+    prepare_row,
+    prepare_rows,
+    rows_to_keep,
+)
 from textgen_server.utils.grammar import RowGrammars
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
@@ -85,7 +93,7 @@ def _allocate(rows: list[_Row], wanted: list[int], pool: KVPool) -> None:
     except RuntimeError as error:
         for row in taken:
             pool.allocator.free(row.blocks)
-        raise InvalidRequestError(f"Not enough KV cache for this batch: {error}") from None
+        raise KVCacheFullError(f"Not enough KV cache for this batch: {error}") from None
 
 
 @dataclass
