@@ -210,3 +210,23 @@ def test_info_and_warmup_report_the_pool(tiny_llama: Path) -> None:
     # Without chunking TGI's default max_total is the warmup batch's tokens.
     assert supported == model.pool.tokens and max_total == warmup.total_tokens - 1 and max_input == max_total - 1
     assert model.pool.allocator.free_blocks == model.pool.num_blocks - 1
+
+
+def test_prompt_logprobs_of_a_prefix_hit_are_nan_for_the_cached_tokens(
+    model: PagedCausalLM, llama_oracle: HFOracle
+) -> None:
+    """TGI's router never looks a request asking for prompt logprobs up, but a client may send both."""
+    blocks = Blocks(model.paging.block_size)
+    text = SHARED * (blocks.block_size // len(prompt_ids(model, SHARED)) + 1) + "What is a cat?"
+    ids = prompt_ids(model, text)
+    first_blocks = blocks.take(len(ids) + 2 - 1)
+    generate_all(model, PagedBatch.from_pb(make_batch(1, [with_blocks(make_request(1, text, 2), first_blocks)]), model))
+    cache_len = (len(ids) - 1) // blocks.block_size * blocks.block_size
+    request = with_blocks(make_request(2, text, 2, prefill_logprobs=True), first_blocks, cache_len)
+    generations, _, _ = model.generate_token(PagedBatch.from_pb(make_batch(2, [request]), model))
+    (prefill,) = [g.prefill_tokens for g in generations if g.HasField("prefill_tokens")]
+    assert list(prefill.ids) == ids
+    logprobs = torch.tensor(list(prefill.logprobs))
+    assert bool(logprobs[: cache_len + 1].isnan().all()) and not bool(logprobs[cache_len + 1 :].isnan().any())
+    expected = llama_oracle.log_softmax(text)[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(logprobs[cache_len + 1 :], expected[cache_len:], atol=1e-4)

@@ -10,6 +10,7 @@ last row back, each at least one token) and emit nothing.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -160,10 +161,10 @@ class PagedCausalLM(Model[PagedBatch]):
             if not request.prefill_logprobs or cache >= prompt:
                 continue
             # Position p's logits predict token p + 1, for the prompt tokens after the chunk's first position.
+            # Tokens 1..cache of a prefix-cache hit were never computed here: NaN, as TGI reports the first one.
+            kept = batch.prompt_logprobs.setdefault(request.id, [math.nan] * cache)
             targets = batch.all_input_ids[i][cache + 1 : min(cache + batch.chunk_lengths[i], prompt - 1) + 1]
-            batch.prompt_logprobs.setdefault(request.id, []).extend(
-                prompt_logprobs(logits[cu_seqlens[i] : cu_seqlens[i + 1]], targets)
-            )
+            kept.extend(prompt_logprobs(logits[cu_seqlens[i] : cu_seqlens[i + 1]], targets))
 
     @staticmethod
     def _choose(batch: PagedBatch, emitting: list[int], logits: torch.Tensor) -> Chosen:
