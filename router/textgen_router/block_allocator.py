@@ -22,40 +22,12 @@ Pure data structures, no I/O.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from textgen_common.free_blocks import FreeBlocks
+
 from .radix import Node, RadixTrie
-
-
-class FreeBlocks:
-    """The free list: blocks given back (reused first, most recent first, so the shards' pages a request
-    touched serve the next one) and the blocks never handed out, kept as a count: a CPU shard's pool of a
-    small model holds millions of blocks."""
-
-    def __init__(self, n_blocks: int) -> None:
-        self._fresh = max(0, n_blocks - 1)  # blocks 1..fresh were never handed out (block 0 never is)
-        self._returned: list[int] = []
-
-    def __len__(self) -> int:
-        return self._fresh + len(self._returned)
-
-    def __iter__(self) -> Iterator[int]:
-        yield from range(1, self._fresh + 1)
-        yield from self._returned
-
-    def take(self, n: int) -> list[int]:
-        """The last `n` of the free list `[1..fresh] + returned` (the caller checked there are enough)."""
-        reused = min(n, len(self._returned))
-        fresh = n - reused
-        blocks = list(range(self._fresh - fresh + 1, self._fresh + 1))
-        self._fresh -= fresh
-        blocks.extend(self._returned[len(self._returned) - reused :])
-        del self._returned[len(self._returned) - reused :]
-        return blocks
-
-    def extend(self, blocks: Iterable[int]) -> None:
-        self._returned.extend(blocks)
 
 
 @dataclass(eq=False)
@@ -114,10 +86,6 @@ class BlockAllocator(ABC):
     def free(self, allocation: BlockAllocation, cache_prompt: bool) -> None:
         """Take `allocation`'s blocks back (through `BlockAllocation.release`, which makes it happen once)."""
 
-    def _take(self, n: int) -> list[int]:
-        """`n` free blocks: the end of the free list, as TGI hands them out."""
-        return self.free_blocks.take(n) if n > 0 else []
-
     def _slots(self, blocks: Sequence[int], tokens: int) -> list[int]:
         """Each block's slots in order, cycling through `blocks`, until there are `tokens` of them."""
         bs = self.block_size
@@ -142,7 +110,7 @@ class SimpleAllocator(BlockAllocator):
         n = -(-kept // self.block_size)
         if n > len(self.free_blocks):
             return None
-        blocks = self._take(n)
+        blocks = self.free_blocks.take(n)
         return BlockAllocation(blocks, self._slots(blocks, tokens), 0, self)
 
     def free(self, allocation: BlockAllocation, cache_prompt: bool) -> None:
@@ -174,7 +142,7 @@ class RadixAllocator(BlockAllocator):
         if len(self.free_blocks) < needed:
             self.trie.decref(node)
             return None
-        blocks.extend(self._take(needed))
+        blocks.extend(self.free_blocks.take(needed))
         prefix_len = (len(blocks) - needed) * self.block_size
         return BlockAllocation(blocks, self._slots(blocks, tokens), prefix_len, self, prompt, node)
 

@@ -13,14 +13,13 @@ that allocates from the same pool.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
 import psutil
 import torch
 
-logger = logging.getLogger(__name__)
+from textgen_common.free_blocks import FreeBlocks
 
 # Share of the free memory the pool may take, as TGI's get_free_memory on CPU (and its TGI_WIGGLE_ROOM).
 FREE_MEMORY_SHARE = 0.95
@@ -91,30 +90,20 @@ class KVPool:
 
 
 class SelfAllocator:
-    """The shard's own free list, for requests that come without blocks (see the module docstring).
-
-    Blocks never handed out are a counter, not a list: a pool of small-model blocks can hold millions.
-    """
+    """The shard's own free list, for requests that come without blocks (see the module docstring)."""
 
     def __init__(self, num_blocks: int) -> None:
-        self._fresh = num_blocks - 1  # blocks 1..fresh were never handed out (block 0 never is)
-        self._returned: list[int] = []
+        self._free = FreeBlocks(num_blocks)
 
     @property
     def free_blocks(self) -> int:
-        return self._fresh + len(self._returned)
+        return len(self._free)
 
     def allocate(self, count: int) -> list[int]:
         """`count` free blocks; RuntimeError when the pool has fewer."""
-        if count > self.free_blocks:
-            raise RuntimeError(f"the KV cache has {self.free_blocks} free blocks, {count} are needed")
-        reused = min(count, len(self._returned))
-        taken = self._returned[len(self._returned) - reused :]
-        del self._returned[len(self._returned) - reused :]
-        fresh = count - reused
-        taken.extend(range(self._fresh, self._fresh - fresh, -1))
-        self._fresh -= fresh
-        return taken
+        if count > len(self._free):
+            raise RuntimeError(f"the KV cache has {len(self._free)} free blocks, {count} are needed")
+        return self._free.take(count)
 
     def free(self, blocks: list[int]) -> None:
-        self._returned.extend(blocks)
+        self._free.extend(blocks)
