@@ -101,9 +101,7 @@ class ResponseFormat(BaseModel):
     def grammar(self) -> GrammarParameters | None:
         if self.type == "text":
             return None
-        if self.type == "json_schema" and self.value is None:
-            if self.json_schema is None:
-                raise ValidationError("grammar is not valid: `json_schema` must have a 'schema' field")
+        if self.type == "json_schema" and self.value is None and self.json_schema is not None:
             return GrammarParameters(type="json_schema", value={"name": self.json_schema.name,
                                                                 "schema": self.json_schema.json_schema})  # fmt: skip
         if self.type == "json_object" and self.value is None:

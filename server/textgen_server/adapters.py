@@ -23,6 +23,7 @@ from textgen_common.lora_adapters import LoraAdapter
 from textgen_server.config import UnsupportedConfigError
 from textgen_server.hub import ModelNotFoundError, resolve_model_dir
 from textgen_server.layers.lora import LoraProjection
+from textgen_server.layers.rotary import head_size
 from textgen_server.layers.tensor_parallel import Linear
 from textgen_server.models.tp_llama import DecoderLayer, TPCausalLM
 from textgen_server.utils.dist import DistInfo
@@ -92,7 +93,7 @@ def adapter_dir(adapter: LoraAdapter) -> Path:
 
 def base_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection (q, k, v, o, gate, up, down) of the unsharded model."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_size(config)
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     return {

@@ -12,11 +12,16 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 
+def head_size(config: PretrainedConfig) -> int:
+    """Per-head width of a decoder config: its `head_dim`, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _default_inv_freq(
     config: PretrainedConfig, device: torch.device | None = None, **_: object
 ) -> tuple[torch.Tensor, float]:
     """Unscaled RoPE: 1 / theta^(2i/d); attention scaling 1."""
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = head_size(config)
     theta = config.rope_parameters["rope_theta"]
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
     return 1.0 / (theta**exponents), 1.0

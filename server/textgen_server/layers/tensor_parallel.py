@@ -44,11 +44,15 @@ class Linear(nn.Module):
             raise RuntimeError("this projection keeps only packed layouts of its weight: the plain one was dropped")
         return self.weight
 
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The path of each bucket's kernel."""
+        return tuple(kernel.path for kernel in self.kernels)
+
     def use(self, paths: tuple[str, ...]) -> None:
         """Compute rows of bucket i (linear_choice.bucket) with the kernel of path `paths[i]`."""
         weight = self.plain_weight()
         built = {path: KERNELS[path](weight, self.bias) for path in dict.fromkeys(paths)}
-        self.paths = paths
         self.kernels = tuple(built[path] for path in paths)
         if PlainKernel.path not in built:
             self.weight = None

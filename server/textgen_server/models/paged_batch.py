@@ -91,9 +91,15 @@ def _allocate(rows: list[_Row], wanted: list[int], pool: KVPool) -> None:
                 row.blocks, row.own_blocks = pool.allocator.allocate(count), True
                 taken.append(row)
     except RuntimeError as error:
-        for row in taken:
-            pool.allocator.free(row.blocks)
+        _free_own(taken, pool)
         raise KVCacheFullError(f"Not enough KV cache for this batch: {error}") from None
+
+
+def _free_own(rows: list[_Row], pool: KVPool) -> None:
+    """Give back the blocks the shard allocated for `rows`."""
+    for row in rows:
+        if row.own_blocks:
+            pool.allocator.free(row.blocks)
 
 
 @dataclass
@@ -134,9 +140,7 @@ class PagedBatch(Batch):
         try:
             return cls._of(pb.id, list(pb.requests), rows, pool, model)
         except BaseException:
-            for row in rows:
-                if row.own_blocks:
-                    pool.allocator.free(row.blocks)
+            _free_own(rows, pool)
             raise
 
     @classmethod

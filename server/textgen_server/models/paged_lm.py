@@ -59,17 +59,14 @@ class PagedCausalLM(Model[PagedBatch]):
 
     @property
     def info(self) -> generate_pb2.InfoResponse:
-        return generate_pb2.InfoResponse(
-            requires_padding=False,
-            dtype=str(self.config.dtype),
-            device_type=self.config.device.type,
-            speculate=0,
-            support_chunking=self.paging.chunking,
-            # Keys and values depend on the adapter, but the router's prefix cache keys on tokens only.
-            use_prefix_caching=self.paging.prefix_caching and not self.adapters,
-            attention_impl=self.paging.attention,
-            block_size=self.paging.block_size,
-        )
+        info = super().info
+        info.requires_padding = False
+        info.support_chunking = self.paging.chunking
+        # Keys and values depend on the adapter, but the router's prefix cache keys on tokens only.
+        info.use_prefix_caching = self.paging.prefix_caching and not self.adapters
+        info.attention_impl = self.paging.attention
+        info.block_size = self.paging.block_size
+        return info
 
     def warmup(
         self,
@@ -84,19 +81,13 @@ class PagedCausalLM(Model[PagedBatch]):
         without, max_total is the warmup batch's tokens. max_input = max_total - 1.
         """
         self.max_prefill_tokens = max_prefill_tokens
-        warmup_tokens = batch.total_tokens
+        if max_total_tokens is None and self.paging.chunking:
+            context = getattr(self.module.config, "max_position_embeddings", None) or self.pool.tokens
+            max_total_tokens = min(self.pool.tokens, context, self.tokenizer.model_max_length)
         try:
-            self.generate_token(batch)
+            _, max_input_tokens, max_total_tokens = super().warmup(batch, max_input_tokens, max_total_tokens)
         finally:
             batch.release()
-        if max_total_tokens is None:
-            if self.paging.chunking:
-                context = getattr(self.module.config, "max_position_embeddings", None) or self.pool.tokens
-                max_total_tokens = min(self.pool.tokens, context, self.tokenizer.model_max_length)
-            else:
-                max_total_tokens = warmup_tokens
-        if max_input_tokens is None:
-            max_input_tokens = max_total_tokens - 1
         return self.pool.tokens, max_input_tokens, max_total_tokens
 
     @torch.inference_mode()
@@ -150,7 +141,7 @@ class PagedCausalLM(Model[PagedBatch]):
         table = batch.block_table_tensor
         slots = table[rows, positions // block_size].long() * block_size + positions % block_size
         device = self.config.device
-        step = PagedStep(self.pool, slots.to(device), cu_seqlens, cache + chunks, table)
+        step = PagedStep(self.pool, slots.to(device), cu_seqlens, (cache + chunks).long(), table)
         return torch.tensor(ids, dtype=torch.long, device=device), positions.to(device), step
 
     @staticmethod

@@ -25,7 +25,7 @@ from textgen_server.layers.linear_choice import choose_linear_kernels
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.paged_attention import paged_attention, write_kv
-from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary
+from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary, head_size
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,
     Linear,
@@ -184,7 +184,7 @@ class PagedStep:
     pool: KVPool
     slots: torch.Tensor  # int64 [T]
     cu_seqlens_q: torch.Tensor  # [B + 1]
-    seq_lens: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # int64 [B]
     block_tables: torch.Tensor  # int32 [B, max_blocks]
 
 
@@ -203,7 +203,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.window = window  # sliding window (None: full attention)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_size(config)
         self.num_heads = config.num_attention_heads // dist.world_size
         self.num_kv_heads = config.num_key_value_heads // dist.world_size
         self.scaling = self.head_dim**-0.5
@@ -371,7 +371,7 @@ class TPCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight", dist)
         self.windows = _layer_windows(config)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_size(config)
         self.kv_heads = config.num_key_value_heads // dist.world_size  # this shard's
         self.layers = nn.ModuleList(
             DecoderLayer(config, weights, i, dist, window) for i, window in enumerate(self.windows)
