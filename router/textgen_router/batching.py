@@ -180,14 +180,17 @@ class Batcher:
             metrics.BATCH_CONCAT.labels(reason).inc()
             if chunking:
                 self.running.update(new_entries)
-                new_cached = await self._prefill(new_batch, self.running, batches.pop())
+                new_cached = await self._prefill(new_batch, self.running, cached)
                 if new_cached is None:  # every request ended (or the Prefill failed): nothing left to decode
                     return None, True
+                batches = [new_cached]
             else:
-                new_cached = await self._prefill(new_batch, new_entries)
-                self.running.update(new_entries)
-            if new_cached is not None:
-                batches.append(new_cached)
+                try:
+                    new_cached = await self._prefill(new_batch, new_entries)
+                finally:  # running, so that even a bug in the prefill's handling ends them (fail_all)
+                    self.running.update(new_entries)
+                if new_cached is not None:
+                    batches.append(new_cached)
         return await self._decode(batches, self.running), nxt is not None
 
     async def _prefill(
@@ -238,7 +241,7 @@ class Batcher:
             requests=requests,
             size=len(requests),
             max_tokens=batch.max_tokens,
-            max_blocks=max((len(r.blocks) for r in requests), default=0),
+            max_blocks=batch.max_blocks,
         )
 
     async def _decode(

@@ -89,9 +89,9 @@ class Entry:
 
     def release(self) -> None:
         """Give back the entry's blocks, if it holds any: its prompt is cached only when prefilled."""
-        if self.allocation is not None:
-            self.allocation.release(cache_prompt=self.prefilled)
-            self.allocation = None
+        allocation, self.allocation = self.allocation, None  # cleared first: a failing release is not retried
+        if allocation is not None:
+            allocation.release(cache_prompt=self.prefilled)
 
     def finish_span(self) -> None:
         if self.span is not None:
