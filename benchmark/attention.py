@@ -50,7 +50,8 @@ import torch
 
 from textgen_benchmark.decode import copy_bandwidth_gbs
 from textgen_server.layers.attention_kernels import causal_attention, matmul_attention, sdpa
-from textgen_server.layers.decode_attention import ENV_SWITCH, decode_attention, first_visible, kernel_available
+from textgen_server.layers.cpu_ops import ENV_SWITCH, kernel_available
+from textgen_server.layers.decode_attention import decode_attention, first_visible
 from textgen_server.layers.paged_attention import paged_attention
 
 LAYERS, HEADS, HEAD_DIM = 12, 12, 64

@@ -11,7 +11,7 @@ from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch
 
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
-from textgen_server.layers.decode_attention import kernel_available
+from textgen_server.layers.cpu_ops import kernel_available
 from textgen_server.models import get_model
 from textgen_server.models.causal_lm import CausalLM, CausalLMBatch
 

@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from textgen_server.layers.attention_kernels import matmul_attention
-from textgen_server.layers.decode_attention import (
-    decode_attention,
-    first_visible,
-    kernel_available,
-    use_decode_kernel,
-)
+from textgen_server.layers.cpu_ops import kernel_available
+from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
 
 CPU = torch.device("cpu")
 # Skipped only where torch's builder has no compiler to call; with one, the op must build.

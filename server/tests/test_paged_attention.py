@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from textgen_server.layers.decode_attention import kernel_available
+from textgen_server.layers.cpu_ops import kernel_available
 from textgen_server.layers.paged_attention import paged_attention, use_paged_kernel, write_kv
 
 CPU = torch.device("cpu")

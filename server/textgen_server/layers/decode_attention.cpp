@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_ops.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -46,72 +48,7 @@ namespace {
     __builtin_prefetch((p) + 32, 0, 3); \
   } while (0)
 
-inline float bf16_to_float(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Round to nearest even, as torch's float -> bfloat16 conversion (the values here are never NaN).
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
-
-#if defined(__AVX512F__)
-inline __m512 load16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
-
-inline float to_float(uint16_t x) { return bf16_to_float(x); }
-inline float to_float(float x) { return x; }
-
-// What the eager attention's bf16 matmul output does to a score or a probability; float32 keeps it.
-inline float round_as(uint16_t, float f) { return round_bf16(f); }
-inline float round_as(float, float f) { return f; }
-inline void store_as(uint16_t* out, float f) { *out = float_to_bf16(f); }
-inline void store_as(float* out, float f) { *out = f; }
-
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-#endif
-
-#if defined(__AVX512F__)
-// e^x for x <= 0 (Cephes' expf polynomial on x - n ln 2, scaled by 2^n): within about one float32 ulp of the
-// libm's, as torch's own vectorized exp is. A scalar exp per score cost more than reading the keys.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below, e^x is 0 in float32 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
-
-// round_bf16 on 16 lanes
-inline __m512 round_bf16(__m512 f) {
-  const __m512i bits = _mm512_castps_si512(f);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-inline __m512 round_as(uint16_t, __m512 f) { return round_bf16(f); }
-inline __m512 round_as(float, __m512 f) { return f; }
-#endif
+using namespace textgen_cpu;
 
 // s[0, n) <- softmax(s), in float32; the probabilities rounded as T's eager attention rounds them.
 template <typename T>
@@ -424,16 +361,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // t > offset + s - window when window > 0 (bottom-right causal: offset = T - S).
 //
 // torch's AVX-512 softmax (SoftMaxKernel.cpp, _vec_softmax_lastdim) is followed step by step: the max; exp(x -
-// max) by Sleef_expf16_u10, torch's own vector exp (exported by libtorch_cpu; the Cephes polynomial above where
-// it is missing); the sum in torch's vec::reduce_all order: 16 lane sums of columns t = lane mod 16 in column
-// order (masked columns add exact zeros, so they are skipped), then the 8-4-2-1 tree, or one serial sum when
-// T < 16; and the probabilities as e * (1 / sum). So the result is torch's bit for bit where torch's own build
-// takes that path (test_decode_attention.py measures it).
-#if defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
-
-inline __m512 torch_exp(__m512 x) { return Sleef_expf16_u10 ? Sleef_expf16_u10(x) : exp_nonpositive(x); }
-#endif
+// max) by torch's own vector exp (`torch_exp`, cpu_ops.h); the sum in torch's vec::reduce_all order: 16 lane
+// sums of columns t = lane mod 16 in column order (masked columns add exact zeros, so they are skipped), then
+// the 8-4-2-1 tree, or one serial sum when T < 16; and the probabilities as e * (1 / sum). So the result is
+// torch's bit for bit where torch's own build takes that path (test_decode_attention.py measures it).
 
 // One row: scores `in` [T] (bf16), visible columns [lo, hi], probabilities to `out` [T] (bf16); `e` scratch [T].
 inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int64_t total, int64_t lo, int64_t hi) {

@@ -9,68 +9,23 @@ attention rounds, so its output differs from it only where float32 sums taken in
 bfloat16 (a few values, by one unit in the last place).
 
 decode_attention.cpp also holds `textgen::paged_decode_attention`, the decode op of the paged KV pool
-(paged_attention.py), which shares its helpers: one library, built once.
+(paged_attention.py), which shares its helpers.
 
-The ops are compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; once
-per machine, cached under TORCH_EXTENSIONS_DIR). Where it cannot be built, or with
+The op is built with the others of layers/cpu_ops.py (once per machine). Where it cannot be built, or with
 TEXTGEN_CPU_DECODE_KERNEL=0, the model keeps the matmul attention over whole buffers (the paged pool: its torch
 path).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import os
-import platform
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
-ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
-
-
-def _cpu_tag() -> str:
-    """A short hash of this CPU's feature flags: built with -march=native, the library must never be loaded by
-    another CPU model from a shared build cache."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha1(flags.encode()).hexdigest()[:12]
-
-
-@functools.cache
-def kernel_available() -> bool:
-    """Build (first call on a machine) and load the op; False, with a warning, when it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    try:
-        load(
-            # The source's hash too: worktrees or versions with another source sharing one build cache would
-            # otherwise rebuild the one name over each other, and a process could load a library without its ops.
-            name=f"textgen_decode_attention_{_cpu_tag()}_{hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]}",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as err:  # no compiler, no ninja, an unsupported platform: the matmul path still works
-        logger.warning("CPU decode attention ops unavailable, using torch attention: %s", err)
-        return False
-    return True
+from textgen_server.layers.cpu_ops import ops_for
 
 
 def use_decode_kernel(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of `dtype` on `device` decodes with the op (bf16 on a CPU, unless switched off)."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get(ENV_SWITCH, "1") == "0":
-        return False
-    return kernel_available()
+    return dtype == torch.bfloat16 and ops_for(dtype, device)
 
 
 def first_visible(mask: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor | None:

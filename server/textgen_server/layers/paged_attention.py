@@ -15,23 +15,30 @@ decode op differs from the torch path only where float32 sums taken in another o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
 from textgen_server.layers.attention_kernels import attention_for, causal_attention
-from textgen_server.layers.decode_attention import ENV_SWITCH, kernel_available
+from textgen_server.layers.cpu_ops import ops_for
 
 # Row metadata: a host tensor or, as cheaply, a Python list of ints.
 Lengths = torch.Tensor | Sequence[int]
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fused: bool = False,
 ) -> None:
     """Store k, v [T, kv_heads, head_dim] at slots [T] (int64) of the pools [num_blocks, block_size, kv_heads,
-    head_dim]; slot `s` is `block * block_size + offset`."""
+    head_dim]; slot `s` is `block * block_size + offset`. `fused`: with `textgen::write_kv` (fused_ops.cpp)."""
+    if fused and k.dtype == k_cache.dtype:
+        torch.ops.textgen.write_kv(k_cache, v_cache, slots, k, v)
+        return
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
@@ -40,9 +47,7 @@ def write_kv(
 def use_paged_kernel(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decode rows of `dtype` on `device` go to the C++ op (float32 and bfloat16 on a CPU, where it
     builds, unless TEXTGEN_CPU_DECODE_KERNEL=0)."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or os.environ.get(ENV_SWITCH, "1") == "0":
-        return False
-    return kernel_available()
+    return ops_for(dtype, device)
 
 
 def paged_attention(

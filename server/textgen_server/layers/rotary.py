@@ -53,7 +53,16 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., D] by the per-position angles (cos/sin broadcastable to x, e.g. [T, 1, D] for x [T, H, D])."""
+    """Rotate x [T, H, D] by the per-position angles cos/sin [T, D]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def rotate_heads_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> None:
+    """Rotate x [T, H, D] (each head contiguous) in place, with `textgen::rotary_` (fused_ops.cpp, the same bits
+    as `apply_rotary`) when `fused`."""
+    if fused:
+        torch.ops.textgen.rotary_(x, cos, sin)
+    else:
+        x.copy_(apply_rotary(x, cos, sin))

@@ -20,12 +20,13 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
+from textgen_server.layers.cpu_ops import ops_for
 from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
 from textgen_server.layers.linear_choice import choose_linear_kernels
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.paged_attention import paged_attention, write_kv
-from textgen_server.layers.rotary import RotaryEmbedding, apply_rotary, head_size
+from textgen_server.layers.rotary import RotaryEmbedding, head_size, rotate_heads_
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,
     Linear,
@@ -219,6 +220,7 @@ class Attention(nn.Module):
         )
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", f"{prefix}.o_proj.bias" in weights, dist)
         self.attention = attention_for(weights.dtype, weights.device)
+        self.fused = ops_for(weights.dtype, weights.device)  # RoPE and the K/V writes by fused_ops.cpp
 
     def forward(
         self,
@@ -228,15 +230,17 @@ class Attention(nn.Module):
         step: PaddedStep | PagedStep,
         segments: AdapterSegments | None,
     ) -> torch.Tensor:
-        """`hidden` [T, hidden] holds the step's real tokens, `cos`/`sin` [T, 1, head_dim] their angles.
+        """`hidden` [T, hidden] holds the step's real tokens, `cos`/`sin` [T, head_dim] their angles.
         `segments`: the LoRA adapters' rows of `hidden` (None: every row runs the base model)."""
         tokens = hidden.shape[0]
-        q, k, v = self.qkv(hidden, segments).split(self.split, dim=-1)
-        # RoPE on the real tokens only, before any padding: much of a W1 prefill grid is padding.
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv(hidden, segments)
+        # RoPE on the real tokens only, before any padding (much of a W1 prefill grid is padding), on the query
+        # and key heads at once, in place.
+        rotated = self.split[0] + self.split[1]
+        rotate_heads_(qkv[:, :rotated].view(tokens, -1, self.head_dim), cos, sin, self.fused)
+        q, k, v = (x.view(tokens, -1, self.head_dim) for x in qkv.split(self.split, dim=-1))
         if isinstance(step, PagedStep):
-            out = self._attend_paged(q, k, v.view(tokens, self.num_kv_heads, self.head_dim), step)
+            out = self._attend_paged(q, k, v, step)
             return self.o_proj(out.reshape(tokens, -1), segments)
         return self.o_proj(self._attend_padded(q, k, v, step), segments)
 
@@ -244,7 +248,7 @@ class Attention(nn.Module):
         """The new keys and values go to their slots of the pool; every query attends through its row's block
         table (layers/paged_attention.py)."""
         k_cache, v_cache = step.pool.keys[self.layer_idx], step.pool.values[self.layer_idx]
-        write_kv(k_cache, v_cache, step.slots, k, v)
+        write_kv(k_cache, v_cache, step.slots, k, v, self.fused)
         return paged_attention(
             q, k_cache, v_cache, step.cu_seqlens_q, step.seq_lens, step.block_tables, self.scaling, self.window
         )
@@ -324,9 +328,14 @@ class MLP(nn.Module):
         )
         self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", f"{prefix}.down_proj.bias" in weights, dist)
         self.act = ACT2FN[config.hidden_act]
+        # textgen::silu_mul (fused_ops.cpp): silu(gate) * up in one op, the same bits.
+        self.fused_silu = config.hidden_act == "silu" and ops_for(weights.dtype, weights.device)
 
     def forward(self, x: torch.Tensor, segments: AdapterSegments | None) -> torch.Tensor:
-        gate, up = self.gate_up(x, segments).chunk(2, dim=-1)
+        gate_up = self.gate_up(x, segments)
+        if self.fused_silu:
+            return self.down(torch.ops.textgen.silu_mul(gate_up), segments)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(self.act(gate) * up, segments)
 
 
@@ -345,14 +354,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         step: PaddedStep | PagedStep,
         segments: AdapterSegments | None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, step, segments)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), segments)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (the residual stream, this layer's MLP output): the sum of the two is the layer's output. The
+        next layer (`pending`, None for the first) or the final norm adds them as it normalises, in one op."""
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add(hidden, pending)
+        attn = self.self_attn(normed, cos, sin, step, segments)
+        hidden, normed = self.post_attention_layernorm.add(hidden, attn)
+        return hidden, self.mlp(normed, segments)
 
 
 class CausalLMOutput(NamedTuple):
@@ -421,20 +437,20 @@ class TPCausalLM(nn.Module):
             counts = [seq_len] * batch if layout.lengths is None else layout.lengths.tolist()
             segments = AdapterSegments.of(adapter_indices, counts, input_ids.device)
         hidden = self.embed_tokens(layout.pack(input_ids.reshape(-1)))
-        cos, sin = (x.unsqueeze(1) for x in self.rotary(hidden, layout.pack(position_ids.reshape(-1))))
+        cos, sin = self.rotary(hidden, layout.pack(position_ids.reshape(-1)))
         masks = self._masks(attention_mask, seq_len)
         firsts: dict[int | None, torch.Tensor | None] = {}
         if seq_len == 1 and self.decode_kernel and isinstance(cache, PaddedKVCache):
             firsts = {window: first_visible(mask, batch, input_ids.device) for window, mask in masks.items()}
         step = PaddedStep(layout, masks, cache, firsts)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, step, segments)
+        hidden, pending = self._layers(hidden, cos, sin, step, segments)
         if logits_to_keep:
             # Left padding: every row's newest positions are real tokens, the last ones of its packed run.
-            hidden = hidden[layout.last_positions(logits_to_keep)].view(batch, logits_to_keep, -1)
-            logits = self.lm_head(self.norm(hidden))
+            keep = layout.last_positions(logits_to_keep)
+            _, normed = self.norm.add(hidden[keep], pending[keep])
+            logits = self.lm_head(normed).view(batch, logits_to_keep, -1)
         else:
-            logits = layout.pad(self.lm_head(self.norm(hidden))).view(batch, seq_len, -1)
+            logits = layout.pad(self.lm_head(self.norm.add(hidden, pending)[1])).view(batch, seq_len, -1)
         return CausalLMOutput(logits, cache)
 
     @torch.inference_mode()
@@ -450,12 +466,26 @@ class TPCausalLM(nn.Module):
         another; their keys and values are written to `step.slots`. Returns the logits [N, V] of the tokens
         `logits_index` picks (None: all T)."""
         hidden = self.embed_tokens(input_ids)
-        cos, sin = (x.unsqueeze(1) for x in self.rotary(hidden, position_ids))
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, step, segments)
+        cos, sin = self.rotary(hidden, position_ids)
+        hidden, pending = self._layers(hidden, cos, sin, step, segments)
         if logits_index is not None:
-            hidden = hidden.index_select(0, logits_index)
-        return self.lm_head(self.norm(hidden))
+            hidden, pending = hidden.index_select(0, logits_index), pending.index_select(0, logits_index)
+        return self.lm_head(self.norm.add(hidden, pending)[1])
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: PaddedStep | PagedStep,
+        segments: AdapterSegments | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer over the embedded tokens; (residual stream, last MLP output) as DecoderLayer."""
+        pending: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, pending = layer(hidden, pending, cos, sin, step, segments)
+        assert pending is not None, "a model has at least one layer"
+        return hidden, pending
 
     def pool_shape(self, block_size: int) -> PoolShape:
         """The shape of one block of this shard's KV pool."""

@@ -1,0 +1,89 @@
+// Helpers the shard's C++ CPU ops share (decode_attention.cpp, fused_ops.cpp): bfloat16 conversions that round
+// as torch rounds, and torch's own vectorized exp.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace textgen_cpu {
+
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion (the values here are never NaN).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+inline float to_float(uint16_t x) { return bf16_to_float(x); }
+inline float to_float(float x) { return x; }
+
+// What the eager attention's bf16 matmul output does to a score or a probability; float32 keeps it.
+inline float round_as(uint16_t, float f) { return round_bf16(f); }
+inline float round_as(float, float f) { return f; }
+inline void store_as(uint16_t* out, float f) { *out = float_to_bf16(f); }
+inline void store_as(float* out, float f) { *out = f; }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (Cephes' expf polynomial on x - n ln 2, scaled by 2^n): within about one float32 ulp of the
+// libm's, as torch's own vectorized exp is. A scalar exp per score cost more than reading the keys.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below, e^x is 0 in float32 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// round_bf16 on 16 lanes
+inline __m512 round_bf16(__m512 f) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline __m512 round_as(uint16_t, __m512 f) { return round_bf16(f); }
+inline __m512 round_as(float, __m512 f) { return f; }
+#endif
+
+// torch's vectorized exp: Sleef_expf16_u10, exported by libtorch_cpu (the Cephes polynomial above where it is
+// missing).
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+
+inline __m512 torch_exp(__m512 x) { return Sleef_expf16_u10 ? Sleef_expf16_u10(x) : exp_nonpositive(x); }
+#endif
+}  // namespace textgen_cpu

@@ -1,0 +1,76 @@
+"""The shard's C++ CPU ops, one library built at first use: attention over the KV caches (decode_attention.cpp,
+see decode_attention.py and paged_attention.py) and a decoder layer's small ops (fused_ops.cpp, see fused.py),
+sharing the helpers of cpu_ops.h.
+
+They are compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; once per
+machine, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or with
+TEXTGEN_CPU_DECODE_KERNEL=0, every caller keeps its torch code.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp")
+HEADERS = (_HERE / "cpu_ops.h",)
+ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's feature flags: built with -march=native, the library must never be loaded by
+    another CPU model from a shared build cache."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next(line for line in cpuinfo if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:12]
+
+
+def _source_tag() -> str:
+    """A short hash of the sources: worktrees or versions with other sources sharing one build cache would
+    otherwise rebuild the one name over each other, and a process could load a library without its ops."""
+    digest = hashlib.sha1()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:8]
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Build (first call on a machine) and load the ops; False, with a warning, when they cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(
+            name=f"textgen_cpu_ops_{_cpu_tag()}_{_source_tag()}",
+            sources=[str(path) for path in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, an unsupported platform: the torch code still works
+        logger.warning("CPU ops unavailable, using torch's: %s", err)
+        return False
+    return True
+
+
+def switched_on() -> bool:
+    """False when TEXTGEN_CPU_DECODE_KERNEL=0 turns the ops off."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def ops_for(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether tensors of `dtype` on `device` go to the ops: float32 and bfloat16 on a CPU, where they build,
+    unless switched off."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and switched_on() and kernel_available()

@@ -1,0 +1,262 @@
+// The small ops of a decoder layer, each in one call instead of several torch ops (a batch-1 decode step spent
+// as long dispatching them as the weights took to read: benchmark/README.md, issue 25). float32 and bfloat16,
+// contiguous rows; rows are independent and split over threads only when there are many of them.
+//
+// Every op rounds where the eager torch code it replaces rounds (layers/fused.py has that code, the fallback),
+// so outputs are torch's bits, except where noted:
+//
+// textgen::rms_norm(x, weight, eps) -> out and textgen::add_rms_norm(x, residual, weight, eps) -> (sum, out):
+//   sum = x + residual (rounded to the dtype, as `hidden + attn`), out = weight * dtype(sum * rsqrt(mean(sum^2)
+//   + eps)) with the normalisation in float32 (Llama's RMSNorm). The mean's float32 sum is taken in another
+//   order than torch's, so `out` may differ from torch's by one unit in the last place, rarely.
+// textgen::rotary_(x, cos, sin): x [T, H, D] rotated in place, x * cos + rotate_half(x) * sin, cos / sin [T, D].
+// textgen::silu_mul(gate_up) -> out: [T, 2I] -> [T, I], silu(gate) * up (transformers' MLP after its fused
+//   gate/up projection), silu as torch computes it: x / (1 + exp(-x)) with torch's own vector exp.
+// textgen::write_kv(k_cache, v_cache, slots, k, v): k, v [T, Hkv, D] (rows any stride) stored at `slots` of the
+//   pools [N, S, Hkv, D] (slot s = block * S + offset).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+
+#include "cpu_ops.h"
+
+namespace {
+
+using namespace textgen_cpu;
+
+// Rows per thread below which an op runs on the calling thread: a decode step's few rows take microseconds,
+// less than waking the pool.
+constexpr int64_t GRAIN = 16;
+
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float round_to(uint16_t, float f) { return round_bf16(f); }
+inline float round_to(float, float f) { return f; }
+
+inline void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat,
+              what, ": float32 or bfloat16 only");
+  TORCH_CHECK(t.is_contiguous(), what, ": contiguous tensors only");
+}
+
+// out = weight * round(x * rsqrt(mean(x^2) + eps)); x already rounded to T.
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t dim, float eps) {
+  float lanes[16] = {0.f};
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    for (int l = 0; l < 16; ++l) {
+      const float v = load(x, d + l);
+      lanes[l] += v * v;
+    }
+  }
+  float total = 0.f;
+  for (int l = 0; l < 16; ++l) total += lanes[l];
+  for (; d < dim; ++d) total += load(x, d) * load(x, d);
+  const float scale = 1.f / std::sqrt(total / static_cast<float>(dim) + eps);
+  for (d = 0; d < dim; ++d) store_as(out + d, load(weight, d) * round_to(T{}, load(x, d) * scale));
+}
+
+template <typename T>
+void norm_rows(const T* x, const T* residual, T* sum, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, GRAIN, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* row = x + r * dim;
+      if (residual != nullptr) {
+        for (int64_t d = 0; d < dim; ++d) store_as(sum + r * dim + d, load(row, d) + load(residual + r * dim, d));
+        row = sum + r * dim;
+      }
+      norm_row(row, weight, out + r * dim, dim, eps);
+    }
+  });
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.dim() == 1 &&
+                  x.dim() >= 1 && weight.size(0) == x.size(-1),
+              "rms_norm: weight must be a contiguous [D] of x's dtype");
+}
+
+template <typename T>
+void norm(const at::Tensor& x, const at::Tensor* residual, at::Tensor* sum, const at::Tensor& weight,
+          at::Tensor& out, double eps) {
+  const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(dim, 1);
+  norm_rows<T>(static_cast<const T*>(x.data_ptr()), residual ? static_cast<const T*>(residual->data_ptr()) : nullptr,
+               sum ? static_cast<T*>(sum->data_ptr()) : nullptr, static_cast<const T*>(weight.data_ptr()),
+               static_cast<T*>(out.data_ptr()), rows, dim, static_cast<float>(eps));
+}
+
+// float32 or bfloat16 (as its raw bits) by x's dtype.
+void norm_any(const at::Tensor& x, const at::Tensor* residual, at::Tensor* sum, const at::Tensor& weight,
+              at::Tensor& out, double eps) {
+  if (x.scalar_type() == at::kFloat) {
+    norm<float>(x, residual, sum, weight, out, eps);
+  } else {
+    norm<uint16_t>(x, residual, sum, weight, out, eps);
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  at::Tensor out = at::empty_like(x);
+  norm_any(x, nullptr, nullptr, weight, out, eps);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "add_rms_norm: residual must be contiguous, of x's shape and dtype");
+  at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
+  norm_any(x, &residual, &sum, weight, out, eps);
+  return {sum, out};
+}
+
+// One head: x' = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]); each product and the
+// sum rounded to T as torch's eager ops round them. The attribute keeps GCC from fusing a product and the sum
+// into one FMA, which rounds once where torch rounds twice (float32).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = load(x, i), b = load(x, i + half);
+    const float lo = round_to(T{}, a * load(cos, i)) + round_to(T{}, -b * load(sin, i));
+    const float hi = round_to(T{}, b * load(cos, i + half)) + round_to(T{}, a * load(sin, i + half));
+    store_as(x + i, lo);
+    store_as(x + i + half, hi);
+  }
+}
+
+template <typename T>
+void rotate(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  T* base = static_cast<T*>(x.data_ptr());
+  const T* c = static_cast<const T*>(cos.data_ptr());
+  const T* s = static_cast<const T*>(sin.data_ptr());
+  at::parallel_for(0, tokens, GRAIN, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        rotate_head(base + t * token_stride + h * head_stride, c + t * dim, s + t * dim, dim / 2);
+      }
+    }
+  });
+}
+
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "rotary_: float32 or bfloat16 only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary_: x must be [T, H, D], D even, each head contiguous");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == x.size(0) && t->size(1) == x.size(2),
+                "rotary_: cos and sin must be contiguous [T, D] of x's dtype");
+  }
+  if (x.scalar_type() == at::kFloat) {
+    rotate<float>(x, cos, sin);
+  } else {
+    rotate<uint16_t>(x, cos, sin);
+  }
+}
+
+// silu(g) = g / (1 + exp(-g)) in float32, as torch's silu kernel: 16 lanes through torch's vector exp where torch
+// takes its vector path, the libm exp for the rest (torch's scalar path on a row's tail).
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  // torch's vector path takes 32 bfloat16 or 16 float32 values at a time.
+  const int64_t step = std::is_same_v<T, uint16_t> ? 32 : 16;
+  alignas(64) float g[16], e[16];
+  for (; i + step <= n; i += step) {
+    for (int64_t j = i; j < i + step; j += 16) {
+      for (int l = 0; l < 16; ++l) g[l] = load(gate, j + l);
+      _mm512_store_ps(e, torch_exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_load_ps(g))));
+      for (int l = 0; l < 16; ++l) {
+        const float act = round_to(T{}, g[l] / (1.f + e[l]));
+        store_as(out + j + l, act * load(up, j + l));
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = load(gate, i);
+    store_as(out + i, round_to(T{}, x / (1.f + std::exp(-x))) * load(up, i));
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: the last dimension must be even");
+  const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / std::max<int64_t>(2 * width, 1);
+  auto shape = gate_up.sizes().vec();
+  shape.back() = width;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  at::parallel_for(0, rows, GRAIN, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      if (gate_up.scalar_type() == at::kFloat) {
+        const float* in = gate_up.data_ptr<float>() + r * 2 * width;
+        silu_mul_row(in, in + width, out.data_ptr<float>() + r * width, width);
+      } else {
+        const auto* in = static_cast<const uint16_t*>(gate_up.data_ptr()) + r * 2 * width;
+        silu_mul_row(in, in + width, static_cast<uint16_t*>(out.data_ptr()) + r * width, width);
+      }
+    }
+  });
+  return out;
+}
+
+void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous(), "write_kv: caches must be contiguous [N, S, Hkv, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "write_kv: slots must be contiguous int64 [T]");
+  const int64_t tokens = slots.size(0), row = k_cache.size(2) * k_cache.size(3);
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->scalar_type() == k_cache.scalar_type() && t->dim() == 3 && t->size(0) == tokens &&
+                    t->size(1) * t->size(2) == row && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "write_kv: k and v must be [T, Hkv, D] of the caches' dtype, each token's heads contiguous");
+  }
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < capacity, "write_kv: slot out of range");
+  const int64_t bytes = row * k_cache.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  at::parallel_for(0, tokens, GRAIN * 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      std::memcpy(kc + s[t] * bytes, kp + t * k_stride, bytes);
+      std::memcpy(vc + s[t] * bytes, vp + t * v_stride, bytes);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(textgen, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(textgen, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary_", &rotary_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("write_kv", &write_kv);
+}
