@@ -6,11 +6,25 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
 
 namespace textgen_cpu {
+
+// Flush-to-zero and denormals-are-zero on this thread while in scope. A softmax's exp(x - max) or silu's exp(-x)
+// of a very negative x underflows, and every float32 result or operand below 2^-126 costs a microcode assist
+// (about a hundred cycles) otherwise: a prefill of a model whose scores span a wide range spent most of its
+// softmax there (benchmark/README.md). What changes is only such a value itself, 0 instead of a denormal: an
+// exp below 2^-126 added to 1 or to a sum of probabilities, or weighting a value, changes no float32 result.
+class FlushDenormals {
+ public:
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned int saved_;
+};
 
 inline float bf16_to_float(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -77,6 +91,21 @@ inline __m512 round_bf16(__m512 f) {
 }
 inline __m512 round_as(uint16_t, __m512 f) { return round_bf16(f); }
 inline __m512 round_as(float, __m512 f) { return f; }
+
+// The first n (< 16) lanes, or all 16.
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u); }
+
+// 16 values (the lanes of `m`, others 0) as float32, and back: a bfloat16 store rounds as torch does.
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline void store16(uint16_t* p, __m512 f, __mmask16 m) {
+  const __m512i bits = _mm512_castps_si512(round_bf16(f));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+inline void store16(float* p, __m512 f, __mmask16 m) { _mm512_mask_storeu_ps(p, m, f); }
 #endif
 
 // torch's vectorized exp: Sleef_expf16_u10, exported by libtorch_cpu (the Cephes polynomial above where it is

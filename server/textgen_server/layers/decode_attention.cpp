@@ -161,6 +161,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int threads = at::get_num_threads();  // torch.set_num_threads, as torch's own kernels use
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals flush;
     std::vector<float> queries(group * dim), scores(group * window), acc(dim);
 #pragma omp for schedule(dynamic, 8)
     for (int64_t bh = 0; bh < tasks; ++bh) {
@@ -304,6 +305,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   bool bad_block = false;
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals flush;
     std::vector<int64_t> slots;
     std::vector<float> queries, scores, acc;
 #pragma omp for schedule(dynamic, 1)
@@ -364,7 +366,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // max) by torch's own vector exp (`torch_exp`, cpu_ops.h); the sum in torch's vec::reduce_all order: 16 lane
 // sums of columns t = lane mod 16 in column order (masked columns add exact zeros, so they are skipped), then
 // the 8-4-2-1 tree, or one serial sum when T < 16; and the probabilities as e * (1 / sum). So the result is
-// torch's bit for bit where torch's own build takes that path (test_decode_attention.py measures it).
+// torch's bit for bit where torch's own build takes that path (test_decode_attention.py measures it), except
+// probabilities below 2^-126, which are 0 here (FlushDenormals, cpu_ops.h).
 
 // One row: scores `in` [T] (bf16), visible columns [lo, hi], probabilities to `out` [T] (bf16); `e` scratch [T].
 inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int64_t total, int64_t lo, int64_t hi) {
@@ -432,6 +435,7 @@ at::Tensor causal_softmax_bf16(const at::Tensor& scores, int64_t offset, int64_t
   const int threads = at::get_num_threads();
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormals flush;
     std::vector<float> e(total + 16);
 #pragma omp for schedule(dynamic, 16)
     for (int64_t r = 0; r < rows; ++r) {

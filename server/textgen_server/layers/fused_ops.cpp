@@ -11,7 +11,8 @@
 //   order than torch's, so `out` may differ from torch's by one unit in the last place, rarely.
 // textgen::rotary_(x, cos, sin): x [T, H, D] rotated in place, x * cos + rotate_half(x) * sin, cos / sin [T, D].
 // textgen::silu_mul(gate_up) -> out: [T, 2I] -> [T, I], silu(gate) * up (transformers' MLP after its fused
-//   gate/up projection), silu as torch computes it: x / (1 + exp(-x)) with torch's own vector exp.
+//   gate/up projection), silu as torch computes it: x / (1 + exp(-x)) with torch's own vector exp (an exp that
+//   underflows is flushed to 0, which changes no result: 1 + it is 1 either way).
 // textgen::write_kv(k_cache, v_cache, slots, k, v): k, v [T, Hkv, D] (rows any stride) stored at `slots` of the
 //   pools [N, S, Hkv, D] (slot s = block * S + offset).
 #include <ATen/ATen.h>
@@ -35,33 +36,53 @@ using namespace textgen_cpu;
 // less than waking the pool.
 constexpr int64_t GRAIN = 16;
 
-inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float round_to(uint16_t, float f) { return round_bf16(f); }
-inline float round_to(float, float f) { return f; }
-
 inline void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat,
               what, ": float32 or bfloat16 only");
   TORCH_CHECK(t.is_contiguous(), what, ": contiguous tensors only");
 }
 
-// out = weight * round(x * rsqrt(mean(x^2) + eps)); x already rounded to T.
+// out = weight * round(x * rsqrt(mean(x^2) + eps)); x already rounded to T. The squares are summed in 16 lanes
+// (lane l: columns l, l + 16, ...), then the lanes one after another.
 template <typename T>
 void norm_row(const T* x, const T* weight, T* out, int64_t dim, float eps) {
   float lanes[16] = {0.f};
-  int64_t d = 0;
-  for (; d + 16 <= dim; d += 16) {
-    for (int l = 0; l < 16; ++l) {
-      const float v = load(x, d + l);
-      lanes[l] += v * v;
-    }
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 v = load16(x + d, first_lanes(dim - d));
+    acc = _mm512_fmadd_ps(v, v, acc);
   }
+  _mm512_storeu_ps(lanes, acc);
+#else
+  for (int64_t d = 0; d < dim; ++d) lanes[d % 16] += to_float(x[d]) * to_float(x[d]);
+#endif
   float total = 0.f;
   for (int l = 0; l < 16; ++l) total += lanes[l];
-  for (; d < dim; ++d) total += load(x, d) * load(x, d);
   const float scale = 1.f / std::sqrt(total / static_cast<float>(dim) + eps);
-  for (d = 0; d < dim; ++d) store_as(out + d, load(weight, d) * round_to(T{}, load(x, d) * scale));
+#if defined(__AVX512F__)
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 m = first_lanes(dim - d);
+    const __m512 normed = round_as(T{}, _mm512_mul_ps(load16(x + d, m), scale16));
+    store16(out + d, _mm512_mul_ps(load16(weight + d, m), normed), m);
+  }
+#else
+  for (int64_t d = 0; d < dim; ++d) store_as(out + d, to_float(weight[d]) * round_as(T{}, to_float(x[d]) * scale));
+#endif
+}
+
+// sum = round(a + b)
+template <typename T>
+void add_row(const T* a, const T* b, T* sum, int64_t dim) {
+#if defined(__AVX512F__)
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 m = first_lanes(dim - d);
+    store16(sum + d, _mm512_add_ps(load16(a + d, m), load16(b + d, m)), m);
+  }
+#else
+  for (int64_t d = 0; d < dim; ++d) store_as(sum + d, to_float(a[d]) + to_float(b[d]));
+#endif
 }
 
 template <typename T>
@@ -70,7 +91,7 @@ void norm_rows(const T* x, const T* residual, T* sum, const T* weight, T* out, i
     for (int64_t r = lo; r < hi; ++r) {
       const T* row = x + r * dim;
       if (residual != nullptr) {
-        for (int64_t d = 0; d < dim; ++d) store_as(sum + r * dim + d, load(row, d) + load(residual + r * dim, d));
+        add_row(row, residual + r * dim, sum + r * dim, dim);
         row = sum + r * dim;
       }
       norm_row(row, weight, out + r * dim, dim, eps);
@@ -126,13 +147,27 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // into one FMA, which rounds once where torch rounds twice (float32).
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = first_lanes(half - i);
+    const __m512 a = load16(x + i, m), b = load16(x + i + half, m);
+    const __m512 minus_b = _mm512_sub_ps(_mm512_setzero_ps(), b);
+    const __m512 lo = _mm512_add_ps(round_as(T{}, _mm512_mul_ps(a, load16(cos + i, m))),
+                                    round_as(T{}, _mm512_mul_ps(minus_b, load16(sin + i, m))));
+    const __m512 hi = _mm512_add_ps(round_as(T{}, _mm512_mul_ps(b, load16(cos + i + half, m))),
+                                    round_as(T{}, _mm512_mul_ps(a, load16(sin + i + half, m))));
+    store16(x + i, lo, m);
+    store16(x + i + half, hi, m);
+  }
+#else
   for (int64_t i = 0; i < half; ++i) {
-    const float a = load(x, i), b = load(x, i + half);
-    const float lo = round_to(T{}, a * load(cos, i)) + round_to(T{}, -b * load(sin, i));
-    const float hi = round_to(T{}, b * load(cos, i + half)) + round_to(T{}, a * load(sin, i + half));
+    const float a = to_float(x[i]), b = to_float(x[i + half]);
+    const float lo = round_as(T{}, a * to_float(cos[i])) + round_as(T{}, -b * to_float(sin[i]));
+    const float hi = round_as(T{}, b * to_float(cos[i + half])) + round_as(T{}, a * to_float(sin[i + half]));
     store_as(x + i, lo);
     store_as(x + i + half, hi);
   }
+#endif
 }
 
 template <typename T>
@@ -167,29 +202,25 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   }
 }
 
-// silu(g) = g / (1 + exp(-g)) in float32, as torch's silu kernel: 16 lanes through torch's vector exp where torch
-// takes its vector path, the libm exp for the rest (torch's scalar path on a row's tail).
+// silu(g) = g / (1 + exp(-g)) in float32, as torch's silu kernel: through torch's vector exp where torch takes its
+// vector path (32 bfloat16 or 16 float32 values at a time), the libm exp for the rest (torch's scalar path).
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  // torch's vector path takes 32 bfloat16 or 16 float32 values at a time.
   const int64_t step = std::is_same_v<T, uint16_t> ? 32 : 16;
-  alignas(64) float g[16], e[16];
+  const __m512 one = _mm512_set1_ps(1.f);
   for (; i + step <= n; i += step) {
     for (int64_t j = i; j < i + step; j += 16) {
-      for (int l = 0; l < 16; ++l) g[l] = load(gate, j + l);
-      _mm512_store_ps(e, torch_exp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_load_ps(g))));
-      for (int l = 0; l < 16; ++l) {
-        const float act = round_to(T{}, g[l] / (1.f + e[l]));
-        store_as(out + j + l, act * load(up, j + l));
-      }
+      const __m512 g = load16(gate + j, first_lanes(16));
+      const __m512 act = round_as(T{}, _mm512_div_ps(g, _mm512_add_ps(one, torch_exp(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+      store16(out + j, _mm512_mul_ps(act, load16(up + j, first_lanes(16))), first_lanes(16));
     }
   }
 #endif
   for (; i < n; ++i) {
-    const float x = load(gate, i);
-    store_as(out + i, round_to(T{}, x / (1.f + std::exp(-x))) * load(up, i));
+    const float x = to_float(gate[i]);
+    store_as(out + i, round_as(T{}, x / (1.f + std::exp(-x))) * to_float(up[i]));
   }
 }
 
@@ -201,6 +232,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   shape.back() = width;
   at::Tensor out = at::empty(shape, gate_up.options());
   at::parallel_for(0, rows, GRAIN, [&](int64_t lo, int64_t hi) {
+    const FlushDenormals flush;  // exp(-x) of a large gate value underflows
     for (int64_t r = lo; r < hi; ++r) {
       if (gate_up.scalar_type() == at::kFloat) {
         const float* in = gate_up.data_ptr<float>() + r * 2 * width;
