@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 namespace textgen_cpu {
 
@@ -15,9 +17,11 @@ namespace textgen_cpu {
 // (about a hundred cycles) otherwise: a prefill of a model whose scores span a wide range spent most of its
 // softmax there (benchmark/README.md). What changes is only such a value itself, 0 instead of a denormal: an
 // exp below 2^-126 added to 1 or to a sum of probabilities, or weighting a value, changes no float32 result.
+// Elsewhere than on x86 it does nothing: the ops then run as torch's do.
+#if defined(__x86_64__) || defined(__i386__)
 class FlushDenormals {
  public:
-  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }  // FTZ | DAZ
   ~FlushDenormals() { _mm_setcsr(saved_); }
   FlushDenormals(const FlushDenormals&) = delete;
   FlushDenormals& operator=(const FlushDenormals&) = delete;
@@ -25,6 +29,11 @@ class FlushDenormals {
  private:
   unsigned int saved_;
 };
+#else
+struct FlushDenormals {
+  FlushDenormals() {}
+};
+#endif
 
 inline float bf16_to_float(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -93,7 +102,9 @@ inline __m512 round_as(uint16_t, __m512 f) { return round_bf16(f); }
 inline __m512 round_as(float, __m512 f) { return f; }
 
 // The first n (< 16) lanes, or all 16.
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u); }
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
 
 // 16 values (the lanes of `m`, others 0) as float32, and back: a bfloat16 store rounds as torch does.
 inline __m512 load16(const uint16_t* p, __mmask16 m) {

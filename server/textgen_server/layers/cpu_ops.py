@@ -1,6 +1,6 @@
 """The shard's C++ CPU ops, one library built at first use: attention over the KV caches (decode_attention.cpp,
-see decode_attention.py and paged_attention.py) and a decoder layer's small ops (fused_ops.cpp, see fused.py),
-sharing the helpers of cpu_ops.h.
+see decode_attention.py and paged_attention.py) and a decoder layer's small ops (fused_ops.cpp: norm.py, rotary.py,
+the MLP of models/tp_llama.py), sharing the helpers of cpu_ops.h.
 
 They are compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; once per
 machine, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or with

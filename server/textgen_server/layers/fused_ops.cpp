@@ -2,8 +2,9 @@
 // as long dispatching them as the weights took to read: benchmark/README.md, issue 25). float32 and bfloat16,
 // contiguous rows; rows are independent and split over threads only when there are many of them.
 //
-// Every op rounds where the eager torch code it replaces rounds (layers/fused.py has that code, the fallback),
-// so outputs are torch's bits, except where noted:
+// Every op rounds where the eager torch code it replaces rounds (that code stays as the fallback: RMSNorm in
+// norm.py, apply_rotary in rotary.py, the MLP in models/tp_llama.py, write_kv in paged_attention.py), so outputs
+// are torch's bits, except where noted (test_fused_ops.py checks them):
 //
 // textgen::rms_norm(x, weight, eps) -> out and textgen::add_rms_norm(x, residual, weight, eps) -> (sum, out):
 //   sum = x + residual (rounded to the dtype, as `hidden + attn`), out = weight * dtype(sum * rsqrt(mean(sum^2)
@@ -213,7 +214,8 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   for (; i + step <= n; i += step) {
     for (int64_t j = i; j < i + step; j += 16) {
       const __m512 g = load16(gate + j, first_lanes(16));
-      const __m512 act = round_as(T{}, _mm512_div_ps(g, _mm512_add_ps(one, torch_exp(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+      const __m512 e = torch_exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 act = round_as(T{}, _mm512_div_ps(g, _mm512_add_ps(one, e)));
       store16(out + j, _mm512_mul_ps(act, load16(up + j, first_lanes(16))), first_lanes(16));
     }
   }
