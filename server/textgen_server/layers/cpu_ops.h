@@ -126,4 +126,9 @@ extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 
 inline __m512 torch_exp(__m512 x) { return Sleef_expf16_u10 ? Sleef_expf16_u10(x) : exp_nonpositive(x); }
 #endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// torch's vectorized exp on an AVX2 CPU (8 lanes); null where libtorch_cpu does not export it.
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
+#endif
 }  // namespace textgen_cpu

@@ -204,7 +204,8 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 // silu(g) = g / (1 + exp(-g)) in float32, as torch's silu kernel: through torch's vector exp where torch takes its
-// vector path (32 bfloat16 or 16 float32 values at a time), the libm exp for the rest (torch's scalar path).
+// vector path (AVX-512: 32 bfloat16 or 16 float32 values at a time; AVX2: 16 or 8), the libm exp for the rest
+// (torch's scalar path).
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
@@ -217,6 +218,18 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
       const __m512 e = torch_exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
       const __m512 act = round_as(T{}, _mm512_div_ps(g, _mm512_add_ps(one, e)));
       store16(out + j, _mm512_mul_ps(act, load16(up + j, first_lanes(16))), first_lanes(16));
+    }
+  }
+#elif defined(__AVX2__)
+  if (Sleef_expf8_u10 != nullptr) {  // torch's AVX2 vector path: 16 bfloat16 or 8 float32 values at a time
+    const int64_t step = std::is_same_v<T, uint16_t> ? 16 : 8;
+    alignas(32) float g[8], e[8];
+    for (; i + step <= n; i += step) {
+      for (int64_t j = i; j < i + step; j += 8) {
+        for (int l = 0; l < 8; ++l) g[l] = to_float(gate[j + l]);
+        _mm256_store_ps(e, Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_load_ps(g))));
+        for (int l = 0; l < 8; ++l) store_as(out + j + l, round_as(T{}, g[l] / (1.f + e[l])) * to_float(up[j + l]));
+      }
     }
   }
 #endif
