@@ -16,6 +16,7 @@ from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch
 
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
+from textgen_server.layers.cpu_ops import kernel_available
 from textgen_server.models import get_model
 from textgen_server.models.kv_pool import POOL_TOKENS_ENV, SelfAllocator
 from textgen_server.models.model import InvalidRequestError, InvalidRequestsError
@@ -89,8 +90,16 @@ def test_uneven_batch_through_filter_and_concatenate_matches_transformers(
     assert model.pool.allocator.free_blocks == free  # every self-allocated block came back
 
 
-def test_bfloat16_matches_transformers_eager(tiny_llama: Path) -> None:
-    check_uneven_batch(paged_model(tiny_llama, dtype="bfloat16"), HFOracle(tiny_llama, "bfloat16", "eager"))
+@pytest.mark.parametrize("cpu_ops", ["1", "0"])
+def test_bfloat16_matches_transformers_eager(tiny_llama: Path, cpu_ops: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the C++ ops (fused norm / RoPE / silu / K/V writes, paged decode attention) and without them (their
+    torch code, as where no compiler builds them)."""
+    monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", cpu_ops)
+    model = paged_model(tiny_llama, dtype="bfloat16")
+    layer = model.module.layers[0]
+    on = cpu_ops == "1" and kernel_available()
+    assert layer.self_attn.fused == layer.mlp.fused_silu == layer.input_layernorm.fused == on
+    check_uneven_batch(model, HFOracle(tiny_llama, "bfloat16", "eager"))
 
 
 def test_a_prefix_hit_computes_only_the_postfix(model: PagedCausalLM, llama_oracle: HFOracle) -> None:
