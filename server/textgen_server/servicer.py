@@ -91,7 +91,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         """A new batch; with chunking, the router's running batch (`cached_batch`) joins it in the same forward."""
         start = time.perf_counter_ns()
         chunking = request.HasField("cached_batch")
-        if chunking and not self.model.info.support_chunking:
+        if chunking and not self.model.support_chunking:
             raise InvalidRequestError("this shard does not support prefill chunking (`cached_batch` must be unset)")
         if chunking and request.cached_batch.id not in self.cache:
             raise BatchNotFoundError(request.cached_batch.id)

@@ -37,6 +37,17 @@ using namespace textgen_cpu;
 // less than waking the pool.
 constexpr int64_t GRAIN = 16;
 
+// Calls f with a value of the element type the ops read `t`'s data as: float for float32, uint16_t (the raw
+// bits) for bfloat16.
+template <typename F>
+void by_dtype(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
+    f(float{});
+  } else {
+    f(uint16_t{});
+  }
+}
+
 inline void check_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat,
               what, ": float32 or bfloat16 only");
@@ -107,29 +118,21 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight) {
               "rms_norm: weight must be a contiguous [D] of x's dtype");
 }
 
-template <typename T>
 void norm(const at::Tensor& x, const at::Tensor* residual, at::Tensor* sum, const at::Tensor& weight,
           at::Tensor& out, double eps) {
   const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(dim, 1);
-  norm_rows<T>(static_cast<const T*>(x.data_ptr()), residual ? static_cast<const T*>(residual->data_ptr()) : nullptr,
-               sum ? static_cast<T*>(sum->data_ptr()) : nullptr, static_cast<const T*>(weight.data_ptr()),
-               static_cast<T*>(out.data_ptr()), rows, dim, static_cast<float>(eps));
-}
-
-// float32 or bfloat16 (as its raw bits) by x's dtype.
-void norm_any(const at::Tensor& x, const at::Tensor* residual, at::Tensor* sum, const at::Tensor& weight,
-              at::Tensor& out, double eps) {
-  if (x.scalar_type() == at::kFloat) {
-    norm<float>(x, residual, sum, weight, out, eps);
-  } else {
-    norm<uint16_t>(x, residual, sum, weight, out, eps);
-  }
+  by_dtype(x, [&](auto raw) {
+    using T = decltype(raw);
+    norm_rows<T>(static_cast<const T*>(x.data_ptr()), residual ? static_cast<const T*>(residual->data_ptr()) : nullptr,
+                 sum ? static_cast<T*>(sum->data_ptr()) : nullptr, static_cast<const T*>(weight.data_ptr()),
+                 static_cast<T*>(out.data_ptr()), rows, dim, static_cast<float>(eps));
+  });
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   at::Tensor out = at::empty_like(x);
-  norm_any(x, nullptr, nullptr, weight, out, eps);
+  norm(x, nullptr, nullptr, weight, out, eps);
   return out;
 }
 
@@ -139,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
               "add_rms_norm: residual must be contiguous, of x's shape and dtype");
   at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  norm_any(x, &residual, &sum, weight, out, eps);
+  norm(x, &residual, &sum, weight, out, eps);
   return {sum, out};
 }
 
@@ -196,11 +199,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
                     t->size(0) == x.size(0) && t->size(1) == x.size(2),
                 "rotary_: cos and sin must be contiguous [T, D] of x's dtype");
   }
-  if (x.scalar_type() == at::kFloat) {
-    rotate<float>(x, cos, sin);
-  } else {
-    rotate<uint16_t>(x, cos, sin);
-  }
+  by_dtype(x, [&](auto raw) { rotate<decltype(raw)>(x, cos, sin); });
 }
 
 // silu(g) = g / (1 + exp(-g)) in float32, as torch's silu kernel: through torch's vector exp where torch takes its
@@ -246,17 +245,17 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   auto shape = gate_up.sizes().vec();
   shape.back() = width;
   at::Tensor out = at::empty(shape, gate_up.options());
-  at::parallel_for(0, rows, GRAIN, [&](int64_t lo, int64_t hi) {
-    const FlushDenormals flush;  // exp(-x) of a large gate value underflows
-    for (int64_t r = lo; r < hi; ++r) {
-      if (gate_up.scalar_type() == at::kFloat) {
-        const float* in = gate_up.data_ptr<float>() + r * 2 * width;
-        silu_mul_row(in, in + width, out.data_ptr<float>() + r * width, width);
-      } else {
-        const auto* in = static_cast<const uint16_t*>(gate_up.data_ptr()) + r * 2 * width;
-        silu_mul_row(in, in + width, static_cast<uint16_t*>(out.data_ptr()) + r * width, width);
+  by_dtype(gate_up, [&](auto raw) {
+    using T = decltype(raw);
+    const auto* in = static_cast<const T*>(gate_up.data_ptr());
+    auto* o = static_cast<T*>(out.data_ptr());
+    at::parallel_for(0, rows, GRAIN, [&](int64_t lo, int64_t hi) {
+      const FlushDenormals flush;  // exp(-x) of a large gate value underflows
+      for (int64_t r = lo; r < hi; ++r) {
+        const T* row = in + r * 2 * width;
+        silu_mul_row(row, row + width, o + r * width, width);
       }
-    }
+    });
   });
   return out;
 }

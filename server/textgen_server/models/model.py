@@ -201,6 +201,11 @@ class Model(ABC, Generic[B]):
         return GrammarCompiler(self.tokenizer, self.config.eos_token_ids)
 
     @property
+    def support_chunking(self) -> bool:
+        """Whether Prefill takes partial prompts and the router's running batch (`cached_batch`)."""
+        return False
+
+    @property
     def info(self) -> generate_pb2.InfoResponse:
         # Padded batches with a transformers KV cache: no paging, so no blocks, chunking or prefix cache.
         return generate_pb2.InfoResponse(
@@ -208,7 +213,7 @@ class Model(ABC, Generic[B]):
             dtype=str(self.config.dtype),
             device_type=self.config.device.type,
             speculate=0,
-            support_chunking=False,
+            support_chunking=self.support_chunking,
             use_prefix_caching=False,
             attention_impl=self.config.attention_impl,
             block_size=0,

@@ -58,10 +58,13 @@ class PagedCausalLM(Model[PagedBatch]):
         return self._pool
 
     @property
+    def support_chunking(self) -> bool:
+        return self.paging.chunking
+
+    @property
     def info(self) -> generate_pb2.InfoResponse:
         info = super().info
         info.requires_padding = False
-        info.support_chunking = self.paging.chunking
         # Keys and values depend on the adapter, but the router's prefix cache keys on tokens only.
         info.use_prefix_caching = self.paging.prefix_caching and not self.adapters
         info.attention_impl = self.paging.attention
