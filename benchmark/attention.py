@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
 from textgen_benchmark.decode import copy_bandwidth_gbs
+from textgen_benchmark.timing import alternate
 from textgen_server.layers.attention_kernels import causal_attention, matmul_attention, sdpa
 from textgen_server.layers.cpu_ops import ENV_SWITCH, kernel_available
 from textgen_server.layers.decode_attention import decode_attention, first_visible
@@ -76,22 +76,10 @@ def step(
     return run
 
 
-def medians(cases: dict[str, tuple[Callable[[], None], float]], runs: int) -> dict[str, float]:
-    """Median seconds per call of each case, run alternately so drift on a shared machine hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for run, _ in cases.values():
-        run()  # warm-up
-    for _ in range(runs):
-        for name, (run, _) in cases.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def report(dtype: torch.dtype, cases: dict[str, tuple[Callable[[], None], float]], batch: int, runs: int) -> None:
     """One table line per case: median ms per step and GB/s of the K/V bytes it reads (mean columns per row)."""
-    for name, median in medians(cases, runs).items():
+    medians = alternate([run for run, _ in cases.values()], runs)
+    for name, median in zip(cases, medians, strict=True):
         read = 2 * LAYERS * batch * HEADS * cases[name][1] * HEAD_DIM * dtype.itemsize
         print(f"| {str(dtype).removeprefix('torch.')} | {name} | {median * 1e3:.1f} | {read / median / 1e9:.1f} |")
 
@@ -100,11 +88,8 @@ def without_op(run: Callable[[], None]) -> Callable[[], None]:
     """`run` with the decode ops switched off: paged_attention takes its torch path."""
 
     def fallback() -> None:
-        os.environ[ENV_SWITCH] = "0"
-        try:
+        with mock.patch.dict(os.environ, {ENV_SWITCH: "0"}):
             run()
-        finally:
-            del os.environ[ENV_SWITCH]
 
     return fallback
 
@@ -179,6 +164,8 @@ def paged(args: argparse.Namespace) -> None:
 def prefill(args: argparse.Namespace) -> None:
     """One layer's bf16 attention of a prefill chunk (`--chunk` queries over `--keys` positions, as paged
     attention's `_row` computes it): the masked softmax by torch against the op (causal_softmax_bf16)."""
+    if not kernel_available():
+        raise SystemExit("the C++ ops could not be built here (see the warning above): nothing to compare")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     for keys in args.keys:
@@ -188,8 +175,8 @@ def prefill(args: argparse.Namespace) -> None:
         def run(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
             causal_attention(q, k, v, HEAD_DIM**-0.5, None, matmul_attention)
 
-        times = medians({"torch": (without_op(run), 0.0), "op": (run, 0.0)}, args.runs)
-        print(f"| {args.chunk} x {keys} | {times['torch'] * 1e3:.2f} | {times['op'] * 1e3:.2f} |")
+        by_torch, by_op = alternate([without_op(run), run], args.runs)
+        print(f"| {args.chunk} x {keys} | {by_torch * 1e3:.2f} | {by_op * 1e3:.2f} |")
 
 
 def main() -> None:

@@ -23,12 +23,11 @@ exps land below 2^-126). The op flushes float32 denormals to zero while it runs;
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from textgen_benchmark.timing import alternate
 from textgen_server.layers.cpu_ops import kernel_available
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.paged_attention import write_kv
@@ -36,16 +35,6 @@ from textgen_server.layers.rotary import rotate_heads_
 
 HIDDEN, HEADS, HEAD_DIM, MLP = 768, 12, 64, 2048
 BLOCK = 16
-
-
-def median_ms(fn: Callable[[], object], runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def layer_ops(rows: int, dtype: torch.dtype, fused: bool) -> dict[str, Callable[[], object]]:
@@ -85,7 +74,7 @@ def compare_layer_ops(rows_list: list[int], runs: int) -> None:
         for rows in rows_list:
             eager, fused = layer_ops(rows, dtype, False), layer_ops(rows, dtype, True)
             for name in eager:
-                a, b = median_ms(eager[name], runs), median_ms(fused[name], runs)
+                a, b = (t * 1e3 for t in alternate([eager[name], fused[name]], runs))
                 print(f"| {str(dtype).removeprefix('torch.')} | {rows} | {name} | {a:.3f} | {b:.3f} | {a / b:.1f} |")
 
 
@@ -102,7 +91,8 @@ def compare_softmax(keys: int, wide: float, runs: int) -> None:
         def by_op(s: torch.Tensor = scores) -> torch.Tensor:
             return torch.ops.textgen.causal_softmax_bf16(s, 0, 0)
 
-        print(f"| {label} | {median_ms(by_torch, runs):.3f} | {median_ms(by_op, runs):.3f} |")
+        a, b = (t * 1e3 for t in alternate([by_torch, by_op], runs))
+        print(f"| {label} | {a:.3f} | {b:.3f} |")
 
 
 def main() -> None:

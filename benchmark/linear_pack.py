@@ -13,31 +13,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from textgen_benchmark.decode import copy_bandwidth_gbs
 from textgen_benchmark.shard import DTYPES
+from textgen_benchmark.timing import alternate
 from textgen_server.layers.linear_choice import KERNELS, available_paths
 
 # (name, out_features, in_features) of the small Llama (hidden 768, intermediate 2048, vocab 16000).
 SHAPES = [("qkv", 2304, 768), ("o", 768, 768), ("gate_up", 4096, 768), ("down", 768, 2048), ("lm_head", 16000, 768)]
-
-
-def alternate(fns: list[Callable[[], object]], runs: int) -> list[float]:
-    """Median seconds of each fn, calling them in turn so both see the same machine state."""
-    times: list[list[float]] = [[] for _ in fns]
-    for fn in fns:
-        fn()  # warm-up: first-touch allocations, thread pool start
-    for _ in range(runs):
-        for fn, out in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
 
 
 def main() -> None:

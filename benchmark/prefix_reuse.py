@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -52,11 +53,8 @@ def make_workload(model: Path, n: int, system_tokens: int, question: tuple[int, 
     rng = random.Random(seed)
     system = random_text(tok, rng, system_tokens)
     prompts = [system + SEPARATOR + random_text(tok, rng, rng.randint(*question)) for _ in range(n)]
-    system_ids = tok(system)["input_ids"]
-    shared = len(system_ids)
     ids = [tok(p)["input_ids"] for p in prompts]
-    for p in ids:
-        shared = min(shared, next((i for i, (a, b) in enumerate(zip(p, system_ids, strict=False)) if a != b), shared))
+    shared = len(os.path.commonprefix([tok(system)["input_ids"], *ids]))
     return Workload(system, prompts, [len(p) for p in ids], shared)
 
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from pathlib import Path
 
 from textgen_benchmark.servers import Server, launcher
-
-DTYPES = ("bfloat16", "float32", "float16")
+from textgen_benchmark.shard import DTYPES
 
 
 def add_arguments(p: argparse.ArgumentParser, timeout: float) -> None:
@@ -55,12 +53,9 @@ def context_length(model: Path) -> int:
 
 def start(name: str, model: Path, dtype: str, threads: int, flags: list[str], env: dict[str, str]) -> Server:
     """A launcher on `model` at `dtype` with `flags`, its shard on `threads` OpenMP threads, `env` added (the
-    engine's switches: PREFIX_CACHING, PREFILL_CHUNKING, ATTENTION). ATTENTION, when this environment sets
-    it, is passed on unless `env` names it; otherwise the launcher resolves it from the model alone, the same
-    for every run."""
+    engine's switches: PREFIX_CACHING, PREFILL_CHUNKING, ATTENTION; this environment's reach it too, `env`
+    winning)."""
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **env}
-    if "ATTENTION" in os.environ:
-        env.setdefault("ATTENTION", os.environ["ATTENTION"])
     # The launcher's --dtype takes float16 and bfloat16 only (TGI's choices); without it a CPU shard loads float32.
     dtype_flags = [] if dtype == "float32" else ["--dtype", dtype]
     return launcher(name, str(model), [*dtype_flags, *flags], env)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch, make_request
+from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch, make_request, record
 
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
@@ -49,8 +49,7 @@ def test_gpt2_greedy_through_filter_and_concatenate_matches_transformers(gpt2: C
     batch: CausalLMBatch | None = first
     for _ in range(2):
         generations, batch, _ = gpt2.generate_token(batch)  # type: ignore[arg-type]
-        for g in generations:
-            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+        record(tokens, generations)
     assert batch is not None
     batch = batch.filter([0, 2])
     kv = batch.past_key_values.layers[0].keys  # type: ignore[union-attr]

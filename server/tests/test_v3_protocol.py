@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from shard_helpers import HFOracle, make_batch, make_request
+from shard_helpers import HFOracle, make_batch, make_request, record
 
 from testing.shards import ShardProcess
 from textgen_pb import generate_pb2 as pb
@@ -55,11 +55,8 @@ def batch_pb(batch_id: int, requests: list[pb.Request]) -> pb.Batch:
 def run_to_end(stub: Any, step: Any, tokens: dict[int, list[int]]) -> None:
     """Record `step`'s generations, then Decode (filtering finished requests out) until nothing is left."""
     while True:
-        done = set()
-        for g in step.generations:
-            tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
-            if g.HasField("generated_text"):
-                done.add(g.request_id)
+        record(tokens, step.generations)
+        done = {g.request_id for g in step.generations if g.HasField("generated_text")}
         if not step.HasField("batch"):
             return
         batch = step.batch
@@ -96,8 +93,7 @@ def test_a_tgi_router_gets_transformers_tokens(shard: Any, llama_oracle: HFOracl
     for r in running:
         allocator.request(r, len(ids(r.inputs)))
     step = stub.Prefill(pb.PrefillRequest(batch=batch_pb(2, running)))
-    for g in step.generations:
-        tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
+    record(tokens, step.generations)
     cached = step.batch
     assert cached.current_tokens == 2
 
