@@ -204,8 +204,10 @@ class Batcher:
         start = time.monotonic()
         metrics.BATCH_INFERENCE_COUNT.labels(PREFILL).inc()
         batch_ids = [batch.id] if cached_batch is None else [batch.id, cached_batch.id]
-        links = [trace.Link(e.span.get_span_context()) for e in entries.values() if e.span is not None]
-        with tracer.start_as_current_span("batch", links=links, attributes={"batch_size": len(entries)}):
+        # The new requests' spans only: with chunking, `entries` also holds every running request.
+        new = [entries[r.id] for r in batch.requests]
+        links = [trace.Link(e.span.get_span_context()) for e in new if e.span is not None]
+        with tracer.start_as_current_span("batch", links=links, attributes={"batch_size": len(new)}):
             try:
                 result = await self.client.prefill(batch, cached_batch, sent=self._deliver_soon)
             except ShardError as err:
