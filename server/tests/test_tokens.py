@@ -72,6 +72,18 @@ def test_default_rows_are_greedy_with_raw_logprobs() -> None:
     assert c.do_sample == [False, False] and ids.dtype == torch.long
 
 
+@pytest.mark.parametrize("with_sampling_row", [False, True])
+def test_greedy_rows_take_the_first_maximum_or_a_nan_as_argmax_does(with_sampling_row: bool) -> None:
+    scores = torch.zeros(3, V)
+    scores[0, [7, 30]] = 5.0  # a tie: the first one wins
+    scores[1, [4, 9]] = float("nan")
+    scores[2, 11] = float("inf")
+    rows = [params()] * 3 + ([params(do_sample=True, seed=1)] if with_sampling_row else [])
+    scores = torch.cat([scores, logits(len(rows) - 3)])
+    ids, _ = chooser(rows)(last(len(rows)), scores)
+    assert ids[:3].tolist() == scores[:3].argmax(-1).tolist() == [7, 4, 11]
+
+
 @pytest.mark.parametrize(
     "overrides", [dict(do_sample=True), dict(temperature=0.9), dict(top_k=5), dict(top_p=0.9), dict(typical_p=0.9)]
 )
