@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from textgen_benchmark.servers import DECODE, Server, launcher, scrape
+from textgen_benchmark.servers import DECODE, Launcher, Server, growth, scrape
 from textgen_benchmark.sse_client import sse_events
 from textgen_benchmark.stats import Latency
 from textgen_benchmark.w1 import Budgets, Job, make_workload, request_body, workload_budgets
@@ -115,7 +115,7 @@ def dtype_args(dtype: str | None) -> list[str]:
 
 def textgen_server(model: str, budgets: Budgets, env: dict[str, str], dtype: str | None) -> Server:
     args = ["--max-concurrent-requests", "256", *budgets.launcher_args(), *dtype_args(dtype)]
-    return launcher("textgen", model, args, env)
+    return Launcher("textgen", model, args, env)
 
 
 def step_figures(m0: dict[str, float], m1: dict[str, float], router_cpu: float, client_cpu: float) -> dict:
@@ -124,8 +124,10 @@ def step_figures(m0: dict[str, float], m1: dict[str, float], router_cpu: float, 
     from the same cores (`client_cpu`; a real client runs on another machine). Milliseconds, NaN without steps.
     """
 
+    grown = growth(m0, m1)
+
     def delta(name: str) -> float:
-        return m1.get(name + DECODE, 0.0) - m0.get(name + DECODE, 0.0)
+        return grown.get(name + DECODE, 0.0)
 
     steps = delta("tgi_batch_inference_count")
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from textgen_benchmark import engine
 from textgen_benchmark.itl_window import WindowFigures
-from textgen_benchmark.servers import PREFILL, Server, log_path, scrape
+from textgen_benchmark.servers import PREFILL, Server, growth, log_path, scrape
 from textgen_benchmark.sse_client import Stream, generate_stream
 from textgen_benchmark.table import markdown_table
 from textgen_benchmark.w1 import random_text
@@ -114,8 +114,7 @@ async def drive(url: str, p: Prompts, args: argparse.Namespace) -> dict:
         "window": asdict(WindowFigures.of(arrivals, long.sent, first)),
         "quiet": asdict(WindowFigures.of(arrivals, quiet_start, long.sent)),
         "long_ttft_ms": (long.ttft or 0.0) * 1e3,
-        "prefill_calls_in_window": m1.get("tgi_batch_inference_count" + PREFILL, 0.0)
-        - m0.get("tgi_batch_inference_count" + PREFILL, 0.0),
+        "prefill_calls_in_window": growth(m0, m1).get("tgi_batch_inference_count" + PREFILL, 0.0),
         "streams_done_before_window_end": sum(bool(r.arrivals) and r.arrivals[-1] <= first for r in records),
         "stream_errors": [r.error for r in records if r.error],
     }

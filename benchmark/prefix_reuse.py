@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from textgen_benchmark import engine
-from textgen_benchmark.servers import DECODE, PREFILL, scrape
+from textgen_benchmark.servers import DECODE, PREFILL, growth, scrape
 from textgen_benchmark.sse_client import Stream, generate_stream
 from textgen_benchmark.stats import Latency
 from textgen_benchmark.table import markdown_table
@@ -107,7 +107,7 @@ def measure(args: argparse.Namespace, model: Path, w: Workload, dtype: str, cach
     wall = max((s.arrivals[-1] for s in done), default=t0) - t0
     tokens = sum(len(s.arrivals) for s in streams)
     ttft = Latency.of([s.ttft * 1e3 for s in streams if s.ttft is not None])
-    delta = {k: v - m0.get(k, 0.0) for k, v in m1.items()}
+    delta = growth(m0, m1)
     return {
         "dtype": dtype,
         "prefix_caching": caching,

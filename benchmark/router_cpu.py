@@ -31,8 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from textgen_benchmark.servers import DECODE, Server, scrape
-from textgen_common.ports import free_port
+from textgen_benchmark.servers import DECODE, Launcher, growth, scrape
 from textgen_server.builder import build_test_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running"
@@ -71,41 +70,11 @@ async def run_round(port: int, route: str, streams: int, max_new_tokens: int) ->
     return sum(await asyncio.gather(*(one_stream(port, path, data) for _ in range(streams))))
 
 
-class Launcher(Server):
-    """`textgen-launcher` on the model (textgen_benchmark.servers.Server), with its router and shard processes found."""
-
-    def __init__(self, model: Path, streams: int) -> None:
-        self.port = free_port()
-        argv = [
-            "textgen-launcher",
-            "--model-id",
-            str(model),
-            "--hostname",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--prometheus-port",
-            str(free_port()),
-            "--master-port",
-            str(free_port()),
-            "--shard-uds-path",
-            f"/tmp/rcpu-{self.port}",
-            "--max-concurrent-requests",
-            str(4 * streams),
-            "--max-batch-size",
-            str(streams),
-        ]
-        # One OpenMP thread: the box is shared, and a spinning second thread makes shard steps noise.
-        super().__init__(
-            "router_cpu",
-            argv,
-            self.port,
-            "/health",
-            env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "USAGE_STATS": "off"},
-        )
-        children = psutil.Process(self.proc.pid).children(recursive=True)
-        self.router = next(p for p in children if "textgen-router" in " ".join(p.cmdline()))
-        self.shard = next(p for p in children if "serve" in p.cmdline())
+def start(model: Path, streams: int) -> Launcher:
+    """`textgen-launcher` on the model, admitting `streams` requests per batch."""
+    args = ["--max-concurrent-requests", str(4 * streams), "--max-batch-size", str(streams)]
+    # One OpenMP thread: the box is shared, and a spinning second thread makes shard steps noise.
+    return Launcher("router_cpu", str(model), args, {"OMP_NUM_THREADS": "1"})
 
 
 def cpu(proc: psutil.Process) -> tuple[float, float, int]:
@@ -116,11 +85,11 @@ def cpu(proc: psutil.Process) -> tuple[float, float, int]:
 
 def measure(launcher: Launcher, route: str, streams: int, max_new_tokens: int, rounds: int) -> dict[str, float]:
     asyncio.run(run_round(launcher.port, route, streams, max_new_tokens))  # warm-up: imports, first compiles
-    m0, r0, s0, t0 = scrape(launcher.url), cpu(launcher.router), cpu(launcher.shard), time.perf_counter()
+    m0, r0, s0, t0 = scrape(launcher.url), cpu(launcher.router), cpu(launcher.shards[0]), time.perf_counter()
     tokens = sum(asyncio.run(run_round(launcher.port, route, streams, max_new_tokens)) for _ in range(rounds))
     wall = time.perf_counter() - t0
-    m1, r1, s1 = scrape(launcher.url), cpu(launcher.router), cpu(launcher.shard)
-    delta = {k: m1[k] - m0.get(k, 0.0) for k in m1}
+    m1, r1, s1 = scrape(launcher.url), cpu(launcher.router), cpu(launcher.shards[0])
+    delta = growth(m0, m1)
     router_user, router_sys, router_preempted = (b - a for a, b in zip(r0, r1, strict=True))
     router = router_user + router_sys
     steps = delta["tgi_batch_inference_count" + DECODE]
@@ -158,7 +127,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     model = build_test_model(args.model_dir, arch="llama", size=args.size)
-    launcher = Launcher(model, args.streams)
+    launcher = start(model, args.streams)
     # The driver shares the box with the router (a real client is elsewhere): as SCHED_BATCH its wake-ups,
     # one per event read, no longer preempt the router, whose CPU time then stops paying for the cache
     # refills. Set after the launcher started, so the measured processes keep the normal policy.

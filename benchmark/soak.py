@@ -37,10 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-from http_load import Server, make_workload
+from http_load import make_workload
 
+from textgen_benchmark.servers import Launcher
 from textgen_benchmark.stats import Latency
-from textgen_common.ports import free_port
 from textgen_server.builder import build_test_model
 
 FIRST_EVENT = re.compile(rb"data:[^\n]*\n\n")
@@ -179,20 +179,11 @@ def _outcome(reply: Reply, stream: bool, dropped: bool, max_new_tokens: int) -> 
     return "completed"
 
 
-class Launcher(Server):
-    """`textgen-launcher` on `model` (http_load's Server), with its router and shard processes found."""
-
-    def __init__(self, model: Path, max_concurrent_requests: int, max_new_tokens: int) -> None:
-        self.port = free_port()
-        argv = ["textgen-launcher", "--model-id", str(model), "--hostname", "127.0.0.1", "--port", str(self.port)]
-        argv += ["--prometheus-port", str(free_port()), "--master-port", str(free_port())]
-        argv += ["--shard-uds-path", f"/tmp/soak-{self.port}", "--max-input-tokens", str(MAX_INPUT_TOKENS)]
-        argv += ["--max-total-tokens", str(MAX_INPUT_TOKENS + max_new_tokens)]
-        argv += ["--max-concurrent-requests", str(max_concurrent_requests)]
-        super().__init__("soak", argv, self.port, "/health", env={"HF_HUB_OFFLINE": "1", "USAGE_STATS": "off"})
-        children = psutil.Process(self.proc.pid).children(recursive=True)
-        self.router = next(p for p in children if "textgen-router" in " ".join(p.cmdline()))
-        self.shards = [p for p in children if "serve" in p.cmdline()]
+def start(model: Path, max_concurrent_requests: int, max_new_tokens: int) -> Launcher:
+    """`textgen-launcher` on `model` (one shard) with the soak's token and concurrency limits."""
+    args = ["--max-input-tokens", str(MAX_INPUT_TOKENS), "--max-total-tokens", str(MAX_INPUT_TOKENS + max_new_tokens)]
+    args += ["--max-concurrent-requests", str(max_concurrent_requests)]
+    return Launcher("soak", str(model), args, {})
 
 
 @dataclass
@@ -356,7 +347,7 @@ def main() -> None:
         parser.error("--max-concurrent-requests must be >= 3: the max-size phase holds 2 while the probe runs")
     model = build_test_model(args.model_dir, arch="llama", size=args.size)
     prompts = [job.prompt for job in make_workload(str(model), 64, args.seed, "burst", 0.0)]
-    launcher = Launcher(model, args.max_concurrent_requests, args.max_new_tokens)
+    launcher = start(model, args.max_concurrent_requests, args.max_new_tokens)
     try:
         report = asyncio.run(Soak(launcher, args).run(prompts))
     finally:

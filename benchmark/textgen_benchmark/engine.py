@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from textgen_benchmark.servers import Server, launcher
+from textgen_benchmark.servers import Launcher, Server
 from textgen_benchmark.shard import DTYPES
 
 
@@ -58,7 +58,7 @@ def start(name: str, model: Path, dtype: str, threads: int, flags: list[str], en
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **env}
     # The launcher's --dtype takes float16 and bfloat16 only (TGI's choices); without it a CPU shard loads float32.
     dtype_flags = [] if dtype == "float32" else ["--dtype", dtype]
-    return launcher(name, str(model), [*dtype_flags, *flags], env)
+    return Launcher(name, str(model), [*dtype_flags, *flags], env)
 
 
 def stop_on_sigterm() -> None:

@@ -1,6 +1,6 @@
 """Server processes that benchmark scripts start and measure over HTTP: `Server` (its own process group, waited
-on until healthy), `launcher` (a `textgen-launcher` on loopback as a Server) and `scrape` (every sample of its
-Prometheus /metrics)."""
+on until healthy), `Launcher` (a `textgen-launcher` on loopback as a Server) `scrape` (every sample of its
+Prometheus /metrics) and `growth` (what grew between two scrapes)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class Server:
     """A server process started by a benchmark script, in its own process group, waited on until healthy."""
 
     def __init__(self, name: str, argv: list[str], port: int, health: str, env: dict | None = None) -> None:
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
         self.log = open(log_path(name), "w")
         self.proc = subprocess.Popen(
             argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
@@ -70,15 +70,21 @@ class Server:
         self.log.close()
 
 
-def launcher(name: str, model: str, args: list[str], env: dict[str, str]) -> Server:
+class Launcher(Server):
     """`textgen-launcher --model-id model *args` on 127.0.0.1 as the Server `name`: free ports for HTTP, the
     router's Prometheus listener and torch.distributed's master (other sessions' shards may hold the defaults),
-    its own shard socket, no hub access; `env` is added to its environment (and so its shard's and router's)."""
-    port = free_port()
-    argv = ["textgen-launcher", "--model-id", model, "--hostname", "127.0.0.1", "--port", str(port)]
-    argv += ["--prometheus-port", str(free_port()), "--master-port", str(free_port())]
-    argv += ["--shard-uds-path", f"/tmp/{name}-{port}", *args]
-    return Server(name, argv, port, "/health", {"HF_HUB_OFFLINE": "1", "USAGE_STATS": "off", **env})
+    its own shard socket, no hub access; `env` is added to its environment (and so its shard's and router's).
+    Once healthy, `router` and `shards` are its router and shard processes."""
+
+    def __init__(self, name: str, model: str, args: list[str], env: dict[str, str]) -> None:
+        port = free_port()
+        argv = ["textgen-launcher", "--model-id", model, "--hostname", "127.0.0.1", "--port", str(port)]
+        argv += ["--prometheus-port", str(free_port()), "--master-port", str(free_port())]
+        argv += ["--shard-uds-path", f"/tmp/{name}-{port}", *args]
+        super().__init__(name, argv, port, "/health", {"HF_HUB_OFFLINE": "1", "USAGE_STATS": "off", **env})
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        self.router = next(p for p in children if "textgen-router" in " ".join(p.cmdline()))
+        self.shards = [p for p in children if "serve" in p.cmdline()]
 
 
 # One exposed sample: name, optional {labels}, value. (prometheus_client's parser would rename TGI's counters,
@@ -91,3 +97,8 @@ PREFILL = '{method="prefill"}'
 def scrape(url: str) -> dict[str, float]:
     """Every sample of the server's /metrics, keyed as exposed: 'name{label="value"}' -> value."""
     return {series: float(value) for series, value in SAMPLE.findall(httpx.get(url + "/metrics", timeout=10).text)}
+
+
+def growth(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How much each series of the scrape `after` grew since the scrape `before` (a new series from 0)."""
+    return {series: value - before.get(series, 0.0) for series, value in after.items()}
