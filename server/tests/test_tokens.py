@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from textgen_pb import generate_pb2
+from textgen_server.layers.cpu_ops import ENV_SWITCH
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
 from textgen_server.utils.watermark import Watermark
 
@@ -30,6 +31,11 @@ def chooser(
 
 def logits(batch: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def chosen(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's entry of `logprobs` [B, V] at its id."""
+    return logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
 
 
 def last(batch: int) -> torch.Tensor:
@@ -67,9 +73,26 @@ def test_default_rows_are_greedy_with_raw_logprobs() -> None:
     before = scores.clone()
     ids, logprobs = c(last(2), scores)
     assert ids.tolist() == scores.argmax(-1).tolist()
-    assert torch.allclose(logprobs, scores.log_softmax(-1))
+    assert torch.equal(logprobs, chosen(scores.log_softmax(-1), ids))
     assert torch.equal(scores, before)  # the caller's logits are not modified
     assert c.do_sample == [False, False] and ids.dtype == torch.long
+
+
+@pytest.mark.parametrize("ops", ["1", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_and_logprobs_are_torch_s_bits_with_and_without_the_op(
+    ops: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_SWITCH, ops)
+    width = 1000  # a row of 62 whole vectors and a partial one, on any lane width
+    c = HeterogeneousNextTokenChooser.from_pb([params()] * 5, [[1]] * 5, width, CPU)
+    scores = (torch.randn(5, width, generator=torch.Generator().manual_seed(3)) * 8).to(dtype)
+    scores[1, 500] = scores[1, 900] = scores[1].max() + 1  # a tie
+    ids, logprobs = c(last(5), scores)
+    expected = scores.float().max(-1).indices
+    assert torch.equal(ids, expected)
+    assert torch.equal(logprobs, chosen(scores.float().log_softmax(-1), expected))
+    assert ids[1] == 500 and logprobs.dtype == torch.float32
 
 
 @pytest.mark.parametrize("with_sampling_row", [False, True])
@@ -98,9 +121,10 @@ def test_seeds_are_reported_per_row() -> None:
 def test_logprobs_are_those_of_the_processed_scores() -> None:
     c = chooser([params(temperature=0.5, seed=1), params()])
     scores = logits(2)
-    _, logprobs = c(last(2), scores)
-    assert torch.allclose(logprobs[0], (scores[0] / 0.5).log_softmax(-1))
-    assert torch.allclose(logprobs[1], scores[1].log_softmax(-1))
+    assert torch.allclose(c.process(last(2), scores), torch.stack([scores[0] / 0.5, scores[1]]))
+    ids, logprobs = c(last(2), scores)
+    assert torch.allclose(logprobs[0], (scores[0] / 0.5).log_softmax(-1)[ids[0]])
+    assert torch.allclose(logprobs[1], scores[1].log_softmax(-1)[ids[1]])
 
 
 def test_top_k_one_equals_greedy() -> None:
@@ -148,12 +172,12 @@ def test_heterogeneous_rows_do_not_affect_each_other() -> None:
     rows = [params(), params(**EVERYTHING), params(repetition_penalty=2.0), params(top_p=0.5, seed=3)]
     c = chooser(rows, [[1, 2, 3], [4, 5], [7, 8, 9], [1]])
     scores = logits(4)
-    _, batched = c(last(4), scores)
+    batched = c.process(last(4), scores)
     for i, row in enumerate(rows):
         alone = chooser([row], [[[1, 2, 3], [4, 5], [7, 8, 9], [1]][i]])
-        _, single = alone(last(1), scores[i : i + 1])
+        single = alone.process(last(1), scores[i : i + 1])
         assert torch.allclose(batched[i], single[0], equal_nan=True), i
-    assert torch.allclose(batched[0], scores[0].log_softmax(-1))
+    assert torch.equal(batched[0], scores[0])
 
 
 def test_repetition_penalty_sees_prompt_and_generated_tokens() -> None:
@@ -161,31 +185,32 @@ def test_repetition_penalty_sees_prompt_and_generated_tokens() -> None:
     scores[0, 10] = 5.0  # token 10 wins until penalised; token 11 is the runner-up
     scores[0, 11] = 4.0
     c = chooser([params(repetition_penalty=2.0)], [[10]])
-    ids, logprobs = c(last(1), scores)
+    assert c.process(last(1), scores)[0, 10] == 2.5
+    ids, _ = c(last(1), scores)
     assert ids.item() == 11  # prompt token 10 was penalised to 2.5
-    assert logprobs[0, 10] < scores.log_softmax(-1)[0, 10]
-    ids, logprobs = c(ids, scores)
+    processed = c.process(ids, scores)
+    assert processed[0, 10] == 2.5 and processed[0, 11] == 2.0
+    ids, _ = c(ids, scores)
     assert ids.item() == 10  # now 11 is seen too: 4.0 / 2 = 2.0 < 2.5
-    assert torch.isclose(logprobs[0, 10] - logprobs[0, 11], torch.tensor(0.5))
 
 
 def test_frequency_penalty_grows_with_repetition() -> None:
     scores = torch.zeros(1, V)
     scores[0, 10] = 1.0
     c = chooser([params(frequency_penalty=2.0)], [[10, 10, 1, 2]])
-    _, logprobs = c(last(1), scores)
+    processed = c.process(last(1), scores)
     # 10 is half the history: 1.0 - 2.0 * 2/4 = 0, now level with the unseen tokens
-    assert torch.isclose(logprobs[0, 10], logprobs[0, 20])
-    assert logprobs[0, 1] < logprobs[0, 20]
+    assert torch.isclose(processed[0, 10], processed[0, 20])
+    assert processed[0, 1] < processed[0, 20]
 
 
 def test_watermark_row_favours_the_green_list_of_its_previous_token() -> None:
     c = chooser([params(watermark=True), params()])
     scores = torch.zeros(2, V)
-    _, logprobs = c(torch.tensor([9, 9]), scores)
+    probs = c.process(torch.tensor([9, 9]), scores).softmax(-1)
     green = Watermark(CPU).green_list(9, V)
-    assert logprobs[0, green].exp().sum() > 0.85
-    assert torch.allclose(logprobs[1], scores[1].log_softmax(-1))
+    assert probs[0, green].sum() > 0.85
+    assert torch.equal(probs[1], scores[1].softmax(-1))
 
 
 def test_filter_keeps_rows_in_order_and_drops_unneeded_history() -> None:

@@ -1,6 +1,7 @@
 """The shard's C++ CPU ops, one library built at first use: attention over the KV caches (decode_attention.cpp,
-see decode_attention.py and paged_attention.py) and a decoder layer's small ops (fused_ops.cpp: norm.py, rotary.py,
-the MLP of models/tp_llama.py), sharing the helpers of cpu_ops.h.
+see decode_attention.py and paged_attention.py), a decoder layer's small ops (fused_ops.cpp: norm.py, rotary.py,
+the MLP of models/tp_llama.py) and the greedy token choice (token_ops.cpp: utils/tokens.py), sharing the helpers
+of cpu_ops.h.
 
 They are compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; once per
 machine, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or with
@@ -21,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp")
+SOURCES = (_HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp", _HERE / "token_ops.cpp")
 HEADERS = (_HERE / "cpu_ops.h",)
 ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
 

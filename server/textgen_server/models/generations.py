@@ -51,9 +51,8 @@ def choose(
     """One token per row of `logits` [B, V] (the rows' last positions), with its logprob and the top-n tokens
     (from the raw logits, as TGI's CausalLM reports them); one host sync for the ids and logprobs."""
     next_ids, logprobs = chooser(last_ids, logits)
-    chosen_logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
     # float64 holds every id exactly
-    ids, values = torch.stack([next_ids.double(), chosen_logprobs.double()]).tolist()
+    ids, values = torch.stack([next_ids.double(), logprobs.double()]).tolist()
     result = Chosen(next_ids, [int(i) for i in ids], values)
     if any(top_n_tokens):
         result.top_ids, result.top_logprobs = batch_top_tokens(top_n_tokens, torch.log_softmax(logits.float(), -1))

@@ -8,17 +8,19 @@ Contract with the batch (models/causal_lm.py):
   whose grammar the batch compiled (utils/grammar.py), None when no row has one. Invalid values raise
   ValueError naming the field; the servicer turns that into INVALID_ARGUMENT.
 - `chooser(last_ids [B] long, scores [B, V] logits of the last position) -> (next_ids [B] long,
-  logprobs [B, V] float32)`. logprobs are log_softmax of the *processed* scores (after penalties and
-  warpers), which is what TGI reports. The chosen ids are recorded in the chooser's own history, so the
-  caller never passes the history back, and each grammar row's matcher consumes its chosen id. The caller's
-  `scores` tensor is not modified.
+  logprobs [B] float32)`. logprobs[i] is the chosen token's entry of log_softmax of row i's *processed* scores
+  (after penalties and warpers), which is what TGI reports. The chosen ids are recorded in the chooser's own
+  history, so the caller never passes the history back, and each grammar row's matcher consumes its chosen id.
+  The caller's `scores` tensor is not modified.
 - `.filter(indices)` keeps the given rows in that order; `concatenate(choosers)` stacks them.
 - `.do_sample[i]` is True when row i samples (its do_sample, or any warper set: TGI's rule); `.seeds[i]` is
   the row's seed, reported in GeneratedText only for sampling rows.
 
 Processing order (TGI's): watermark -> repetition penalty -> frequency penalty -> grammar mask -> temperature ->
 top-k -> top-p -> typical-p -> choice. A processor exists only if some row needs it and sees only those rows.
-Sampling rows draw from their own seeded generator (see `_sample`); the others take the argmax.
+Sampling rows draw from their own seeded generator (see `_sample`); the others take the argmax. A batch of
+greedy rows only takes its ids and logprobs from `textgen::greedy_pick` (layers/token_ops.cpp) where the CPU ops
+are built: torch's ids and log_softmax bits without the [B, V] log_softmax matrix.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from torch import Tensor
 
 from textgen_pb import generate_pb2
+from textgen_server.layers.cpu_ops import ops_for
 from textgen_server.utils.grammar import RowGrammars
 from textgen_server.utils.logits_process import (
     FrequencyPenalty,
@@ -203,10 +206,36 @@ class HeterogeneousNextTokenChooser:
 
     def __call__(self, last_ids: Tensor, scores: Tensor) -> tuple[Tensor, Tensor]:
         """Choose one token per row; see the module docstring for the contract."""
-        # float32 for the softmax/cumsum math and the reported logprobs; a no-op for fp32 logits.
-        scores = scores.float()
+        scores = self.process(last_ids, scores)
+        if self._greedy_op(scores):
+            next_ids, logprobs = torch.ops.textgen.greedy_pick(scores.contiguous())
+        else:
+            scores = scores.float()
+            # max's indices are argmax's (first maximum; NaN counts as one) from a faster CPU kernel.
+            if not self._sampling_rows:
+                next_ids = scores.max(dim=-1).indices
+            else:
+                # softmax, not log_softmax().exp(): exp of the -inf/very negative entries is slow on CPU
+                # (benchmark/README.md).
+                drawn = self._sample(_take(scores, self._sampling_index).softmax(dim=-1))
+                index = self._sampling_index
+                next_ids = drawn if index is None else scores.max(dim=-1).indices.index_copy_(0, index, drawn)
+            logprobs = torch.log_softmax(scores, dim=-1).gather(1, next_ids.unsqueeze(1)).squeeze(1)
+        if self.history is not None:
+            self.history[torch.arange(len(self), device=self.device), next_ids] += 1
+        if self.grammars is not None:
+            self.grammars.advance(_take(next_ids, self.grammars.rows))
+        return next_ids, logprobs
+
+    def process(self, last_ids: Tensor, scores: Tensor) -> Tensor:
+        """The scores [B, V] the choice is made from: `scores` after every processor of its rows, in float32
+        (a float32 copy where a processor writes); the caller's tensor itself, any dtype, where none applies.
+        Nothing is recorded: the history and the grammar matchers move on in `__call__` only."""
         if scores.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {scores.shape[-1]} columns, chooser expects {self.vocab_size}")
+        if self._watermark is None and not self._penalties and self.grammars is None and not self._warpers:
+            return scores
+        scores = scores.float()  # for the processors' math; float32 logits stay the caller's tensor
         if self._writes_rows:
             scores = scores.clone()  # stages on a subset of rows write back in place, never into the caller's
         if self._watermark is not None:
@@ -220,22 +249,11 @@ class HeterogeneousNextTokenChooser:
             scores = _put(scores, grammars.rows, grammars.mask(_take(scores, grammars.rows)))
         for rows, warper in self._warpers:
             scores = _put(scores, rows, warper(_take(scores, rows)))
-        logprobs = torch.log_softmax(scores, dim=-1)
-        # max's indices are argmax's (first maximum; NaN counts as one) from a faster CPU kernel.
-        if not self._sampling_rows:
-            next_ids = scores.max(dim=-1).indices
-        else:
-            # softmax, not logprobs.exp(): exp of the -inf/very negative entries is slow on CPU (benchmark/README.md).
-            drawn = self._sample(_take(scores, self._sampling_index).softmax(dim=-1))
-            if self._sampling_index is None:
-                next_ids = drawn
-            else:
-                next_ids = scores.max(dim=-1).indices.index_copy_(0, self._sampling_index, drawn)
-        if self.history is not None:
-            self.history[torch.arange(len(self), device=self.device), next_ids] += 1
-        if grammars is not None:
-            grammars.advance(_take(next_ids, grammars.rows))
-        return next_ids, logprobs
+        return scores
+
+    def _greedy_op(self, scores: Tensor) -> bool:
+        """Whether this step's choice goes to `textgen::greedy_pick`: every row greedy, logits the op reads."""
+        return not self._sampling_rows and ops_for(scores.dtype, scores.device)
 
     def _sample(self, probs: Tensor) -> Tensor:
         """One draw per sampling row from `probs` [S, V], by inverting its cumulative distribution.
