@@ -5,6 +5,7 @@ Prometheus /metrics) and `growth` (what grew between two scrapes)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -74,7 +75,7 @@ class Launcher(Server):
     """`textgen-launcher --model-id model *args` on 127.0.0.1 as the Server `name`: free ports for HTTP, the
     router's Prometheus listener and torch.distributed's master (other sessions' shards may hold the defaults),
     its own shard socket, no hub access; `env` is added to its environment (and so its shard's and router's).
-    Once healthy, `router` and `shards` are its router and shard processes."""
+    `router` and `shards` are its router and shard processes (looked up when first read)."""
 
     def __init__(self, name: str, model: str, args: list[str], env: dict[str, str]) -> None:
         port = free_port()
@@ -82,9 +83,24 @@ class Launcher(Server):
         argv += ["--prometheus-port", str(free_port()), "--master-port", str(free_port())]
         argv += ["--shard-uds-path", f"/tmp/{name}-{port}", *args]
         super().__init__(name, argv, port, "/health", {"HF_HUB_OFFLINE": "1", "USAGE_STATS": "off", **env})
-        children = psutil.Process(self.proc.pid).children(recursive=True)
-        self.router = next(p for p in children if "textgen-router" in " ".join(p.cmdline()))
-        self.shards = [p for p in children if "serve" in p.cmdline()]
+
+    @functools.cached_property
+    def router(self) -> psutil.Process:
+        return next(p for p, argv in self._children() if "textgen-router" in " ".join(argv))
+
+    @functools.cached_property
+    def shards(self) -> list[psutil.Process]:
+        return [p for p, argv in self._children() if "serve" in argv]
+
+    def _children(self) -> list[tuple[psutil.Process, list[str]]]:
+        """The launcher's descendants with their command lines (one that exits meanwhile is left out)."""
+        found = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                found.append((child, child.cmdline()))
+            except psutil.Error:
+                pass
+        return found
 
 
 # One exposed sample: name, optional {labels}, value. (prometheus_client's parser would rename TGI's counters,

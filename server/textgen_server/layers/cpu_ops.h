@@ -1,5 +1,5 @@
-// Helpers the shard's C++ CPU ops share (decode_attention.cpp, fused_ops.cpp): bfloat16 conversions that round
-// as torch rounds, and torch's own vectorized exp.
+// Helpers the shard's C++ CPU ops share (decode_attention.cpp, fused_ops.cpp, token_ops.cpp): bfloat16 conversions
+// that round as torch rounds, and torch's own vectorized exp.
 #pragma once
 
 #include <cmath>

@@ -75,3 +75,14 @@ def ops_for(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether tensors of `dtype` on `device` go to the ops: float32 and bfloat16 on a CPU, where they build,
     unless switched off."""
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and switched_on() and kernel_available()
+
+
+def greedy_pick_for(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a greedy batch's logits of `dtype` on `device` go to textgen::greedy_pick: as `ops_for`, and the op
+    compiled for the vector path torch's own log_softmax takes at run time, whose bits it reproduces."""
+    return ops_for(dtype, device) and _same_vectors_as_torch()
+
+
+@functools.cache
+def _same_vectors_as_torch() -> bool:
+    return bool(torch.ops.textgen.greedy_pick_capability() == torch.backends.cpu.get_cpu_capability())

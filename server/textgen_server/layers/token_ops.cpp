@@ -9,9 +9,14 @@
 // the row's max; exp(x - max) through torch's vector exp on W-lane vectors (W = 16 with AVX-512, 8 otherwise)
 // summed in W lane sums, lane l holding columns l, l + W, ... in column order, the last partial vector adding to
 // its first lanes only (vec::map_reduce_all); the lanes folded by torch's reduction (halves W/2 apart, then W/4,
-// ..., 1 with AVX2 or AVX-512; one after another on a CPU with neither), or one serial sum when V < W; the log by
-// torch's vector log; and the logprob as (x - max) - log(sum). Denormals are not flushed, as torch's kernel does
-// not flush them. test_token_ops.py compares the results with torch's.
+// ..., 1 with AVX2 or AVX-512; one after another on an x86 CPU with neither), or one serial sum when V < W; the
+// log by torch's vector log; and the logprob as (x - max) - log(sum). Denormals are not flushed, as torch's kernel
+// does not flush them. test_token_ops.py compares the results with torch's.
+//
+// Which of those paths torch takes is decided at run time (its CPU capability, which ATEN_CPU_CAPABILITY can
+// lower), this op's when it is compiled: textgen::greedy_pick_capability() names the op's path in torch's words
+// ("AVX512", "AVX2", "DEFAULT"; "NONE" off x86, where torch's vectors are others), and the chooser uses the op
+// only where the two agree.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <tuple>
 
 #include "cpu_ops.h"
@@ -32,6 +38,7 @@ using namespace textgen_cpu;
 extern "C" __m512 Sleef_logf16_u10(__m512) __attribute__((weak));
 constexpr int W = 16;
 constexpr bool TREE = true;
+constexpr const char* CAPABILITY = "AVX512";
 
 // torch's vector exp / log of W values, in place.
 inline void exp_lanes(float* v) { _mm512_storeu_ps(v, torch_exp(_mm512_loadu_ps(v))); }
@@ -42,6 +49,7 @@ inline float log_lane(float x) {
 extern "C" __m256 Sleef_logf8_u10(__m256) __attribute__((weak));
 constexpr int W = 8;
 constexpr bool TREE = true;
+constexpr const char* CAPABILITY = "AVX2";
 
 inline void exp_lanes(float* v) {
   if (Sleef_expf8_u10) {
@@ -54,9 +62,14 @@ inline float log_lane(float x) {
   return Sleef_logf8_u10 ? _mm256_cvtss_f32(Sleef_logf8_u10(_mm256_set1_ps(x))) : std::log(x);
 }
 #else
-// torch's generic 32-byte vectors: the libm's exp and log per lane, lanes summed one after another.
+// torch's generic 32-byte vectors on x86: the libm's exp and log per lane, lanes summed one after another.
 constexpr int W = 8;
 constexpr bool TREE = false;
+#if defined(__x86_64__) || defined(__i386__)
+constexpr const char* CAPABILITY = "DEFAULT";
+#else
+constexpr const char* CAPABILITY = "NONE";
+#endif
 
 inline void exp_lanes(float* v) {
   for (int l = 0; l < W; ++l) v[l] = std::exp(v[l]);
@@ -121,7 +134,12 @@ float log_sum_exp_shifted(const T* x, int64_t n, float top) {
       const __mmask16 m = first_lanes(n - whole);
       acc = _mm512_mask_add_ps(acc, m, acc, torch_exp(_mm512_sub_ps(load16(x + whole, m), shift)));
     }
-    return log_lane(_mm512_reduce_add_ps(acc));  // GCC's tree is torch's: lanes 8 apart, then 4, 2, 1
+    // torch's fold (VecReduceAllSIMD): lanes 8 apart, then 4, 2, 1
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
+    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1));
+    acc = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0x4E));
+    acc = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0xB1));
+    return log_lane(_mm512_cvtss_f32(acc));
   }
 #endif
   if (n < W) {
@@ -190,8 +208,13 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& scores) {
   return {ids, logprobs};
 }
 
+std::string greedy_pick_capability() { return CAPABILITY; }
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(textgen, m) { m.def("greedy_pick(Tensor scores) -> (Tensor, Tensor)"); }
+TORCH_LIBRARY_FRAGMENT(textgen, m) {
+  m.def("greedy_pick(Tensor scores) -> (Tensor, Tensor)");
+  m.def("greedy_pick_capability() -> str", &greedy_pick_capability);
+}
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("greedy_pick", &greedy_pick); }

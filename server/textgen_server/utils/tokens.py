@@ -20,7 +20,7 @@ Processing order (TGI's): watermark -> repetition penalty -> frequency penalty -
 top-k -> top-p -> typical-p -> choice. A processor exists only if some row needs it and sees only those rows.
 Sampling rows draw from their own seeded generator (see `_sample`); the others take the argmax. A batch of
 greedy rows only takes its ids and logprobs from `textgen::greedy_pick` (layers/token_ops.cpp) where the CPU ops
-are built: torch's ids and log_softmax bits without the [B, V] log_softmax matrix.
+are built for the vector path torch itself takes: torch's ids and log_softmax bits without the [B, V] matrix.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from textgen_pb import generate_pb2
-from textgen_server.layers.cpu_ops import ops_for
+from textgen_server.layers.cpu_ops import greedy_pick_for
 from textgen_server.utils.grammar import RowGrammars
 from textgen_server.utils.logits_process import (
     FrequencyPenalty,
@@ -253,7 +253,7 @@ class HeterogeneousNextTokenChooser:
 
     def _greedy_op(self, scores: Tensor) -> bool:
         """Whether this step's choice goes to `textgen::greedy_pick`: every row greedy, logits the op reads."""
-        return not self._sampling_rows and ops_for(scores.dtype, scores.device)
+        return not self._sampling_rows and greedy_pick_for(scores.dtype, scores.device)
 
     def _sample(self, probs: Tensor) -> Tensor:
         """One draw per sampling row from `probs` [S, V], by inverting its cumulative distribution.
