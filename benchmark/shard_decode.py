@@ -40,6 +40,7 @@ from textgen_benchmark.decode import (
     shard_steps,
 )
 from textgen_benchmark.shard import DTYPES, small_model, start_shard, stop
+from textgen_server.models.cache_names import cache_keyword
 
 
 @torch.inference_mode()
@@ -54,6 +55,7 @@ def inprocess_steps(
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    keyword = cache_keyword(model)
     text = prompt_of_length(Tokenizer.from_file(str(model_dir / "tokenizer.json")), PROMPT_LEN)
     # The shard tokenizes with special tokens and keeps the last `truncate` ids: do exactly the same.
     prompt = AutoTokenizer.from_pretrained(model_dir)(text).input_ids[-PROMPT_LEN:]
@@ -64,11 +66,11 @@ def inprocess_steps(
         cpus: list[float] = []
         for run in range(runs + 1):  # the first run warms up
             cache = DynamicCache()
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=ids, use_cache=True, **{keyword: cache}).logits
             next_ids = logits[:, -1].argmax(-1, keepdim=True)
             cpu, start = time.process_time(), time.perf_counter()
             for _ in range(NEW_TOKENS - 1):
-                logits = model(input_ids=next_ids, past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=next_ids, use_cache=True, **{keyword: cache}).logits
                 next_ids = logits[:, -1].argmax(-1, keepdim=True)
             if run:
                 walls.append((time.perf_counter() - start) / (NEW_TOKENS - 1))

@@ -25,6 +25,7 @@ from textgen_server.layers.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from textgen_server.models.cache_names import cache_keyword
 from textgen_server.models.tp_llama import load_tp_model
 from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 from textgen_server.utils.weights import Weights
@@ -47,12 +48,13 @@ def padded_greedy(
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    keyword = cache_keyword(model)
     out = model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=position_ids,
-        past_key_values=None if own_cache else DynamicCache(),
         use_cache=True,
+        **{keyword: None if own_cache else DynamicCache()},
     )
     prefill_logits = out.logits
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -66,8 +68,8 @@ def padded_greedy(
             input_ids=nxt,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=out.past_key_values,
             use_cache=True,
+            **{keyword: getattr(out, keyword)},
         )
     return tokens, prefill_logits
 

@@ -19,6 +19,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
+from textgen_server.models.cache_names import cache_keyword
 from textgen_server.models.generations import choose, emit_generations, prompt_logprobs
 from textgen_server.models.kv_cache import (
     KVCache,
@@ -224,6 +225,7 @@ class CausalLM(Model[CausalLMBatch]):
         params = inspect.signature(module.forward).parameters
         # Prefill without prompt logprobs needs only the last position's logits: skip the LM head elsewhere.
         self._has_logits_to_keep = "logits_to_keep" in params
+        self._cache_keyword = cache_keyword(module)
 
     @property
     def batch_type(self) -> type[CausalLMBatch]:
@@ -238,15 +240,15 @@ class CausalLM(Model[CausalLMBatch]):
             kwargs["logits_to_keep"] = 1
         if any(batch.adapter_indices):  # only modules that loaded adapters ever see such a row
             kwargs["adapter_indices"] = batch.adapter_indices
+        kwargs[self._cache_keyword] = cache
         out = self.module(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask[:, :width],
             position_ids=batch.position_ids,
-            past_key_values=cache,
             use_cache=True,
             **kwargs,
         )
-        return out.logits, out.past_key_values
+        return out.logits, getattr(out, self._cache_keyword)
 
     def _new_cache(self, batch: CausalLMBatch) -> KVCache:
         """The module's own preallocated cache when it has one (room for the first decode steps), else HF's."""
