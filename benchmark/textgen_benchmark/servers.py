@@ -1,5 +1,5 @@
 """Server processes that benchmark scripts start and measure over HTTP: `Server` (its own process group, waited
-on until healthy), `Launcher` (a `textgen-launcher` on loopback as a Server) `scrape` (every sample of its
+on until healthy), `Launcher` (a `textgen-launcher` on loopback as a Server), `scrape` (every sample of its
 Prometheus /metrics) and `growth` (what grew between two scrapes)."""
 
 from __future__ import annotations
@@ -46,16 +46,24 @@ class Server:
         self.stop()
         raise RuntimeError(f"{name} not healthy after 300 s; see {self.log.name}")
 
+    def processes(self) -> list[tuple[psutil.Process, list[str]]]:
+        """This server's process and its descendants with their command lines (one that exits meanwhile is
+        left out)."""
+        root = psutil.Process(self.proc.pid)
+        found = []
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                found.append((p, p.cmdline()))
+        return found
+
     def cpu_seconds(self, cmd_fragment: str) -> float:
-        procs = [psutil.Process(self.proc.pid)] + psutil.Process(self.proc.pid).children(recursive=True)
+        """User + system CPU seconds of the processes whose command line contains `cmd_fragment`."""
         total = 0.0
-        for p in procs:
-            try:
-                if cmd_fragment in " ".join(p.cmdline()):
+        for p, argv in self.processes():
+            if cmd_fragment in " ".join(argv):
+                with contextlib.suppress(psutil.Error):
                     t = p.cpu_times()
                     total += t.user + t.system
-            except psutil.Error:
-                pass
         return total
 
     def stop(self) -> None:
@@ -86,21 +94,11 @@ class Launcher(Server):
 
     @functools.cached_property
     def router(self) -> psutil.Process:
-        return next(p for p, argv in self._children() if "textgen-router" in " ".join(argv))
+        return next(p for p, argv in self.processes() if "textgen-router" in " ".join(argv))
 
     @functools.cached_property
     def shards(self) -> list[psutil.Process]:
-        return [p for p, argv in self._children() if "serve" in argv]
-
-    def _children(self) -> list[tuple[psutil.Process, list[str]]]:
-        """The launcher's descendants with their command lines (one that exits meanwhile is left out)."""
-        found = []
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                found.append((child, child.cmdline()))
-            except psutil.Error:
-                pass
-        return found
+        return [p for p, argv in self.processes() if "serve" in argv]
 
 
 # One exposed sample: name, optional {labels}, value. (prometheus_client's parser would rename TGI's counters,

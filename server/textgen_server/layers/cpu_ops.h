@@ -101,6 +101,16 @@ inline __m512 round_bf16(__m512 f) {
 inline __m512 round_as(uint16_t, __m512 f) { return round_bf16(f); }
 inline __m512 round_as(float, __m512 f) { return f; }
 
+// The sum of 16 lanes as torch folds them (VecReduceAllSIMD): lanes 8 apart, then 4, 2 and 1, written out so
+// that no compiler's expansion of a horizontal add decides the order.
+inline float fold_add(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+  return _mm512_cvtss_f32(v);
+}
+
 // The first n (< 16) lanes, or all 16.
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);

@@ -71,7 +71,7 @@ inline void softmax(float* s, int64_t n) {
     s[u] = _mm512_cvtss_f32(e);
     total += s[u];
   }
-  total += _mm512_reduce_add_ps(total16);
+  total += fold_add(total16);
   const __m512 inv16 = _mm512_set1_ps(1.f / total);
   for (t = 0; t + 16 <= n; t += 16) _mm512_storeu_ps(s + t, round_as(T{}, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv16)));
 #else
@@ -93,7 +93,7 @@ inline float dot(const float* q, const T* key, int64_t dim) {
   if (dim % 16 == 0) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(key + d), acc);
-    return _mm512_reduce_add_ps(acc);
+    return fold_add(acc);
   }
 #endif
   float acc = 0.f;
@@ -233,7 +233,7 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
 
 #if defined(__AVX512F__)
 // The dots of one query (`dim` floats, a multiple of 16) with the keys of 16 slots (`keys[s]`), each summed as
-// `dot` sums it (16 lanes of fmadds over the columns, then GCC's reduce_add tree: lanes 8 apart, then 4, 2, 1),
+// `dot` sums it (16 lanes of fmadds over the columns, then `fold_add`: lanes 8 apart, then 4, 2, 1),
 // so the same floats, but the 16 trees are folded into one another: a shuffle-and-add per pair of vectors
 // instead of a horizontal reduction per dot. Returns the 16 dots in slot order.
 template <typename T>
@@ -446,7 +446,7 @@ inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int6
   if (total < 16) {  // torch sums a row shorter than a vector serially
     for (int64_t t = lo; t <= hi; ++t) sum += e[t];
   } else {
-    sum = _mm512_reduce_add_ps(lanes);  // GCC's and torch's tree: lanes 8 apart, then 4, 2, 1
+    sum = fold_add(lanes);
   }
   const __m512 inv = _mm512_set1_ps(1.f / sum);
   std::memset(out, 0, first * sizeof(uint16_t));

@@ -134,12 +134,7 @@ float log_sum_exp_shifted(const T* x, int64_t n, float top) {
       const __mmask16 m = first_lanes(n - whole);
       acc = _mm512_mask_add_ps(acc, m, acc, torch_exp(_mm512_sub_ps(load16(x + whole, m), shift)));
     }
-    // torch's fold (VecReduceAllSIMD): lanes 8 apart, then 4, 2, 1
-    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0x4E));
-    acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, 0xB1));
-    acc = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0x4E));
-    acc = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0xB1));
-    return log_lane(_mm512_cvtss_f32(acc));
+    return log_lane(fold_add(acc));
   }
 #endif
   if (n < W) {

@@ -176,6 +176,7 @@ class HeterogeneousNextTokenChooser:
         self._sampling_rows = [i for i, sample in enumerate(self.do_sample) if sample]
         self._sampling_index = _rows_where(torch.tensor(self.do_sample, dtype=torch.bool, device=self.device))
         self._writes_rows = False
+        self._processes = False  # whether any processor exists
         if len(self) == 0:
             return
         if bool(t[:, WATERMARK].any()):
@@ -199,6 +200,7 @@ class HeterogeneousNextTokenChooser:
         row_sets = [stage.rows for stage in (self._watermark, *self._penalties, *self._warpers) if stage is not None]
         if self.grammars is not None:
             row_sets.append(self.grammars.rows)
+        self._processes = bool(row_sets)
         self._writes_rows = any(rows is not None for rows in row_sets)
 
     def __len__(self) -> int:
@@ -233,7 +235,7 @@ class HeterogeneousNextTokenChooser:
         Nothing is recorded: the history and the grammar matchers move on in `__call__` only."""
         if scores.shape[-1] != self.vocab_size:
             raise ValueError(f"logits have {scores.shape[-1]} columns, chooser expects {self.vocab_size}")
-        if self._watermark is None and not self._penalties and self.grammars is None and not self._warpers:
+        if not self._processes:
             return scores
         scores = scores.float()  # for the processors' math; float32 logits stay the caller's tensor
         if self._writes_rows:
