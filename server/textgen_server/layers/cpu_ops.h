@@ -140,5 +140,45 @@ inline __m512 torch_exp(__m512 x) { return Sleef_expf16_u10 ? Sleef_expf16_u10(x
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // torch's vectorized exp on an AVX2 CPU (8 lanes); null where libtorch_cpu does not export it.
 extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
+
+// The AVX2 counterparts of the 16-lane helpers above, for CPUs without AVX-512 (8 float32 lanes).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// round_bf16 on 8 lanes
+inline __m256 round_bf16(__m256 f) {
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline __m256 round_as(uint16_t, __m256 f) { return round_bf16(f); }
+inline __m256 round_as(float, __m256 f) { return f; }
+
+inline void store8(float* p, __m256 f) { _mm256_storeu_ps(p, f); }
+inline void store8(uint16_t* p, __m256 f) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(f)), 16);
+  // packus packs within each 128-bit half; the permute puts the two halves' four values side by side.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// The sum of 8 lanes as torch's AVX2 vectors fold them: lanes 4 apart, then 2 and 1.
+inline float fold_add(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
+
+inline float reduce_max(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+  v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
 #endif
 }  // namespace textgen_cpu

@@ -3,9 +3,9 @@ see decode_attention.py and paged_attention.py), a decoder layer's small ops (fu
 the MLP of models/tp_llama.py) and the greedy token choice (token_ops.cpp: utils/tokens.py), sharing the helpers
 of cpu_ops.h.
 
-They are compiled for this CPU (-march=native) with torch's extension builder (a C++ compiler and ninja; once per
-machine, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or with
-TEXTGEN_CPU_DECODE_KERNEL=0, every caller keeps its torch code.
+They are compiled for this CPU (-march=native, or TEXTGEN_CPU_ARCH) with torch's extension builder (a C++ compiler
+and ninja; once per machine and target, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or
+with TEXTGEN_CPU_DECODE_KERNEL=0, every caller keeps its torch code.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 from pathlib import Path
 
 import torch
@@ -25,6 +26,9 @@ _HERE = Path(__file__).parent
 SOURCES = (_HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp", _HERE / "token_ops.cpp")
 HEADERS = (_HERE / "cpu_ops.h",)
 ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
+# The CPU the ops are compiled for (gcc's -march): this machine's by default. An older target (x86-64-v3: the AVX2
+# servers) builds and tests another vector path on an AVX-512 machine (tests/test_cpu_targets.py).
+ARCH_ENV = "TEXTGEN_CPU_ARCH"
 
 
 def _cpu_tag() -> str:
@@ -52,11 +56,16 @@ def kernel_available() -> bool:
     """Build (first call on a machine) and load the ops; False, with a warning, when they cannot be built."""
     from torch.utils.cpp_extension import load
 
+    arch = os.environ.get(ARCH_ENV, "native")
+    if not re.fullmatch(r"[\w.+-]+", arch):
+        logger.warning("CPU ops unavailable, using torch's: %s=%r is not a -march target", ARCH_ENV, arch)
+        return False
+    target = re.sub(r"\W", "_", arch)
     try:
         load(
-            name=f"textgen_cpu_ops_{_cpu_tag()}_{_source_tag()}",
+            name=f"textgen_cpu_ops_{_cpu_tag()}_{_source_tag()}_{target}",
             sources=[str(path) for path in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
             is_python_module=False,
             verbose=False,
         )

@@ -50,15 +50,26 @@ namespace {
 
 using namespace textgen_cpu;
 
+// s[0, n) <- exp(s - max(s)), one value at a time; returns their sum.
+inline float exps(float* s, int64_t n) {
+  float top = -INFINITY, total = 0.f;
+  for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - top);
+    total += s[t];
+  }
+  return total;
+}
+
 // s[0, n) <- softmax(s), in float32; the probabilities rounded as T's eager attention rounds them.
 template <typename T>
 inline void softmax(float* s, int64_t n) {
-  float top = -INFINITY, total = 0.f;
+  float total = 0.f;
   int64_t t = 0;
 #if defined(__AVX512F__)
   __m512 top16 = _mm512_set1_ps(-INFINITY), total16 = _mm512_setzero_ps();
   for (; t + 16 <= n; t += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(s + t));
-  top = _mm512_reduce_max_ps(top16);
+  float top = _mm512_reduce_max_ps(top16);
   for (int64_t u = t; u < n; ++u) top = std::max(top, s[u]);
   const __m512 shift = _mm512_set1_ps(top);
   for (t = 0; t + 16 <= n; t += 16) {
@@ -74,17 +85,57 @@ inline void softmax(float* s, int64_t n) {
   total += fold_add(total16);
   const __m512 inv16 = _mm512_set1_ps(1.f / total);
   for (t = 0; t + 16 <= n; t += 16) _mm512_storeu_ps(s + t, round_as(T{}, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv16)));
-#else
-  for (; t < n; ++t) top = std::max(top, s[t]);
-  for (t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - top);
-    total += s[t];
+#elif defined(__AVX2__)
+  if (Sleef_expf8_u10 != nullptr) {  // torch's vector exp, 8 scores at a time
+    __m256 top8 = _mm256_set1_ps(-INFINITY), total8 = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + t));
+    float top = reduce_max(top8);
+    for (int64_t u = t; u < n; ++u) top = std::max(top, s[u]);
+    const __m256 shift = _mm256_set1_ps(top);
+    for (t = 0; t + 8 <= n; t += 8) {
+      const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+      _mm256_storeu_ps(s + t, e);
+      total8 = _mm256_add_ps(total8, e);
+    }
+    for (int64_t u = t; u < n; ++u) {
+      s[u] = std::exp(s[u] - top);
+      total += s[u];
+    }
+    total += fold_add(total8);
+    const __m256 inv8 = _mm256_set1_ps(1.f / total);
+    for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, round_as(T{}, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv8)));
+  } else {
+    total = exps(s, n);
   }
-  t = 0;
+#else
+  total = exps(s, n);
 #endif
   const float inv = 1.f / total;
   for (; t < n; ++t) s[t] = round_as(T{}, s[t] * inv);
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// acc[d] += sum_t p[t] * row(t)[d], dim a multiple of 8: 64 columns at a time held in eight registers.
+template <typename T, typename Row>
+inline void accumulate8(const float* p, int64_t n, Row row, int64_t dim, float* acc) {
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64) {
+    __m256 a[8];
+    for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(acc + d + 8 * k);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 w = _mm256_set1_ps(p[t]);
+      const T* r = row(t) + d;
+      for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(w, load8(r + 8 * k), a[k]);
+    }
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + d + 8 * k, a[k]);
+  }
+  for (; d < dim; d += 8) {
+    __m256 a = _mm256_loadu_ps(acc + d);
+    for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), load8(row(t) + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
+}
+#endif
 
 // sum_d q[d] * key[d]
 template <typename T>
@@ -93,6 +144,12 @@ inline float dot(const float* q, const T* key, int64_t dim) {
   if (dim % 16 == 0) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(key + d), acc);
+    return fold_add(acc);
+  }
+#elif defined(__AVX2__)
+  if (dim % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(key + d), acc);
     return fold_add(acc);
   }
 #endif
@@ -123,6 +180,12 @@ inline void weighted_sum(const float* p, const uint16_t* values, int64_t rows, i
   }
 #endif
   std::fill(out, out + dim, 0.f);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (dim % 8 == 0) {
+    accumulate8<uint16_t>(p, rows, [&](int64_t t) { return values + t * dim; }, dim, out);
+    return;
+  }
+#endif
   for (int64_t t = 0; t < rows; ++t) {
     const float w = p[t];
     const uint16_t* row = values + t * dim;
@@ -216,6 +279,11 @@ inline void accumulate(const float* p, const T* base, const int64_t* offsets, in
       for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(base + offsets[t] + d), a);
       _mm512_storeu_ps(acc + d, a);
     }
+    return;
+  }
+#elif defined(__AVX2__)
+  if (dim % 8 == 0) {
+    accumulate8<T>(p, n, [&](int64_t t) { return base + offsets[t]; }, dim, acc);
     return;
   }
 #endif
@@ -419,10 +487,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // torch's bit for bit where torch's own build takes that path (test_decode_attention.py measures it), except
 // probabilities below 2^-126, which are 0 here (FlushDenormals, cpu_ops.h).
 
+// causal_softmax_row one column at a time (the libm's exp, the sum in column order): torch's generic path.
+inline void causal_softmax_scalar(const uint16_t* in, uint16_t* out, float* e, int64_t total, int64_t lo, int64_t hi) {
+  float sum = 0.f;
+  float top = -INFINITY;
+  for (int64_t t = lo; t <= hi; ++t) top = std::max(top, bf16_to_float(in[t]));
+  for (int64_t t = lo; t <= hi; ++t) {
+    e[t] = std::exp(bf16_to_float(in[t]) - top);
+    sum += e[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < total; ++t) out[t] = t < lo || t > hi ? 0 : float_to_bf16(e[t] * inv);
+}
+
 // One row: scores `in` [T] (bf16), visible columns [lo, hi], probabilities to `out` [T] (bf16); `e` scratch [T].
 inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int64_t total, int64_t lo, int64_t hi) {
-  float sum = 0.f;
 #if defined(__AVX512F__)
+  float sum = 0.f;
   const int64_t first = lo - lo % 16;  // whole 16-column chunks, aligned on absolute columns as torch's lanes
   __m512 top16 = _mm512_set1_ps(-INFINITY);
   for (int64_t c = first; c <= hi; c += 16) {
@@ -460,15 +541,35 @@ inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int6
     _mm256_mask_storeu_epi16(out + c, static_cast<__mmask16>((1u << n) - 1u), packed);
   }
   if (c < total) std::memset(out + c, 0, (total - c) * sizeof(uint16_t));
-#else
-  float top = -INFINITY;
-  for (int64_t t = lo; t <= hi; ++t) top = std::max(top, bf16_to_float(in[t]));
-  for (int64_t t = lo; t <= hi; ++t) {
-    e[t] = std::exp(bf16_to_float(in[t]) - top);
-    sum += e[t];
+#elif defined(__AVX2__)
+  if (Sleef_expf8_u10 != nullptr) {  // torch's AVX2 path: the same steps, 8 lanes
+    const int64_t first = lo - lo % 8, end = hi + 1 + (8 - (hi + 1) % 8) % 8;  // whole 8-column chunks
+    for (int64_t t = first; t < end; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t c = first; c < end; c += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(e + c));
+    const __m256 shift = _mm256_set1_ps(reduce_max(top8));
+    float sum = 0.f;
+    __m256 lanes = _mm256_setzero_ps();
+    for (int64_t c = first; c < end; c += 8) {
+      const __m256 ex = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(e + c), shift));  // masked: exp(-inf) = 0
+      _mm256_storeu_ps(e + c, ex);
+      lanes = _mm256_add_ps(lanes, ex);
+    }
+    if (total < 8) {
+      for (int64_t t = lo; t <= hi; ++t) sum += e[t];
+    } else {
+      sum = fold_add(lanes);
+    }
+    const float inv = 1.f / sum;
+    std::memset(out, 0, first * sizeof(uint16_t));
+    int64_t c = first;
+    for (; c + 8 <= total && c < end; c += 8) store8(out + c, _mm256_mul_ps(_mm256_loadu_ps(e + c), _mm256_set1_ps(inv)));
+    for (; c < total; ++c) out[c] = c > hi ? 0 : float_to_bf16(e[c] * inv);
+    return;
   }
-  const float inv = 1.f / sum;
-  for (int64_t t = 0; t < total; ++t) out[t] = t < lo || t > hi ? 0 : float_to_bf16(e[t] * inv);
+  causal_softmax_scalar(in, out, e, total, lo, hi);
+#else
+  causal_softmax_scalar(in, out, e, total, lo, hi);
 #endif
 }
 

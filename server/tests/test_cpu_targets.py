@@ -1,0 +1,87 @@
+"""The C++ ops' AVX2 path, tested on any x86 machine that has AVX2 (an AVX-512 one included).
+
+An AVX2-only server (AMD Zen 2 and 3, Intel before Skylake-SP) builds the ops without AVX-512, and torch runs
+its AVX2 kernels there. This test does the same in a process of its own:
+- the library is built for x86-64-v3 (`TEXTGEN_CPU_ARCH`);
+- torch is held to its AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`);
+- every test that checks an op against its torch code runs there.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from textgen_server.layers.cpu_ops import ARCH_ENV, kernel_available
+
+HERE = Path(__file__).parent
+OP_TESTS = (
+    "test_fused_ops.py",
+    "test_token_ops.py",
+    "test_paged_attention.py",
+    "test_decode_attention.py",
+    "test_attention_kernels.py",
+)
+AVX2_ENV = {ARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return set(next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+needs_avx2 = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= cpu_flags(),
+    reason="needs an x86 CPU with AVX2 and FMA (x86-64-v3)",
+)
+
+
+def run_with(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`python *args` in a process of its own (torch reads ATEN_CPU_CAPABILITY once, the library loads once)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, **env},
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+
+
+@needs_avx2
+def test_the_avx2_build_passes_every_op_test() -> None:
+    if not kernel_available():
+        pytest.skip("no C++ compiler: the shard keeps its torch code")
+    # Built for AVX2, and torch on the same path: otherwise the tests below would check the AVX-512 build again.
+    probe = run_with(
+        AVX2_ENV,
+        "-c",
+        "import torch; from textgen_server.layers.cpu_ops import kernel_available; assert kernel_available(); "
+        "print(torch.ops.textgen.greedy_pick_capability(), torch.backends.cpu.get_cpu_capability())",
+    )
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    assert probe.stdout.split() == ["AVX2", "AVX2"]
+    tests = run_with(AVX2_ENV, "-m", "pytest", "-q", "-p", "no:cacheprovider", *OP_TESTS)
+    summary = tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else ""
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    assert "passed" in summary and "skipped" not in summary, summary
+
+
+def test_a_target_that_is_not_a_march_name_is_refused() -> None:
+    """The value becomes one compiler flag: anything but a -march name leaves the ops off, with a warning."""
+    probe = run_with(
+        {ARCH_ENV: "native -O0"},
+        "-c",
+        "from textgen_server.layers.cpu_ops import kernel_available; print(kernel_available())",
+    )
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    assert probe.stdout.split() == ["False"]
+    assert "TEXTGEN_CPU_ARCH='native -O0' is not a -march target" in probe.stderr
