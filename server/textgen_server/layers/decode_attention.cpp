@@ -485,9 +485,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // sums of columns t = lane mod 16 in column order (masked columns add exact zeros, so they are skipped), then
 // the 8-4-2-1 tree, or one serial sum when T < 16; and the probabilities as e * (1 / sum). So the result is
 // torch's bit for bit where torch's own build takes that path (test_decode_attention.py measures it), except
-// probabilities below 2^-126, which are 0 here (FlushDenormals, cpu_ops.h).
+// probabilities below 2^-126, which are 0 here (FlushDenormals, cpu_ops.h). An AVX2 build takes the same steps
+// on 8 lanes with torch's AVX2 exp and fold, as torch's AVX2 softmax does (test_cpu_targets.py runs that build).
 
-// causal_softmax_row one column at a time (the libm's exp, the sum in column order): torch's generic path.
+// causal_softmax_row one column at a time (the libm's exp, the sum in column order), where neither vector path
+// is built: torch's values to within their rounding, not its bits.
 inline void causal_softmax_scalar(const uint16_t* in, uint16_t* out, float* e, int64_t total, int64_t lo, int64_t hi) {
   float sum = 0.f;
   float top = -INFINITY;
