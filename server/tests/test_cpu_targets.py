@@ -4,7 +4,8 @@ An AVX2-only server (AMD Zen 2 and 3, Intel before Skylake-SP) builds the ops wi
 its AVX2 kernels there. This test does the same in a process of its own:
 - the library is built for x86-64-v3 (`TEXTGEN_CPU_ARCH`);
 - torch is held to its AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`);
-- every test that checks an op against its torch code runs there.
+- every test that checks an op against its torch code runs there, and the engines' oracle tests (greedy tokens
+  equal to transformers', padded and paged, float32 and bfloat16).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import pytest
 from textgen_server.layers.cpu_ops import ARCH_ENV, kernel_available
 
 HERE = Path(__file__).parent
-OP_TESTS = (
+AVX2_TESTS = (
     "test_fused_ops.py",
     "test_token_ops.py",
     "test_paged_attention.py",
     "test_decode_attention.py",
     "test_attention_kernels.py",
+    "test_paged_lm.py",
+    "test_causal_lm.py",
+    "test_tokens.py",
 )
 AVX2_ENV = {ARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2"}
 
@@ -57,7 +61,7 @@ def run_with(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
 
 
 @needs_avx2
-def test_the_avx2_build_passes_every_op_test() -> None:
+def test_the_avx2_build_passes_the_op_and_oracle_tests() -> None:
     if not kernel_available():
         pytest.skip("no C++ compiler: the shard keeps its torch code")
     # Built for AVX2, and torch on the same path: otherwise the tests below would check the AVX-512 build again.
@@ -69,7 +73,7 @@ def test_the_avx2_build_passes_every_op_test() -> None:
     )
     assert probe.returncode == 0, probe.stderr[-4000:]
     assert probe.stdout.split() == ["AVX2", "AVX2"]
-    tests = run_with(AVX2_ENV, "-m", "pytest", "-q", "-p", "no:cacheprovider", *OP_TESTS)
+    tests = run_with(AVX2_ENV, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AVX2_TESTS)
     summary = tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else ""
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     assert "passed" in summary and "skipped" not in summary, summary
