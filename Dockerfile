@@ -9,8 +9,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
 
-# make runs the proto generation; a CUDA base image brings no Python, the slim one does. g++ builds the bf16
-# CPU decode attention op on the machine that runs it (server/textgen_server/layers/decode_attention.py).
+# make runs the proto generation; a CUDA base image brings no Python, the slim one does. g++ builds the shard's
+# C++ CPU ops for the CPU that runs them, at a shard's first start (server/textgen_server/layers/cpu_ops.py).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends make g++ \
     && if ! command -v python3 >/dev/null; then \
@@ -35,9 +35,12 @@ COPY benchmark benchmark
 COPY clients clients
 RUN pip install -e . && make proto PYTHON=python3
 
-# Like TGI's image: the server listens on 80 inside the container, the hub cache is the /data volume.
+# Like TGI's image: the server listens on 80 inside the container, the hub cache is the /data volume. The built
+# CPU ops are kept there too, so a restarted container does not compile them again (their names carry the CPU's
+# flags and the sources' hash: a volume shared by other CPUs or versions holds one build of each).
 ENV HF_HOME=/data \
     HUGGINGFACE_HUB_CACHE=/data \
+    TORCH_EXTENSIONS_DIR=/data/torch_extensions \
     PORT=80
 VOLUME /data
 EXPOSE 80
