@@ -8,6 +8,7 @@ its tolerance); transformers' greedy tokens for real shard processes started wit
 from __future__ import annotations
 
 import logging
+import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from shard_helpers import HFOracle, make_batch, make_request
 
 from testing.shards import ShardHandle
 from textgen_pb import generate_pb2 as pb
-from textgen_server.config import UnsupportedConfigError
+from textgen_server.config import ServeConfig, UnsupportedConfigError
 from textgen_server.layers.linear_choice import (
     BUCKET_ROWS,
     ENV,
@@ -30,6 +31,7 @@ from textgen_server.layers.linear_choice import (
     choose_linear_kernels,
 )
 from textgen_server.layers.tensor_parallel import Linear
+from textgen_server.models import get_model
 
 CPU = torch.device("cpu")
 FP32_PATHS = available_paths(torch.float32, CPU)
@@ -187,3 +189,28 @@ def test_a_shard_started_with_each_override_matches_transformers(
     assert greedy_tokens(handle) == [oracle.greedy(p, NEW_TOKENS) for p in PROMPTS]
     log = handle.log_text()
     assert "CPU linear" in log and (forced == "auto" or f"{ENV}={forced}" in log), log
+
+
+@pytest.mark.parametrize(
+    ("dtype", "native_bf16", "warned"),
+    [("bfloat16", False, True), ("bfloat16", True, False), ("float32", False, False)],
+)
+def test_bfloat16_without_native_hardware_is_warned_about(
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    dtype: str,
+    native_bf16: bool,
+    warned: bool,
+) -> None:
+    """On an x86 CPU without AVX512-BF16 or AMX, bf16 decodes slower than float32 (benchmark/README.md): the
+    shard loads it as asked and says so once."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the flags are x86's")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native_bf16)
+    with caplog.at_level(logging.WARNING, logger="textgen_server.models"):
+        model = get_model(ServeConfig(str(tiny_llama), dtype=dtype))
+    assert model.config.dtype == getattr(torch, dtype)
+    lines = [r.getMessage() for r in caplog.records if "without AVX512-BF16 or AMX" in r.getMessage()]
+    assert len(lines) == (1 if warned else 0)

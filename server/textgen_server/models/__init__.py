@@ -7,6 +7,8 @@ imports of torch and transformers.
 
 from __future__ import annotations
 
+import logging
+import platform
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
 
     from textgen_server.models.model import Model
     from textgen_server.utils.dist import DistInfo
+
+logger = logging.getLogger(__name__)
 
 
 def load_module(
@@ -64,6 +68,11 @@ def get_model(serve: ServeConfig) -> Model:
     # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
     default_dtype = torch.float16 if device.type == "cuda" else torch.float32
     dtype = getattr(torch, serve.dtype) if serve.dtype else default_dtype
+    if device.type == "cpu" and dtype == torch.bfloat16 and not x86_bf16_hardware():
+        logger.warning(
+            "bfloat16 on an x86 CPU without AVX512-BF16 or AMX: no bf16 multiply is native here, and float32 "
+            "decodes batches faster (benchmark/README.md); drop --dtype to run float32"
+        )
 
     # a local dir, or the snapshot download-weights fetched
     model_dir = resolve_model_dir(serve.model_id, serve.revision)
@@ -129,3 +138,13 @@ def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int 
         elif isinstance(candidate, list):
             ids.update(int(c) for c in candidate)
     return ids
+
+
+def x86_bf16_hardware() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), or is not x86 (where torch's
+    flags below say nothing: an ARM server's BF16 extension is not among them)."""
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
