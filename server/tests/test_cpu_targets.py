@@ -1,7 +1,9 @@
-"""The C++ ops' AVX2 path, tested on any x86 machine that has AVX2 (an AVX-512 one included).
+"""Which CPU the C++ ops are built for, and where.
+
+The AVX2 path is tested on any x86 machine that has AVX2 (an AVX-512 one included).
 
 An AVX2-only server (AMD Zen 2 and 3, Intel before Skylake-SP) builds the ops without AVX-512, and torch runs
-its AVX2 kernels there. This test does the same in a process of its own:
+its AVX2 kernels there. The AVX2 test does the same in a process of its own:
 - the library is built for x86-64-v3 (`TEXTGEN_CPU_ARCH`);
 - torch is held to its AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`);
 - every test that checks an op against its torch code runs there, and the engines' oracle tests (greedy tokens
@@ -98,14 +100,31 @@ def test_the_avx2_build_passes_the_op_and_oracle_tests() -> None:
     assert "passed" in summary and "skipped" not in summary, summary
 
 
-def test_a_target_that_is_not_a_march_name_is_refused() -> None:
-    """The value becomes one compiler flag: anything but a -march name leaves the ops off, with a warning."""
+def kernel_available_with(env: dict[str, str], available: bool, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Asserts what `kernel_available()` answers in a process with `env`; returns that process (its log)."""
     probe = run_with(
-        {ARCH_ENV: "native -O0"},
-        60,
-        "-c",
-        "from textgen_server.layers.cpu_ops import kernel_available; print(kernel_available())",
+        env, timeout, "-c", "from textgen_server.layers.cpu_ops import kernel_available; print(kernel_available())"
     )
     assert probe.returncode == 0, probe.stderr[-4000:]
-    assert probe.stdout.split() == ["False"]
+    assert probe.stdout.split() == [str(available)]
+    return probe
+
+
+def test_a_target_that_is_not_a_march_name_is_refused() -> None:
+    """The value becomes one compiler flag: anything but a -march name leaves the ops off, with a warning."""
+    probe = kernel_available_with({ARCH_ENV: "native -O0"}, available=False, timeout=60)
     assert "TEXTGEN_CPU_ARCH='native -O0' is not a -march target" in probe.stderr
+
+
+def test_an_unwritable_extensions_dir_builds_elsewhere(tmp_path: Path) -> None:
+    """A TORCH_EXTENSIONS_DIR that cannot be written (a read-only Docker volume; here a path under a file, which
+    no one can create, root included) still gets the ops, built under the temporary directory, with a warning."""
+    if not kernel_available():
+        pytest.skip("no C++ compiler: the shard keeps its torch code")
+    blocker = tmp_path / "volume"
+    blocker.write_text("")
+    probe = kernel_available_with(
+        {"TORCH_EXTENSIONS_DIR": str(blocker / "torch_extensions")}, available=True, timeout=240
+    )
+    assert "TORCH_EXTENSIONS_DIR cannot be written" in probe.stderr
+    assert "textgen_torch_extensions" in probe.stderr

@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -60,12 +61,13 @@ def kernel_available() -> bool:
     if not re.fullmatch(r"[\w.+-]+", arch):
         logger.warning("CPU ops unavailable, using torch's: %s=%r is not a -march target", ARCH_ENV, arch)
         return False
-    target = re.sub(r"\W", "_", arch)
+    name = f"textgen_cpu_ops_{_cpu_tag()}_{_source_tag()}_{re.sub(r'[^0-9A-Za-z_]', '_', arch)}"
     try:
         load(
-            name=f"textgen_cpu_ops_{_cpu_tag()}_{_source_tag()}_{target}",
+            name=name,
             sources=[str(path) for path in SOURCES],
             extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
+            build_directory=_build_directory(name),
             is_python_module=False,
             verbose=False,
         )
@@ -73,6 +75,24 @@ def kernel_available() -> bool:
         logger.warning("CPU ops unavailable, using torch's: %s", err)
         return False
     return True
+
+
+def _build_directory(name: str) -> str | None:
+    """Where to build `name`: torch's choice (None: TORCH_EXTENSIONS_DIR, else its cache) unless the variable names
+    a place that cannot be written, such as a read-only Docker volume; then a directory under the system's
+    temporary one, with a warning. torch writes a lock file there even to load a finished build."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        return None
+    try:
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        with tempfile.TemporaryFile(dir=os.path.join(root, name)):
+            return None
+    except OSError as err:
+        fallback = os.path.join(tempfile.gettempdir(), "textgen_torch_extensions", name)
+        logger.warning("TORCH_EXTENSIONS_DIR cannot be written (%s): building the CPU ops under %s", err, fallback)
+        os.makedirs(fallback, exist_ok=True)
+        return fallback
 
 
 def switched_on() -> bool:
