@@ -337,7 +337,7 @@ inline __m512 dot16(const float* q, const T* const* keys, int64_t dim) {
 // One task: row `b`, KV heads [h0, h1). `slots` and `scores` are the thread's scratch; returns false (reading
 // nothing) when the row's block table names a block outside the pool.
 template <typename T>
-bool paged_row(const T* Q, int64_t q_row_stride, int64_t q_head_stride, const T* K, const T* V, const int32_t* table,
+bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const int32_t* table,
                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group, int64_t dim, int64_t length,
                int64_t window, float scale, int64_t h0, int64_t h1, std::vector<int64_t>& slots,
                std::vector<float>& queries, std::vector<float>& scores, std::vector<float>& acc, T* out) {
@@ -430,7 +430,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / shares, share = task % shares;
       const int64_t h0 = share * kv_heads / shares, h1 = (share + 1) * kv_heads / shares;
-      if (!paged_row(Q + b * q_row, q_row, q_head, K, V, tables + b * max_blocks, num_blocks, block_size, kv_heads,
+      if (!paged_row(Q + b * q_row, q_head, K, V, tables + b * max_blocks, num_blocks, block_size, kv_heads,
                      group, dim, lengths[b], window, static_cast<float>(scale), h0, h1, slots, queries, scores, acc,
                      O + b * heads * dim)) {
 #pragma omp atomic write
