@@ -13,14 +13,13 @@ its AVX2 kernels there. The AVX2 test does the same in a process of its own:
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from textgen_server.layers.cpu_ops import ARCH_ENV, ENV_SWITCH, kernel_available
+from textgen_server.layers.cpu_ops import ARCH_ENV, ENV_SWITCH, cpu_flags, kernel_available
 
 HERE = Path(__file__).parent
 AVX2_TESTS = (
@@ -39,16 +38,8 @@ AVX2_ENV = {ARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", ENV_SWITCH: "1
 X86_64_V3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return set(next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
 needs_avx2 = pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64") or not X86_64_V3 <= cpu_flags(),
+    not X86_64_V3 <= cpu_flags(),
     reason="needs an x86 CPU that runs x86-64-v3 code (AVX2, FMA, BMI, ...)",
 )
 

@@ -32,14 +32,19 @@ ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
 ARCH_ENV = "TEXTGEN_CPU_ARCH"
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as the kernel lists them (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return set(next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
 def _cpu_tag() -> str:
     """A short hash of this CPU's feature flags: built with -march=native, the library must never be loaded by
     another CPU model from a shared build cache."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next(line for line in cpuinfo if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
     return hashlib.sha1(flags.encode()).hexdigest()[:12]
 
 

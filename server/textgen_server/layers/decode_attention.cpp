@@ -491,14 +491,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // causal_softmax_row one column at a time (the libm's exp, the sum in column order), where neither vector path
 // is built: torch's values to within their rounding, not its bits.
 inline void causal_softmax_scalar(const uint16_t* in, uint16_t* out, float* e, int64_t total, int64_t lo, int64_t hi) {
-  float sum = 0.f;
-  float top = -INFINITY;
-  for (int64_t t = lo; t <= hi; ++t) top = std::max(top, bf16_to_float(in[t]));
-  for (int64_t t = lo; t <= hi; ++t) {
-    e[t] = std::exp(bf16_to_float(in[t]) - top);
-    sum += e[t];
-  }
-  const float inv = 1.f / sum;
+  for (int64_t t = lo; t <= hi; ++t) e[t] = bf16_to_float(in[t]);
+  const float inv = 1.f / exps(e + lo, hi - lo + 1);
   for (int64_t t = 0; t < total; ++t) out[t] = t < lo || t > hi ? 0 : float_to_bf16(e[t] * inv);
 }
 
