@@ -164,8 +164,21 @@ def test_tokenize(client: httpx.Client, tiny_llama: Path) -> None:
     for t in tokens:
         assert list(t) == ["id", "text", "start", "stop"]
         assert t["text"] == PROMPT[t["start"] : t["stop"]]
-    last = client.post("/tokenize", json={"inputs": PROMPT, "parameters": {"truncate": 2}}).json()
-    assert [t["id"] for t in last] == ids[-2:]
+    # As TGI, `truncate` applies to generation only: /tokenize lists every token of the input.
+    whole = client.post("/tokenize", json={"inputs": PROMPT, "parameters": {"truncate": 2}}).json()
+    assert whole == tokens
+
+
+def test_tokenize_reports_byte_offsets(client: httpx.Client, tiny_llama: Path) -> None:
+    # TGI's offsets come from the Rust tokenizer: UTF-8 bytes, not characters.
+    text = "héllo wörld 日本語 🙂 end"
+    tokens = client.post("/tokenize", json={"inputs": text}).json()
+    encoding = AutoTokenizer.from_pretrained(tiny_llama)(text, return_offsets_mapping=True)
+    assert [t["id"] for t in tokens] == encoding.input_ids
+    expected = [(len(text[:a].encode()), len(text[:b].encode())) for a, b in encoding["offset_mapping"]]
+    assert [(t["start"], t["stop"]) for t in tokens] == expected
+    assert tokens[-1]["stop"] == len(text.encode()) > len(text)
+    assert [t["text"] for t in tokens] == [text[a:b] for a, b in encoding["offset_mapping"]]
 
 
 def test_info(client: httpx.Client, tiny_llama: Path) -> None:

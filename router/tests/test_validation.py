@@ -161,7 +161,7 @@ def test_defaults_and_budget(validator: Validator) -> None:
 def test_truncate_keeps_the_last_tokens(validator: Validator) -> None:
     full = validate(validator, PROMPT, max_new_tokens=1).input_ids
     assert validate(validator, PROMPT, max_new_tokens=1, truncate=3).input_ids == full[-3:]
-    assert asyncio.run(validator.tokenize(PROMPT, truncate=0)).ids == []  # /tokenize does not validate truncate
+    assert asyncio.run(validator.tokenize(PROMPT, truncate=0)).ids == []  # validate() refuses 0; encode keeps none
     # Truncation makes an over-long prompt acceptable.
     assert validate(validator, LONG, max_new_tokens=1, truncate=MAX_INPUT_TOKENS).input_length == MAX_INPUT_TOKENS
 

@@ -114,7 +114,8 @@ async def tokenize(request: Request) -> Response:
     state = _state(request)
     with request_span("tokenize", request.headers):
         try:
-            body = await state.validator.token_list(req.inputs, True, req.parameters.truncate)
+            # TGI tokenizes the whole input here: `parameters` (truncate included) are not read.
+            body = await state.validator.token_list(req.inputs)
         except InferError as err:
             return error_response(err)
     return Response(body, media_type="application/json")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import tokenizers
 
 from textgen_router import jsonenc
@@ -72,16 +73,23 @@ def input_ids(
 
 
 def token_list(
-    tokenizer: tokenizers.Tokenizer | PreTrainedTokenizerBase,
-    inputs: str,
-    add_special_tokens: bool,
-    truncate: int | None,
+    tokenizer: tokenizers.Tokenizer | PreTrainedTokenizerBase, inputs: str, add_special_tokens: bool
 ) -> bytes:
-    """The JSON array of /tokenize: `[{"id", "text", "start", "stop"}, ...]`, texts cut from `inputs`."""
-    enc = encode(tokenizer, inputs, add_special_tokens, truncate)
+    """The JSON array of /tokenize and /chat_tokenize: `[{"id", "text", "start", "stop"}, ...]`.
+
+    `start`/`stop` are UTF-8 byte offsets into `inputs`, as TGI's Rust tokenizer reports them (the Python
+    binding gives character offsets); `text` is the input those bytes hold. Like TGI's, the list is never
+    truncated: the request's `truncate` applies to generation only."""
+    enc = encode(tokenizer, inputs, add_special_tokens, None)
+    data = inputs.encode()
+    spans = enc.offsets
+    if len(data) != len(inputs):
+        # Byte position of each character, and of the end: the bytes that do not continue a UTF-8 sequence.
+        starts = np.flatnonzero((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80).tolist() + [len(data)]
+        spans = [(starts[start], starts[stop]) for start, stop in spans]
     tokens = [
-        {"id": i, "text": inputs[start:stop], "start": start, "stop": stop}
-        for i, (start, stop) in zip(enc.ids, enc.offsets, strict=True)
+        {"id": i, "text": data[start:stop].decode(), "start": start, "stop": stop}
+        for i, (start, stop) in zip(enc.ids, spans, strict=True)
     ]
     return jsonenc.dumps(tokens)
 

@@ -153,9 +153,9 @@ class Validator:
         """The tokens of `inputs` with their character spans; `truncate` keeps the last tokens."""
         return await self._run(tokenization.encode, inputs, add_special_tokens, truncate)
 
-    async def token_list(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> bytes:
-        """/tokenize's JSON array of `{"id", "text", "start", "stop"}`, built in the worker."""
-        return await self._run(tokenization.token_list, inputs, add_special_tokens, truncate)
+    async def token_list(self, inputs: str, add_special_tokens: bool = True) -> bytes:
+        """/tokenize's JSON array of `{"id", "text", "start", "stop"}` (byte offsets), built in the worker."""
+        return await self._run(tokenization.token_list, inputs, add_special_tokens)
 
     def validate_best_of(self, best_of: int) -> int:
         """Checked before any permit is taken, for best_of != 1 on non-streaming routes."""
