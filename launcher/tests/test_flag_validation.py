@@ -77,7 +77,13 @@ def test_sharded_without_any_device_count_panics_like_tgi() -> None:
     [
         (["--quantize", "int3"], {}, "argument --quantize: invalid choice: 'int3'"),
         ([], {"QUANTIZE": "int3"}, "invalid choice: 'int3' from env QUANTIZE"),
-        ([], {"PORT": "eighty"}, "argument -p/--port: invalid int value: 'eighty'"),
+        ([], {"PORT": "eighty"}, "argument -p/--port: invalid value 'eighty': invalid digit found in string"),
+        # TGI's flags are Rust unsigned integers: clap refuses these before anything starts.
+        (["--port", "70000"], {}, "invalid value '70000': number too large to fit in target type"),
+        (["--max-concurrent-requests", "-1"], {}, "invalid value '-1': invalid digit found in string"),
+        (["--num-shard", "-1"], {}, "argument --num-shard: invalid value '-1'"),
+        ([], {"MAX_BATCH_PREFILL_TOKENS": "4294967296"}, "number too large to fit in target type"),
+        (["--validation-workers", ""], {}, "cannot parse integer from empty string"),
         (["--sharded", "yes"], {}, "invalid value 'yes' (possible values: true, false)"),
         (["--cuda-graphs", "1,x"], {}, "expected comma-separated integers"),
         (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),

@@ -11,6 +11,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, Callable
 
+from textgen_common.cli_values import U16, U32, USIZE
+
 QUANTIZE_CHOICES = (
     "awq",
     "compressed-tensors",
@@ -105,35 +107,35 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
     b = _Builder(parser)
     b.value("--model-id", default="bigscience/bloom-560m", help="Hub model id or local directory")
     b.value("--revision", help="Hub revision (branch, tag or commit, e.g. refs/pr/2)")
-    b.value("--validation-workers", type=int, default="2", help="Tokenizer threads in the router")
+    b.value("--validation-workers", type=USIZE, default="2", help="Tokenizer threads in the router")
     b.value("--sharded", type=true_or_false, help="true|false: shard the model (false disables device detection)")
-    b.value("--num-shard", type=int, help="Number of shard processes")
+    b.value("--num-shard", type=USIZE, help="Number of shard processes")
     b.value("--quantize", choices=QUANTIZE_CHOICES, help="Weight quantization (passed to the shards)")
-    b.value("--speculate", type=int, help="Number of speculative tokens (passed to the shards)")
+    b.value("--speculate", type=USIZE, help="Number of speculative tokens (passed to the shards)")
     b.value("--dtype", choices=("float16", "bfloat16"), help="Weights dtype")
     b.value("--kv-cache-dtype", choices=("fp8_e4m3fn", "fp8_e5m2"), help="KV cache dtype (passed to the shards)")
     b.flag("--trust-remote-code", help="Allow custom model code from the hub")
-    b.value("--max-concurrent-requests", type=int, default="128", help="Requests in flight before 429")
-    b.value("--max-best-of", type=int, default="2", help="Largest `best_of`")
-    b.value("--max-stop-sequences", type=int, default="4", help="Most `stop` sequences")
-    b.value("--max-top-n-tokens", type=int, default="5", help="Largest `top_n_tokens`")
-    b.value("--max-input-tokens", type=int, help="Most prompt tokens (default: decided by the shards' warmup)")
-    b.value("--max-input-length", type=int, help="Deprecated alias of --max-input-tokens")
-    b.value("--max-total-tokens", type=int, help="Most prompt + generated tokens per request")
+    b.value("--max-concurrent-requests", type=USIZE, default="128", help="Requests in flight before 429")
+    b.value("--max-best-of", type=USIZE, default="2", help="Largest `best_of`")
+    b.value("--max-stop-sequences", type=USIZE, default="4", help="Most `stop` sequences")
+    b.value("--max-top-n-tokens", type=U32, default="5", help="Largest `top_n_tokens`")
+    b.value("--max-input-tokens", type=USIZE, help="Most prompt tokens (default: decided by the shards' warmup)")
+    b.value("--max-input-length", type=USIZE, help="Deprecated alias of --max-input-tokens")
+    b.value("--max-total-tokens", type=USIZE, help="Most prompt + generated tokens per request")
     b.value("--waiting-served-ratio", type=float, default="0.3", help="Waiting/running ratio that allows a prefill")
-    b.value("--max-batch-prefill-tokens", type=int, help="Prefill token budget (default: from the model config)")
-    b.value("--max-batch-total-tokens", type=int, help="Token budget of a whole batch")
-    b.value("--max-waiting-tokens", type=int, default="20", help="Decode steps before waiting requests are let in")
-    b.value("--max-batch-size", type=int, help="Most requests in a batch")
+    b.value("--max-batch-prefill-tokens", type=U32, help="Prefill token budget (default: from the model config)")
+    b.value("--max-batch-total-tokens", type=U32, help="Token budget of a whole batch")
+    b.value("--max-waiting-tokens", type=USIZE, default="20", help="Decode steps before waiting requests are let in")
+    b.value("--max-batch-size", type=USIZE, help="Most requests in a batch")
     b.value(
         "--cuda-graphs", type=size_list, help="Comma-separated CUDA graph batch sizes; 0 disables (no effect on CPU)"
     )
     b.value("--hostname", default="0.0.0.0", help="IP address the router listens on")
-    b.value("-p", "--port", type=int, default="3000", help="HTTP port")
-    b.value("--prometheus-port", type=int, default="9000", help="Port of the extra Prometheus listener")
+    b.value("-p", "--port", type=U16, default="3000", help="HTTP port")
+    b.value("--prometheus-port", type=U16, default="9000", help="Port of the extra Prometheus listener")
     b.value("--shard-uds-path", default="/tmp/textgen-server", help="Socket prefix; rank r uses <prefix>-<r>")
     b.value("--master-addr", default="localhost", help="torch.distributed master address")
-    b.value("--master-port", type=int, default="29500", help="torch.distributed master port")
+    b.value("--master-port", type=USIZE, default="29500", help="torch.distributed master port")
     b.value("--huggingface-hub-cache", help="Hub cache directory for the download and the shards")
     b.value("--weights-cache-override", help="Directory holding the weights (skips the hub)")
     b.flag("--disable-custom-kernels", help="Disable custom kernels in the shards")
@@ -153,7 +155,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
     b.value("--tokenizer-config-path", help="Local tokenizer_config.json (chat template source)")
     b.flag("--disable-grammar-support", help="Reject requests with a `grammar`")
     parser.add_argument("-e", "--env", action="store_true", help="Print the runtime environment and exit")
-    b.value("--max-client-batch-size", type=int, default="4", help="Most prompts in one /v1/completions call")
+    b.value("--max-client-batch-size", type=USIZE, default="4", help="Most prompts in one /v1/completions call")
     b.value("--lora-adapters", help="LoRA adapters: id1,id2 or name=path or id@revision")
     b.value(
         "--usage-stats",
@@ -161,12 +163,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
         choices=("on", "off", "no-stack"),
         help="Accepted for compatibility; textgen never sends usage statistics",
     )
-    b.value("--payload-limit", type=int, default="2000000", help="HTTP body limit in bytes")
+    b.value("--payload-limit", type=USIZE, default="2000000", help="HTTP body limit in bytes")
     b.flag("--enable-prefill-logprobs", help="Compute prompt logprobs (shard env REQUEST_LOGPROBS=1)")
     b.value(
         "-g",
         "--graceful-termination-timeout",
-        type=int,
+        type=USIZE,
         default="90",
         help="Seconds to let in-flight requests finish on shutdown",
     )

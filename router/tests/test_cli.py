@@ -80,7 +80,11 @@ def test_bad_values_are_usage_errors(monkeypatch: pytest.MonkeyPatch, capsys: py
     with pytest.raises(SystemExit) as exit_:
         parse_args([])
     assert exit_.value.code == 2
-    assert "invalid int value: 'two'" in capsys.readouterr().err
+    assert "argument --max-best-of: invalid value 'two': invalid digit found in string" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--prometheus-port", "65536"])
+    assert exit_.value.code == 2
+    assert "invalid value '65536': number too large to fit in target type" in capsys.readouterr().err
 
 
 def test_print_schema_is_a_subcommand() -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from textgen_common.cli_values import U16, U32, USIZE
 
 FALSE_WORDS = {"false", "f", "no", "n", "off", "0"}
 
@@ -23,7 +25,9 @@ class _Parser:
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self.parser = parser
 
-    def value(self, flag: str, type: type, default: object = None, short: str | None = None, **kw: object) -> None:
+    def value(
+        self, flag: str, type: Callable[[str], object], default: object = None, short: str | None = None, **kw: object
+    ) -> None:
         env = flag.lstrip("-").replace("-", "_").upper()
         # A string default is converted by argparse like a CLI value, so a bad env value fails the same way.
         env_value = os.environ.get(env)
@@ -44,40 +48,40 @@ class _Parser:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="textgen-router", description="textgen router (TGI-compatible HTTP API)")
     p = _Parser(parser)
-    p.value("--max-concurrent-requests", int, 128)
-    p.value("--max-best-of", int, 2)
-    p.value("--max-stop-sequences", int, 4)
-    p.value("--max-top-n-tokens", int, 5)
-    p.value("--max-input-tokens", int)
-    p.value("--max-total-tokens", int)
+    p.value("--max-concurrent-requests", USIZE, 128)
+    p.value("--max-best-of", USIZE, 2)
+    p.value("--max-stop-sequences", USIZE, 4)
+    p.value("--max-top-n-tokens", U32, 5)
+    p.value("--max-input-tokens", USIZE)
+    p.value("--max-total-tokens", USIZE)
     p.value("--waiting-served-ratio", float, 1.2)
-    p.value("--max-batch-prefill-tokens", int, 4096)
-    p.value("--max-batch-total-tokens", int)
-    p.value("--max-waiting-tokens", int, 20)
-    p.value("--max-batch-size", int)
+    p.value("--max-batch-prefill-tokens", U32, 4096)
+    p.value("--max-batch-total-tokens", U32)
+    p.value("--max-waiting-tokens", USIZE, 20)
+    p.value("--max-batch-size", USIZE)
     p.value("--hostname", str, "0.0.0.0")
-    p.value("--port", int, 3000, short="-p")
-    p.value("--prometheus-port", int, 9000)
+    p.value("--port", U16, 3000, short="-p")
+    p.value("--prometheus-port", U16, 9000)
     p.value("--master-shard-uds-path", str, "/tmp/textgen-server-0")
     p.value("--tokenizer-name", str, "bigscience/bloom")
     p.value("--tokenizer-config-path", str)
     p.value("--revision", str)
     p.flag("--trust-remote-code")
-    p.value("--validation-workers", int, 2)
+    p.value("--validation-workers", USIZE, 2)
     p.value("--api-key", str)
     p.flag("--json-output")
     p.value("--otlp-endpoint", str)
     p.value("--otlp-service-name", str, "text-generation-inference.router")
     parser.add_argument("--cors-allow-origin", action="append", help="repeatable (env: CORS_ALLOW_ORIGIN)")
     p.flag("--disable-grammar-support")
-    p.value("--max-client-batch-size", int, 4)
+    p.value("--max-client-batch-size", USIZE, 4)
     # Not a TGI router flag: the launcher's --lora-adapters, so the router knows the adapters the shards load.
     p.value("--lora-adapters", str)
     # Accepted for drop-in compatibility with TGI's launcher; textgen sends no usage statistics.
     p.value("--usage-stats", str, "on", choices=["on", "off", "no-stack"])
-    p.value("--payload-limit", int, 2_000_000)
+    p.value("--payload-limit", USIZE, 2_000_000)
     # Accepted for compatibility; textgen serves text models only, so no image is ever fetched.
-    p.value("--max-image-fetch-size", int, 1_073_741_824)
+    p.value("--max-image-fetch-size", USIZE, 1_073_741_824)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("print-schema", help="print the OpenAPI schema (JSON) and exit")
     return parser
