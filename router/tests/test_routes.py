@@ -336,3 +336,12 @@ def test_validation_error_shape_and_metric(client: httpx.Client) -> None:
     }
     metrics = client.get("/metrics").text
     assert re.search(r'^tgi_request_failure\{err="validation"\} [1-9]', metrics, re.M)
+
+
+def test_unknown_paths_and_methods_answer_with_no_body(client: httpx.Client) -> None:
+    # axum's answers: a bare 404 for an unknown path, a bare 405 naming the allowed methods.
+    missing = client.get("/nonexistent")
+    assert (missing.status_code, missing.content) == (404, b"")
+    wrong_method = client.get("/generate")
+    assert (wrong_method.status_code, wrong_method.content) == (405, b"")
+    assert wrong_method.headers["allow"] == "POST"

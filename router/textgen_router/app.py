@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -79,6 +80,7 @@ def create_app(
     app.include_router(routes)
     app.include_router(openai.router)
     app.add_exception_handler(BodyError, _body_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _routing_error)  # type: ignore[arg-type]
     app.openapi = lambda: openapi_spec.build(app, PROTECTED_PATHS)  # type: ignore[method-assign]
     # A middleware that rewrites response bodies (gzip, ...) would be bypassed by streams: see _App.
     if api_key:
@@ -94,3 +96,9 @@ def create_app(
 
 async def _body_error(request: Request, err: BodyError) -> Response:
     return err.response()
+
+
+async def _routing_error(request: Request, err: StarletteHTTPException) -> Response:
+    """An unknown path (404) or a route's other method (405, with `Allow`): status and headers only, as axum
+    answers them, instead of FastAPI's `{"detail": ...}` JSON."""
+    return Response(status_code=err.status_code, headers=err.headers)
