@@ -136,10 +136,23 @@ def test_best_of_zero_is_refused(client: httpx.Client) -> None:
     assert response.json()["error"] == "Input validation error: `best_of` must be > 0 and <= 2. Given: 0"
 
 
+def _metric(client: httpx.Client, series: str) -> float:
+    """A series' value on /metrics, 0 before its first increment (a labelled series is absent until then)."""
+    match = re.search(rf"^{re.escape(series)} (\S+)$", client.get("/metrics").text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
 def _request_count(client: httpx.Client) -> float:
-    match = re.search(r"^tgi_request_count (\S+)$", client.get("/metrics").text, re.MULTILINE)
-    assert match is not None
-    return float(match.group(1))
+    return _metric(client, "tgi_request_count")
+
+
+def test_a_failing_best_of_counts_one_failure(client: httpx.Client) -> None:
+    # TGI joins the sequences with try_join_all: the first error ends the request, and is counted once.
+    before = _metric(client, 'tgi_request_failure{err="validation"}')
+    response = client.post("/generate", json={"inputs": "Hello", "parameters": {"best_of": 2, "max_new_tokens": 2}})
+    assert response.status_code == 422
+    assert response.json()["error"] == "Input validation error: you must use sampling when `best_of` is > 1"
+    assert _metric(client, 'tgi_request_failure{err="validation"}') == before + 1
 
 
 @pytest.mark.parametrize(

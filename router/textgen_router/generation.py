@@ -2,6 +2,8 @@
 
 - `generate(state, inputs, parameters)` -> `Generation`: one finished sequence (permit, validation, queue).
 - `generate_best_of(state, inputs, parameters, best_of)` -> (winner, others).
+- `all_or_first_error(runs)`: several sequences of one request, given up at the first error (TGI's
+  `try_join_all`).
 - `stream(state, inputs, parameters, sink=None)` -> async iterator of (ValidRequest, StreamEvent), without the
   IntermediateEvents `sink` took (types.TokenSink); closing it tells the inference side that the client went
   away.
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 
@@ -41,6 +44,7 @@ from textgen_router.types import (
 )
 
 tracer = trace.get_tracer("textgen_router")
+T = TypeVar("T")
 
 
 @dataclass
@@ -158,13 +162,44 @@ async def generate_best_of(
     state: RouterState, inputs: str, parameters: GenerateParameters, best_of: int
 ) -> tuple[Generation, list[Generation]]:
     """`best_of` sequences at once; the winner has the highest mean token logprob, the rest follow in order."""
-    runs = await asyncio.gather(*(generate(state, inputs, parameters) for _ in range(best_of)), return_exceptions=True)
-    for run in runs:
-        if isinstance(run, BaseException):
-            raise run
-    finished = [run for run in runs if not isinstance(run, BaseException)]  # all of them, past the loop
+    finished = await all_or_first_error(generate(state, inputs, parameters) for _ in range(best_of))
     best = max(range(len(finished)), key=lambda i: finished[i].mean_logprob)
     return finished[best], [g for i, g in enumerate(finished) if i != best]
+
+
+async def all_or_first_error(runs: Iterable[Awaitable[T]]) -> list[T]:
+    """Every run's result, in order; as soon as one fails, the runs not yet started are not, the others are
+    cancelled, and its error is raised.
+
+    TGI joins the sequences of a request (best_of, a /v1/completions prompt list) with `try_join_all` /
+    `try_collect`, which poll them in order and drop them all at the first error: an error found before any
+    wait (a validation rule, no concurrency permit) is counted once in tgi_request_failure, and no sibling keeps
+    generating for an answer that will not be sent (a cancelled one leaves its batch as a client disconnect
+    does). `runs` is consumed lazily, so pass a generator."""
+    tasks: list[asyncio.Future[T]] = []
+    try:
+        for run in runs:
+            tasks.append(asyncio.ensure_future(run))
+            await asyncio.sleep(0)  # the run's first step, up to its first wait, happens now
+            if _error(tasks[-1]) is not None:
+                break
+        else:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            error = _error(task)
+            if error is not None:
+                raise error
+        return [task.result() for task in tasks]
+    finally:
+        pending = [task for task in tasks if not task.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _error(task: asyncio.Future[Any]) -> BaseException | None:
+    """The error a finished task raised; None while it runs, or if it returned or was cancelled."""
+    return task.exception() if task.done() and not task.cancelled() else None
 
 
 @dataclass
