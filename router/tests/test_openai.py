@@ -272,6 +272,13 @@ def test_completion(http: httpx.Client) -> None:
     assert body["choices"][1]["text"] == completion(http, prompt="import os").json()["choices"][0]["text"]
 
 
+def test_completion_reports_the_served_model(http: httpx.Client, server: LauncherProcess) -> None:
+    """TGI's completions name the served model, whatever `model` says (chat echoes it)."""
+    assert completion(http, model="my-adapter").json()["model"] == str(server.model_dir)
+    chunks = sse_payloads(completion(http, model="my-adapter", stream=True))[:-1]
+    assert {c["model"] for c in chunks} == {str(server.model_dir)}
+
+
 def test_completion_stream(http: httpx.Client) -> None:
     payloads = sse_payloads(completion(http, prompt=["def f", "import os"], stream=True))
     assert payloads[-1] == "[DONE]"
@@ -280,7 +287,12 @@ def test_completion_stream(http: httpx.Client) -> None:
     for index in (0, 1):
         mine = [c for c in chunks if c["choices"][0]["index"] == index]
         assert [c["choices"][0]["finish_reason"] for c in mine] == ["", "", "length"]
-        assert [c["usage"] is None for c in mine] == [True, True, False]
+        # TGI's token chunk has no `usage` key at all (and its own field order); the last is a CompletionFinal.
+        assert [list(c) for c in mine[:-1]] == [
+            ["object", "id", "created", "choices", "model", "system_fingerprint"]
+        ] * 2
+        assert list(mine[-1]) == ["object", "id", "created", "model", "system_fingerprint", "choices", "usage"]
+        assert mine[-1]["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.parametrize(

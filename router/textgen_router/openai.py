@@ -139,7 +139,8 @@ async def completions(request: Request) -> Response:
         body.check_supported(state.max_client_batch_size)
     except InferError as err:
         return _rejected(err)
-    env = bodies.Envelope.now(_model_name(state, body.model))
+    # Unlike chat, TGI's completions always report the served model, whatever `model` selected.
+    env = bodies.Envelope.now(state.model_id)
     prompts, parameters = body.prompts(), body.parameters()
     parameters.adapter_id = _adapter_id(state, body.model)
     if body.stream:

@@ -181,17 +181,28 @@ class ChatChunks:
 
 
 class CompletionChunks:
-    """Encoded chunks of one completion stream: slots are index, text, finish_reason and usage."""
+    """Encoded chunks of one completion stream: slots are index, text, finish_reason (and usage in a prompt's last).
+
+    TGI has two shapes: a token's `Chunk` has no `usage` key and puts `choices` before `model`; a prompt's last
+    chunk is a `CompletionFinal`, in the envelope's order, with `usage`.
+    """
 
     def __init__(self, env: Envelope) -> None:
-        def build(m: list[str]) -> dict[str, Any]:
-            choice = {"index": m[0], "text": m[1], "logprobs": None, "finish_reason": m[2]}
-            return env.wrap("text_completion", [choice], m[3])
+        def choices(m: list[str]) -> list[dict[str, Any]]:
+            return [{"index": m[0], "text": m[1], "logprobs": None, "finish_reason": m[2]}]
 
-        self.template = ChunkTemplate(build, 4)
+        def chunk(m: list[str]) -> dict[str, Any]:
+            return {"object": "text_completion", "id": "", "created": env.created, "choices": choices(m),
+                    "model": env.model, "system_fingerprint": env.fingerprint}  # fmt: skip
+
+        self.chunk = ChunkTemplate(chunk, 3)
+        self.final = ChunkTemplate(lambda m: env.wrap("text_completion", choices(m), m[3]), 4)
 
     def token(self, index: int, text: str, finish_reason: str, usage_: dict[str, int] | None) -> bytes:
-        return self.template.render(index, text, finish_reason, usage_)
+        """A token's chunk; with `usage_`, the prompt's last."""
+        if usage_ is None:
+            return self.chunk.render(index, text, finish_reason)
+        return self.final.render(index, text, finish_reason, usage_)
 
 
 def chat_usage_chunk(env: Envelope, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
