@@ -25,9 +25,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_router import grammar, tool_grammar
+from textgen_router.body import BodyError, parse_model
 from textgen_router.chat_template import ChatTemplate
 from textgen_router.openai_schemas import ChatRequest, NamedToolChoice, ResponseFormat, Tool
-from textgen_router.schemas import GrammarParameters
+from textgen_router.schemas import GenerateRequest, GrammarParameters
 from textgen_router.types import ValidationError
 from textgen_server.utils.grammar import JSON_OPTIONS
 
@@ -43,6 +44,7 @@ FORECAST = {
     },
 }
 TOOLS = [Tool.model_validate(WEATHER), Tool.model_validate(FORECAST)]
+DESERIALIZE = "Failed to deserialize the JSON body into the target type: "
 ARGUMENT_SCHEMAS = {t.function.name: t.function.parameters for t in TOOLS} | {"no_tool": {"type": "object"}}
 
 
@@ -75,8 +77,9 @@ def test_accepted_grammars_and_their_shard_form(type_: str, value: Any, expected
     [
         ("json", 5, "grammar is not supported"),
         ("json", [OBJECT], "grammar is not supported"),
-        ("regex", {"a": 1}, "grammar is not supported"),
-        ("json", '{"type":', "grammar is not valid: Expecting value: line 1 column 9 (char 8)"),
+        # a string that is no JSON: serde_json's wording, as in TGI
+        ("json", '{"type":', "grammar is not valid: EOF while parsing a value at line 1 column 8"),
+        ("json", "NaN", "grammar is not valid: expected value at line 1 column 1"),
         (
             "json",
             {"type": "object", "properties": {"a": {"type": "strin"}}},
@@ -107,6 +110,25 @@ def test_refused_grammars_and_their_messages(type_: str, value: Any, message: st
     with pytest.raises(ValidationError) as err:
         shard_form(type_, value)
     assert str(err.value) == f"Input validation error: {message}"
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [(5, "integer `5`"), (1.5, "floating point `1.5`"), (True, "boolean `true`"), (None, "null"),
+     (["a"], "sequence"), ({"a": 1}, "map")],
+)  # fmt: skip
+def test_a_regex_that_is_no_string_fails_to_deserialize(value: Any, kind: str) -> None:
+    """TGI's `Regex(String)`: any other value is a deserialization error (a plain-text 422), for `grammar` and
+    for `response_format` alike, not a validation error."""
+    message = f"invalid type: {kind}, expected a string"
+    body = {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": value}}}
+    with pytest.raises(BodyError) as err:
+        parse_model(body, GenerateRequest)
+    assert (err.value.status, err.value.text) == (422, f"{DESERIALIZE}parameters.grammar: {message}")
+    chat = {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "regex", "value": value}}
+    with pytest.raises(BodyError) as err:
+        parse_model(chat, ChatRequest)
+    assert err.value.text == f"{DESERIALIZE}response_format: {message}"
 
 
 @pytest.mark.parametrize(

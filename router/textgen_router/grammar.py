@@ -20,6 +20,7 @@ from typing import Any
 
 import jsonschema
 import llguidance
+import pydantic_core
 from jsonschema import Draft202012Validator
 
 from textgen_pb import generate_pb2
@@ -36,8 +37,7 @@ _CACHE_SIZE = 1024
 def to_shard(grammar: GrammarParameters) -> ShardGrammar:
     """The shard form of a request's grammar; raises ValidationError with TGI's message when it is refused."""
     if grammar.type == "regex":
-        if not isinstance(grammar.value, str):
-            raise ValidationError("grammar is not supported")
+        assert isinstance(grammar.value, str)  # GrammarParameters refuses any other regex value
         return _checked_regex(grammar.value), generate_pb2.GRAMMAR_TYPE_REGEX
     schema = _json_value(grammar)
     # Canonical text: two requests with the same schema share one cache entry and one shard-side compile.
@@ -55,7 +55,8 @@ def _json_value(grammar: GrammarParameters) -> Any:
         value = value["schema"]
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            # jiter, which words its errors as TGI's serde_json does (`expected value at line 1 column 1`).
+            value = pydantic_core.from_json(value, allow_inf_nan=False)
         except ValueError as err:
             raise ValidationError(f"grammar is not valid: {err}") from None
     if not isinstance(value, dict):

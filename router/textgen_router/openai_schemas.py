@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, field_validator
+from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
 
-from textgen_router.schemas import F32, GenerateParameters, GrammarParameters
+from textgen_router.schemas import F32, GenerateParameters, GrammarParameters, check_regex_value
 from textgen_router.types import InferError, ValidationError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -97,6 +97,11 @@ class ResponseFormat(BaseModel):
     type: Literal["json", "json_object", "json_schema", "regex", "text"]
     value: Any = None
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _regex_is_a_string(self) -> ResponseFormat:
+        check_regex_value(self.type, self.value)
+        return self
 
     def grammar(self) -> GrammarParameters | None:
         if self.type == "text":

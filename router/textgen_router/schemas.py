@@ -12,7 +12,7 @@ import math
 import struct
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 U32 = 2**32 - 1
@@ -54,6 +54,33 @@ class GrammarParameters(_Strict):
 
     type: Literal["json", "json_object", "regex", "json_schema"]
     value: Any = Field(description="the JSON Schema, `{name, schema}` or the regex, by `type`")
+
+    @model_validator(mode="after")
+    def _regex_is_a_string(self) -> GrammarParameters:
+        check_regex_value(self.type, self.value)
+        return self
+
+
+def check_regex_value(type_: str, value: Any) -> None:
+    """A `regex` grammar's value is a string: TGI's `Regex(String)` fails to deserialize anything else, a 422
+    deserialization error (a JSON grammar's value is any JSON value there, checked by grammar.py)."""
+    if type_ == "regex" and not isinstance(value, str):
+        raise PydanticCustomError(
+            "invalid_type", "invalid type: {kind}, expected a string", {"kind": serde_kind(value)}
+        )
+
+
+def serde_kind(value: Any) -> str:
+    """How serde_json names a JSON value that is not a string in `invalid type: ...` (scalars with their value)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean `{str(value).lower()}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value}`"
+    return "sequence" if isinstance(value, list) else "map"
 
 
 class GenerateParameters(_Strict):
