@@ -55,16 +55,18 @@ def shard_form(type_: str, value: Any) -> tuple[str, int]:
 # ---- grammar checks -----------------------------------------------------------------------------------------
 
 OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# OBJECT as the shards get it: closed to its declared properties, as TGI's compiler reads `properties`.
+SENT = json.dumps({**OBJECT, "additionalProperties": False}, separators=(",", ":"))
 
 
 @pytest.mark.parametrize(
     ("type_", "value", "expected"),
     [
-        ("json", OBJECT, (json.dumps(OBJECT, separators=(",", ":")), generate_pb2.GRAMMAR_TYPE_JSON)),
-        ("json_object", OBJECT, (json.dumps(OBJECT, separators=(",", ":")), generate_pb2.GRAMMAR_TYPE_JSON)),
+        ("json", OBJECT, (SENT, generate_pb2.GRAMMAR_TYPE_JSON)),
+        ("json_object", OBJECT, (SENT, generate_pb2.GRAMMAR_TYPE_JSON)),
         # a schema given as a string is parsed, and sent in the same compact form
-        ("json", json.dumps(OBJECT, indent=2), (json.dumps(OBJECT, separators=(",", ":")), 1)),
-        ("json_schema", {"name": "n", "schema": OBJECT}, (json.dumps(OBJECT, separators=(",", ":")), 1)),
+        ("json", json.dumps(OBJECT, indent=2), (SENT, 1)),
+        ("json_schema", {"name": "n", "schema": OBJECT}, (SENT, 1)),
         ("regex", r"\d{3}-[a-z]+", (r"\d{3}-[a-z]+", generate_pb2.GRAMMAR_TYPE_REGEX)),
     ],
 )
@@ -131,11 +133,54 @@ def test_a_regex_that_is_no_string_fails_to_deserialize(value: Any, kind: str) -
     assert err.value.text == f"{DESERIALIZE}response_format: {message}"
 
 
+def closed_outputs(tokenizer: PreTrainedTokenizerBase, value: Any, n: int) -> list[Any]:
+    """`n` outputs the grammar of the JSON grammar `value` allows, compiled as the router sends it to a shard."""
+    text, _ = shard_form("json", value)
+    return [json.loads("".join(texts)) for texts in random_outputs(tokenizer, json.loads(text), n)]
+
+
+def test_properties_alone_make_a_closed_object(tokenizer: PreTrainedTokenizerBase) -> None:
+    """TGI's documented example has no `type`: TGI's compiler still only writes an object of the declared
+    properties, where plain JSON Schema also admits a bare string or other keys. Nested objects likewise."""
+    location = {"properties": {"location": {"type": "string", "maxLength": 6}}}
+    nested = {
+        "properties": {"place": {"properties": {"city": {"type": "string", "maxLength": 4}}}},
+        "required": ["place"],
+    }
+    for output in closed_outputs(tokenizer, location, 12):
+        assert isinstance(output, dict) and set(output) <= {"location"}, output
+    outputs = closed_outputs(tokenizer, nested, 12)
+    for output in outputs:
+        assert list(output) == ["place"] and isinstance(output["place"], dict), output
+        assert set(output["place"]) <= {"city"}, output
+    assert any(output["place"] for output in outputs)  # the inner property is still written, not banned
+    # What a schema states itself stays: an explicitly open object admits other keys, for the walk as well.
+    open_ = {**location, "additionalProperties": True}
+    assert json.loads(shard_form("json", open_)[0]) == {**open_, "type": "object"}
+
+
+def test_closing_reaches_every_subschema_and_only_schemas() -> None:
+    inner = {"properties": {"x": {"type": "integer"}}}
+    closed = {**inner, "type": "object", "additionalProperties": False}
+    schema = {
+        # a property named `properties` is a name, not a keyword: its map is left as it is
+        "properties": {"properties": inner, "list": {"type": "array", "items": inner}, "ref": {"$ref": "#/$defs/i"}},
+        "$defs": {"i": inner},
+        "anyOf": [inner, True],
+    }
+    got = grammar.close_objects(schema)
+    assert got["properties"]["properties"] == closed
+    assert got["properties"]["list"]["items"] == closed
+    assert got["$defs"]["i"] == closed and got["anyOf"] == [closed, True]
+    assert set(got["properties"]) == {"properties", "list", "ref"}
+    assert schema["$defs"]["i"] == inner  # the request's own schema is not changed
+
+
 @pytest.mark.parametrize(
     ("response_format", "expected"),
     [
         ({"type": "text"}, None),
-        ({"type": "json_object"}, ("json", {"type": "object", "properties": {}})),
+        ({"type": "json_object"}, ("json", {"type": "object", "properties": {}, "additionalProperties": True})),
         ({"type": "json_object", "value": OBJECT}, ("json_object", OBJECT)),
         ({"type": "json", "value": OBJECT}, ("json", OBJECT)),
         ({"type": "regex", "value": "a+"}, ("regex", "a+")),

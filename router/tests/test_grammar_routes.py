@@ -127,6 +127,20 @@ def test_constrained_and_free_rows_in_one_batch(http: httpx.Client) -> None:
             assert out["details"]["finish_reason"] == "eos_token"  # the grammar was complete
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_properties_without_a_type_generate_a_closed_object(http: httpx.Client, seed: int) -> None:
+    """TGI's documented grammar example has no `type`: its output is still an object of the declared
+    properties only (no bare string, no other keys), nested objects too, as TGI's compiler writes them."""
+    place = {"properties": {"city": {"type": "string", "maxLength": 6}}}
+    schema = {"properties": {"location": {"type": "string", "maxLength": 6}, "place": place}}
+    parameters = {"grammar": {"type": "json", "value": schema}, "do_sample": True, "seed": seed}
+    response = generate(http, "Where?", **parameters)
+    assert response.status_code == 200, response.text
+    out = json.loads(response.json()["generated_text"])
+    assert isinstance(out, dict) and set(out) <= {"location", "place"}, out
+    assert isinstance(out.get("place", {}), dict) and set(out.get("place", {})) <= {"city"}, out
+
+
 def test_generate_stream_under_a_grammar(http: httpx.Client) -> None:
     body = {"inputs": "Person:", "parameters": {"max_new_tokens": MAX_NEW_TOKENS, **json_grammar(3)}}
     events = []

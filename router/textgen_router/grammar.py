@@ -10,6 +10,11 @@ Rules and messages follow TGI's `validation.rs`: a JSON grammar's value is an ob
 (anything else: `grammar is not supported`), it must be a valid JSON Schema (draft 2020-12 meta-schema) and have
 a `properties` field (`grammar is not valid: ...`). TGI compiles the schema to a regex in the router and words
 its failures `cannot compile regex from schema: ...`; a schema llguidance cannot enforce gets that message here.
+
+What TGI's compiler (outlines-core's `json_schema`) makes of a schema is not plain JSON Schema: a (sub)schema
+with `properties` is an object holding only those properties, whatever its `type` and `additionalProperties`.
+llguidance follows JSON Schema, where `{"properties": {...}}` alone also admits a string and undeclared keys, so
+`close_objects` states TGI's reading in the schema before llguidance sees it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ def to_shard(grammar: GrammarParameters) -> ShardGrammar:
     if grammar.type == "regex":
         assert isinstance(grammar.value, str)  # GrammarParameters refuses any other regex value
         return _checked_regex(grammar.value), generate_pb2.GRAMMAR_TYPE_REGEX
-    schema = _json_value(grammar)
+    schema = close_objects(_json_value(grammar))
     # Canonical text: two requests with the same schema share one cache entry and one shard-side compile.
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     return _checked_schema(text), generate_pb2.GRAMMAR_TYPE_JSON
@@ -62,6 +67,39 @@ def _json_value(grammar: GrammarParameters) -> Any:
     if not isinstance(value, dict):
         raise ValidationError("grammar is not supported")
     return value
+
+
+# Keywords whose value is a subschema, a list of subschemas, or a map of names to subschemas (2020-12 and the
+# drafts before it), and `$functions`, where the tool grammar keeps its definitions (TGI's name).
+_SUBSCHEMA = frozenset(
+    {"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
+     "unevaluatedItems", "unevaluatedProperties"}
+)  # fmt: skip
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SUBSCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "$functions"}
+)
+
+
+def close_objects(schema: Any) -> Any:
+    """`schema` with TGI's reading of `properties` (module docstring) made explicit at every level: where a
+    (sub)schema has `properties`, a missing `type` is "object" and a missing `additionalProperties` is false.
+    What a schema states itself is kept: an explicit `"additionalProperties": true` still admits other keys."""
+    if not isinstance(schema, dict):
+        return schema  # a boolean schema, or a malformed one the meta-schema check refuses
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [close_objects(sub) for sub in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: close_objects(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMA:
+            value = close_objects(value)
+        out[key] = value
+    if isinstance(schema.get("properties"), dict):
+        out.setdefault("type", "object")
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)

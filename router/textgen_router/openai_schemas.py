@@ -110,8 +110,11 @@ class ResponseFormat(BaseModel):
             return GrammarParameters(type="json_schema", value={"name": self.json_schema.name,
                                                                 "schema": self.json_schema.json_schema})  # fmt: skip
         if self.type == "json_object" and self.value is None:
-            # OpenAI's JSON mode: any object (an empty `properties` keeps TGI's rule that one be present).
-            return GrammarParameters(type="json", value={"type": "object", "properties": {}})
+            # OpenAI's JSON mode: any object (an empty `properties` keeps TGI's rule that one be present, and
+            # opening it keeps grammar.close_objects from allowing only `{}`).
+            return GrammarParameters(
+                type="json", value={"type": "object", "properties": {}, "additionalProperties": True}
+            )
         return GrammarParameters(type=self.type, value=self.value)
 
 

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from textgen_router.grammar import close_objects
 from textgen_router.openai_schemas import FunctionDefinition, NamedToolChoice, Tool
 from textgen_router.types import InferError
 
@@ -77,13 +78,11 @@ def tool_schema(tools: list[Tool]) -> dict[str, Any]:
             "additionalProperties": parameters.get("additionalProperties") in (True, "true"),
         }
     refs = [{"$ref": "#/$functions/" + _pointer_token(tool.function.name)} for tool in tools]
-    return {
-        "type": "object",
-        "$functions": functions,
-        "properties": {"function": {"anyOf": refs}},
-        "required": ["function"],
-        "additionalProperties": False,
-    }
+    # Closed as every JSON grammar is (the arguments' own nested objects too): the schema returned is the one
+    # the shards enforce.
+    return close_objects(
+        {"$functions": functions, "properties": {"function": {"anyOf": refs}}, "required": ["function"]}
+    )
 
 
 def _pointer_token(name: str) -> str:
