@@ -12,11 +12,10 @@ import json
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from textgen_router.schemas import F32, GenerateParameters, GrammarParameters, check_regex_value
 from textgen_router.types import InferError, ValidationError
-
-ROLES = ("system", "user", "assistant", "tool")
 
 
 class OpenAIError(InferError):
@@ -119,15 +118,36 @@ class ResponseFormat(BaseModel):
 
 
 class Message(BaseModel):
+    """Any role goes to the chat template, as in TGI (a plain string there; SDKs now send `developer`)."""
+
     role: str
     content: str | list[TextChunk | ImageChunk] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> Message:
+        # TGI's message body is an untagged enum of {content} and {tool_calls}: with neither, serde matches no
+        # variant and the body is a 422 deserialization error, where an empty prompt turn would be generated.
+        if self.content is None and self.tool_calls is None:
+            raise PydanticCustomError("untagged_enum", "data did not match any variant of untagged enum MessageBody")
+        return self
+
+    def text(self) -> str:
+        """The content as one string: chunks joined, an image as the Markdown `![](url)` (TGI's flattening; a
+        text model reads the link, a multimodal template finds it)."""
+        content = self.content
+        if not isinstance(content, list):
+            return content or ""
+        return "".join(
+            chunk.text if isinstance(chunk, TextChunk) else f"![]({chunk.image_url.url})" for chunk in content
+        )
+
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    # Required, as in TGI: `stream_options: {}` is a 422 (missing field), not a silent false.
+    include_usage: bool
 
 
 class ChatRequest(BaseModel):
@@ -137,8 +157,10 @@ class ChatRequest(BaseModel):
     logit_bias: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    # TGI reads OpenAI's newer name as a serde alias of the same field (both given: see `_one_max_tokens`).
+    max_tokens: int | None = Field(
+        default=None, ge=0, validation_alias=AliasChoices("max_tokens", "max_completion_tokens")
+    )
     n: int | None = None
     presence_penalty: F32 | None = None
     # TGI accepts an array only; a bare string is a deserialization error there too.
@@ -154,6 +176,14 @@ class ChatRequest(BaseModel):
     tool_choice: str | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_max_tokens(cls, data: Any) -> Any:
+        """Both names of the alias given: serde refuses the field set twice (a 422 deserialization error)."""
+        if isinstance(data, dict) and "max_tokens" in data and "max_completion_tokens" in data:
+            raise PydanticCustomError("duplicate_field", "duplicate field `max_tokens`")
+        return data
+
     def check_supported(self) -> None:
         """Reject what textgen does not implement rather than ignore it (422 `validation`)."""
         if self.n is not None and self.n != 1:
@@ -162,21 +192,13 @@ class ChatRequest(BaseModel):
             raise ValidationError("`logit_bias` is not supported")
         if not self.messages:
             raise ValidationError("`messages` cannot be empty")
-        for i, message in enumerate(self.messages):
-            if message.role not in ROLES:
-                raise ValidationError(f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: {message.role}")
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template sees them: text parts concatenated into one string; tool calls in
+        """Messages as the chat template sees them: content as one string (`Message.text`); tool calls in
         transformers' shape (`arguments` as an object) and a tool result's `tool_call_id`."""
         out: list[dict[str, Any]] = []
         for message in self.messages:
-            content = message.content
-            if isinstance(content, list):
-                if any(isinstance(chunk, ImageChunk) for chunk in content):
-                    raise ValidationError("image inputs are not supported by this model")
-                content = "".join(chunk.text for chunk in content if isinstance(chunk, TextChunk))
-            rendered: dict[str, Any] = {"role": message.role, "content": content or ""}
+            rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
             if message.tool_calls:
                 rendered["tool_calls"] = [_template_call(call) for call in message.tool_calls]
             if message.tool_call_id is not None:
@@ -198,7 +220,7 @@ class ChatRequest(BaseModel):
             frequency_penalty=self.frequency_penalty,
             top_p=self.top_p,
             do_sample=do_sample,
-            max_new_tokens=self.max_tokens if self.max_tokens is not None else self.max_completion_tokens,
+            max_new_tokens=self.max_tokens,
             stop=self.stop or [],
             details=True,
             seed=self.seed,
