@@ -81,12 +81,17 @@ class HFOracle:
             out = self.model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
         return out[0, ids.input_ids.shape[1] :].tolist()
 
-    def log_softmax(self, text: str):  # -> torch.Tensor [seq, vocab]
+    def logits(self, text: str):  # -> torch.Tensor [seq, vocab], float32
         import torch
 
         ids = self.tokenizer(text, return_tensors="pt")
         with torch.inference_mode():
-            return torch.log_softmax(self.model(**ids).logits[0].float(), -1)
+            return self.model(**ids).logits[0].float()
+
+    def log_softmax(self, text: str):  # -> torch.Tensor [seq, vocab]
+        import torch
+
+        return torch.log_softmax(self.logits(text), -1)
 
 
 def record(tokens: dict[int, list[int]], generations: list[pb.Generation]) -> None:
@@ -131,3 +136,43 @@ def check_uneven_batch(model: Model, oracle: HFOracle) -> None:
         tokens[request_id].extend(ids)
     for i, prompt in enumerate(prompts):
         assert tokens[i] == oracle.greedy(prompt, new_tokens[i]), f"request {i}"
+
+
+# Rows whose processed scores differ from their logits (a warper; both penalties on a repetitive prompt, so the
+# best tokens are penalised) and one whose do not; a batch of the greedy rows alone takes the greedy op's path.
+TOP_N_ROWS = {
+    1: ("def foo(x):", chooser(temperature=0.5, seed=3)),
+    2: ("x = 1\nx = 1\nx = 1\nx =", chooser(repetition_penalty=3.0, frequency_penalty=2.0)),
+    3: ("class", chooser()),
+}
+
+
+def check_top_n_distribution(model: Model, oracle: HFOracle, *, processed: bool) -> None:
+    """Prefill TOP_N_ROWS with top_n_tokens=3, all together and the greedy ones alone. Each token's logprob is
+    its entry of log_softmax(processed scores of transformers' logits); the top-n tokens are the best 3 of that
+    same distribution when `processed` (TGI's FlashCausalLM), of log_softmax(logits) otherwise (its CausalLM)."""
+    import pytest
+    import torch
+
+    from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
+
+    for batch_id, rows in enumerate(([1, 2, 3], [2, 3]), start=1):
+        requests = [make_request(i, TOP_N_ROWS[i][0], 2, top_n_tokens=3, params=TOP_N_ROWS[i][1]) for i in rows]
+        generations, batch, _ = model.generate_token(model.batch_type.from_pb(make_batch(batch_id, requests), model))
+        assert batch is not None
+        batch.release()
+        assert sorted(g.request_id for g in generations) == rows
+        for generation in generations:
+            text, params = TOP_N_ROWS[generation.request_id]
+            logits = oracle.logits(text)[-1:]
+            prompt = oracle.tokenizer(text)["input_ids"]
+            reference = HeterogeneousNextTokenChooser.from_pb([params], [prompt], logits.shape[-1], logits.device)
+            chosen_from = torch.log_softmax(reference.process(torch.tensor(prompt[-1:]), logits), -1)[0]
+            token, logprob = generation.tokens.ids[0], generation.tokens.logprobs[0]
+            assert logprob == pytest.approx(float(chosen_from[token]), abs=1e-4)
+            expected = (chosen_from if processed else torch.log_softmax(logits, -1)[0]).topk(3)
+            (top,) = generation.top_tokens
+            assert list(top.ids) == expected.indices.tolist(), generation.request_id
+            assert list(top.logprobs) == pytest.approx(expected.values.tolist(), abs=1e-4), generation.request_id
+            if processed and token in top.ids:  # one distribution: the same number in both lists
+                assert top.logprobs[list(top.ids).index(token)] == pytest.approx(logprob, abs=1e-6)

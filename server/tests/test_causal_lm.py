@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch, make_request, record
+from shard_helpers import (
+    HFOracle,
+    check_top_n_distribution,
+    check_uneven_batch,
+    generate_all,
+    make_batch,
+    make_request,
+    record,
+)
 
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
@@ -142,6 +150,13 @@ def test_llama_uneven_batch_matches_transformers(tiny_llama: Path, llama_oracle:
     model = get_model(ServeConfig(str(tiny_llama), use_flash_attention=False))  # the padded engine
     assert isinstance(model, CausalLM)
     check_uneven_batch(model, llama_oracle)
+
+
+def test_top_n_tokens_come_from_the_raw_logits(tiny_llama: Path, llama_oracle: HFOracle) -> None:
+    """TGI's CausalLM reports the top-n tokens of the logits, whatever penalties and warpers did to the choice."""
+    model = get_model(ServeConfig(str(tiny_llama), use_flash_attention=False))  # the padded engine
+    assert isinstance(model, CausalLM)
+    check_top_n_distribution(model, llama_oracle, processed=False)
 
 
 @pytest.mark.parametrize("decode_kernel", ["1", "0"])

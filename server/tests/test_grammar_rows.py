@@ -70,7 +70,7 @@ class Ranks:
         self.stubs = [handle.stub(rank) for rank in range(len(handle.processes))]
         self.tokens: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[float]] = {}
-        self.top_tokens: dict[int, list[int]] = {}
+        self.top_tokens: dict[int, list[pb.Tokens]] = {}
         self.finished: dict[int, pb.GeneratedText] = {}
 
     def call(self, method: str, request: Any) -> Any:
@@ -80,7 +80,7 @@ class Ranks:
             for g in getattr(reply, "generations", []):
                 self.tokens.setdefault(g.request_id, []).extend(g.tokens.ids)
                 self.logprobs.setdefault(g.request_id, []).extend(g.tokens.logprobs)
-                self.top_tokens.setdefault(g.request_id, []).extend(len(t.ids) for t in g.top_tokens)
+                self.top_tokens.setdefault(g.request_id, []).extend(g.top_tokens)
                 if g.HasField("generated_text"):
                     self.finished[g.request_id] = g.generated_text
         return replies[0]
@@ -149,7 +149,13 @@ def check_mixed(ranks: Ranks, oracle: HFOracle) -> None:
     for request_id in (0, 2, 4, 5):
         # Logprobs come from the masked scores: the chosen token is always one the grammar allowed.
         assert all(lp > float("-inf") for lp in ranks.logprobs[request_id])
-    assert len(ranks.top_tokens[0]) == done[0].generated_tokens and all(n >= 2 for n in ranks.top_tokens[0])
+    # The paged engine's top-n tokens come from the masked scores the row chose from (TGI's FlashCausalLM): only
+    # tokens the grammar allowed, fewer than 2 where it allowed one, the greedy choice first with its logprob.
+    tops = ranks.top_tokens[0]
+    assert len(tops) == done[0].generated_tokens and any(len(top.ids) >= 2 for top in tops)
+    for top, token, logprob in zip(tops, ranks.tokens[0], ranks.logprobs[0], strict=True):
+        assert 1 <= len(top.ids) <= 2 and all(lp > float("-inf") for lp in top.logprobs)
+        assert (top.ids[0], top.logprobs[0]) == (token, logprob)
     for request_id, prompt in FREE_PROMPTS.items():
         assert ranks.tokens[request_id] == oracle.greedy(prompt, done[request_id].generated_tokens)
         assert done[request_id].finish_reason == pb.FINISH_REASON_LENGTH

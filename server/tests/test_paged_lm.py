@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import HFOracle, check_uneven_batch, generate_all, make_batch, make_request, record
+from shard_helpers import (
+    HFOracle,
+    check_top_n_distribution,
+    check_uneven_batch,
+    generate_all,
+    make_batch,
+    make_request,
+    record,
+)
 
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
@@ -88,6 +96,11 @@ def test_uneven_batch_through_filter_and_concatenate_matches_transformers(
     free = model.pool.allocator.free_blocks
     check_uneven_batch(model, llama_oracle)
     assert model.pool.allocator.free_blocks == free  # every self-allocated block came back
+
+
+def test_top_n_tokens_come_from_the_processed_scores(model: PagedCausalLM, llama_oracle: HFOracle) -> None:
+    """TGI's FlashCausalLM: the top-n logprobs are those of the distribution the token was chosen from."""
+    check_top_n_distribution(model, llama_oracle, processed=True)
 
 
 @pytest.mark.parametrize("cpu_ops", ["1", "0"])

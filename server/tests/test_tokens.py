@@ -47,7 +47,7 @@ def generate(c: HeterogeneousNextTokenChooser, steps: int, seed: int = 0) -> lis
     out: list[list[int]] = [[] for _ in range(len(c))]
     ids = last(len(c))
     for step in range(steps):
-        ids, _ = c(ids, logits(1, seed * 1000 + step).expand(len(c), V))
+        ids, _, _ = c(ids, logits(1, seed * 1000 + step).expand(len(c), V))
         for row, token in enumerate(ids.tolist()):
             out[row].append(token)
     return out
@@ -71,7 +71,7 @@ def test_default_rows_are_greedy_with_raw_logprobs() -> None:
     c = chooser([params(), params(do_sample=False)])
     scores = logits(2)
     before = scores.clone()
-    ids, logprobs = c(last(2), scores)
+    ids, logprobs, _ = c(last(2), scores)
     assert ids.tolist() == scores.argmax(-1).tolist()
     assert torch.equal(logprobs, chosen(scores.log_softmax(-1), ids))
     assert torch.equal(scores, before)  # the caller's logits are not modified
@@ -89,7 +89,7 @@ def test_greedy_ids_and_logprobs_are_torch_s_bits_with_and_without_the_op(
     scores = (torch.randn(5, width, generator=torch.Generator().manual_seed(3)) * 8).to(dtype)
     scores[1, 500] = scores[1, 900] = scores[1].max() + 1  # a tie
     with torch.profiler.profile() as prof:
-        ids, logprobs = c(last(5), scores)
+        ids, logprobs, _ = c(last(5), scores)
     ran = any(event.name == "textgen::greedy_pick" for event in prof.events())
     assert ran == greedy_pick_for(dtype, CPU)  # where the op gives torch's bits on this machine
     assert not (ran and ops == "0")
@@ -107,7 +107,7 @@ def test_greedy_rows_take_the_first_maximum_or_a_nan_as_argmax_does(with_samplin
     scores[2, 11] = float("inf")
     rows = [params()] * 3 + ([params(do_sample=True, seed=1)] if with_sampling_row else [])
     scores = torch.cat([scores, logits(len(rows) - 3)])
-    ids, _ = chooser(rows)(last(len(rows)), scores)
+    ids, _, _ = chooser(rows)(last(len(rows)), scores)
     assert ids[:3].tolist() == scores[:3].argmax(-1).tolist() == [7, 4, 11]
 
 
@@ -126,9 +126,21 @@ def test_logprobs_are_those_of_the_processed_scores() -> None:
     c = chooser([params(temperature=0.5, seed=1), params()])
     scores = logits(2)
     assert torch.allclose(c.process(last(2), scores), torch.stack([scores[0] / 0.5, scores[1]]))
-    ids, logprobs = c(last(2), scores)
+    ids, logprobs, chosen_from = c(last(2), scores)
     assert torch.allclose(logprobs[0], (scores[0] / 0.5).log_softmax(-1)[ids[0]])
     assert torch.allclose(logprobs[1], scores[1].log_softmax(-1)[ids[1]])
+    assert torch.equal(chosen_from, c.process(last(2), scores))  # handed back for the top-n tokens
+
+
+@pytest.mark.parametrize("ops", ["1", "0"])
+def test_a_batch_no_processor_touches_hands_back_the_caller_s_logits(ops: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No copy when nothing applies (the greedy op's path where it is built): the logits are the scores."""
+    monkeypatch.setenv(ENV_SWITCH, ops)
+    scores = logits(2)
+    assert chooser([params(), params()])(last(2), scores).scores is scores
+    penalised = chooser([params(), params(repetition_penalty=2.0)])
+    processed = penalised.process(last(2), scores)  # before the call records its choice in the history
+    assert torch.equal(penalised(last(2), scores).scores, processed)
 
 
 def test_top_k_one_equals_greedy() -> None:
@@ -159,7 +171,7 @@ def test_seeded_sampling_survives_filter_and_concatenate() -> None:
     ids = torch.tensor([5, 5, first[-1]])
     rest = []
     for step in range(3, 6):
-        ids, _ = merged(ids, logits(1, step).expand(3, V))
+        ids, _, _ = merged(ids, logits(1, step).expand(3, V))
         rest.append(ids[2].item())
     assert first + rest == reference
 
@@ -190,11 +202,11 @@ def test_repetition_penalty_sees_prompt_and_generated_tokens() -> None:
     scores[0, 11] = 4.0
     c = chooser([params(repetition_penalty=2.0)], [[10]])
     assert c.process(last(1), scores)[0, 10] == 2.5
-    ids, _ = c(last(1), scores)
+    ids, _, _ = c(last(1), scores)
     assert ids.item() == 11  # prompt token 10 was penalised to 2.5
     processed = c.process(ids, scores)
     assert processed[0, 10] == 2.5 and processed[0, 11] == 2.0
-    ids, _ = c(ids, scores)
+    ids, _, _ = c(ids, scores)
     assert ids.item() == 10  # now 11 is seen too: 4.0 / 2 = 2.0 < 2.5
 
 

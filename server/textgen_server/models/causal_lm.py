@@ -263,7 +263,8 @@ class CausalLM(Model[CausalLMBatch]):
         prefill = batch.past_key_values is None
         want_prefill_logprobs = prefill and any(r.prefill_logprobs for r in batch.requests)
         logits, cache = self.forward(batch, all_logits=want_prefill_logprobs)
-        chosen = choose(batch.next_token_chooser, batch.input_ids[:, -1], logits[:, -1, :], batch.top_n_tokens)
+        chooser, last_ids = batch.next_token_chooser, batch.input_ids[:, -1]
+        chosen = choose(chooser, last_ids, logits[:, -1, :], batch.top_n_tokens, processed_top_n=False)
         if want_prefill_logprobs:
             width = logits.shape[1]
             for i, (request, ids) in enumerate(zip(batch.requests, batch.all_input_ids, strict=True)):

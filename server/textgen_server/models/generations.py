@@ -46,16 +46,27 @@ class Chosen:
 
 
 def choose(
-    chooser: HeterogeneousNextTokenChooser, last_ids: torch.Tensor, logits: torch.Tensor, top_n_tokens: list[int]
+    chooser: HeterogeneousNextTokenChooser,
+    last_ids: torch.Tensor,
+    logits: torch.Tensor,
+    top_n_tokens: list[int],
+    *,
+    processed_top_n: bool,
 ) -> Chosen:
-    """One token per row of `logits` [B, V] (the rows' last positions), with its logprob and the top-n tokens
-    (from the raw logits, as TGI's CausalLM reports them); one host sync for the ids and logprobs."""
-    next_ids, logprobs = chooser(last_ids, logits)
+    """One token per row of `logits` [B, V] (the rows' last positions), with its logprob and the top-n tokens;
+    one host sync for the ids and logprobs.
+
+    The top-n tokens come from the log_softmax of the scores the chooser chose from (after penalties, grammar,
+    watermark and warpers) when `processed_top_n`, as TGI's FlashCausalLM reports them, so a chosen token has
+    the same logprob in both lists; else from the raw logits, as TGI's CausalLM reports them.
+    """
+    choice = chooser(last_ids, logits)
     # float64 holds every id exactly
-    ids, values = torch.stack([next_ids.double(), logprobs.double()]).tolist()
-    result = Chosen(next_ids, [int(i) for i in ids], values)
+    ids, values = torch.stack([choice.next_ids.double(), choice.logprobs.double()]).tolist()
+    result = Chosen(choice.next_ids, [int(i) for i in ids], values)
     if any(top_n_tokens):
-        result.top_ids, result.top_logprobs = batch_top_tokens(top_n_tokens, torch.log_softmax(logits.float(), -1))
+        scores = choice.scores if processed_top_n else logits
+        result.top_ids, result.top_logprobs = batch_top_tokens(top_n_tokens, torch.log_softmax(scores.float(), -1))
     return result
 
 

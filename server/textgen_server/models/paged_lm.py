@@ -167,11 +167,11 @@ class PagedCausalLM(Model[PagedBatch]):
         last_ids = torch.tensor([batch.all_input_ids[i][-1] for i in emitting], device=logits.device)
         top_n = [batch.top_n_tokens[i] for i in emitting]
         if len(emitting) == len(batch):
-            chosen = choose(chooser, last_ids, logits, top_n)
+            chosen = choose(chooser, last_ids, logits, top_n, processed_top_n=True)
         else:
             sub = chooser.filter(emitting)
             index = torch.tensor(emitting, dtype=torch.long, device=logits.device)
-            chosen = choose(sub, last_ids, logits.index_select(0, index), top_n)
+            chosen = choose(sub, last_ids, logits.index_select(0, index), top_n, processed_top_n=True)
             _write_back_history(chooser, sub, index)
         for i in emitting:
             logprobs = batch.prompt_logprobs.pop(batch.requests[i].id, None)

@@ -7,11 +7,13 @@ Contract with the batch (models/causal_lm.py):
   must be the last dimension of the logits the chooser will see; `grammars` holds the matchers of the rows
   whose grammar the batch compiled (utils/grammar.py), None when no row has one. Invalid values raise
   ValueError naming the field; the servicer turns that into INVALID_ARGUMENT.
-- `chooser(last_ids [B] long, scores [B, V] logits of the last position) -> (next_ids [B] long,
-  logprobs [B] float32)`. logprobs[i] is the chosen token's entry of log_softmax of row i's *processed* scores
-  (after penalties and warpers), which is what TGI reports. The chosen ids are recorded in the chooser's own
-  history, so the caller never passes the history back, and each grammar row's matcher consumes its chosen id.
-  The caller's `scores` tensor is not modified.
+- `chooser(last_ids [B] long, scores [B, V] logits of the last position) -> Choice(next_ids [B] long,
+  logprobs [B] float32, scores [B, V])`. logprobs[i] is the chosen token's entry of log_softmax of row i's
+  *processed* scores (after penalties and warpers), which is what TGI reports; `Choice.scores` are those
+  processed scores (what `process` returns: the caller's tensor itself where no processor applies), so a caller
+  that reports top-n tokens from the same distribution (TGI's FlashCausalLM) needs no second pass. The chosen
+  ids are recorded in the chooser's own history, so the caller never passes the history back, and each grammar
+  row's matcher consumes its chosen id. The caller's `scores` tensor is not modified.
 - `.filter(indices)` keeps the given rows in that order; `concatenate(choosers)` stacks them.
 - `.do_sample[i]` is True when row i samples (its do_sample, or any warper set: TGI's rule); `.seeds[i]` is
   the row's seed, reported in GeneratedText only for sampling rows.
@@ -98,6 +100,14 @@ def _take(tensor: Tensor, rows: Tensor | None) -> Tensor:
 
 def _put(scores: Tensor, rows: Tensor | None, processed: Tensor) -> Tensor:
     return processed if rows is None else scores.index_copy_(0, rows, processed)
+
+
+class Choice(NamedTuple):
+    """One step's choice for every row: the token, its logprob, and the processed scores it was chosen from."""
+
+    next_ids: Tensor  # [B] int64
+    logprobs: Tensor  # [B] float32
+    scores: Tensor  # [B, V]: the caller's logits where no processor applies, else float32 processed copies
 
 
 class HeterogeneousNextTokenChooser:
@@ -206,7 +216,7 @@ class HeterogeneousNextTokenChooser:
     def __len__(self) -> int:
         return len(self.seeds)
 
-    def __call__(self, last_ids: Tensor, scores: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(self, last_ids: Tensor, scores: Tensor) -> Choice:
         """Choose one token per row; see the module docstring for the contract."""
         scores = self.process(last_ids, scores)
         if self._greedy_op(scores):
@@ -227,7 +237,7 @@ class HeterogeneousNextTokenChooser:
             self.history[torch.arange(len(self), device=self.device), next_ids] += 1
         if self.grammars is not None:
             self.grammars.advance(_take(next_ids, self.grammars.rows))
-        return next_ids, logprobs
+        return Choice(next_ids, logprobs, scores)
 
     def process(self, last_ids: Tensor, scores: Tensor) -> Tensor:
         """The scores [B, V] the choice is made from: `scores` after every processor of its rows, in float32
