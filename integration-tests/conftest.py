@@ -1,8 +1,8 @@
 """Integration fixtures: ONE real `textgen-launcher` for the whole session, and JSON snapshots.
 
 - `llama_server`, `llama_client`, `llama_async_client` (session, from testing.fixtures): the tiny llama
-  served by `textgen-launcher` as a user starts it, and textgen_client clients on it; the client tests share
-  the same process.
+  served by `textgen-launcher --enable-prefill-logprobs` (the snapshots hold prompt logprobs), and
+  textgen_client clients on it; the client tests share the same process.
 - `response_snapshot`: a syrupy JSON snapshot whose comparison is exact for everything but floats (logprobs),
   which match within a tolerance; pydantic models are dumped to JSON first.
 """

@@ -15,8 +15,9 @@ Real launchers (testing.launcher):
   `LauncherProcess` (`.base_url`, `.model_dir`, `.process`, `.log`, `.uds`, `.wait_healthy()`, `.wait_exit()`,
   `.shard_pids()`, `.survivors()`, `.sockets_left()`, `.stop()`). Whatever is still running at the end of the
   session is stopped (process group killed, no socket left); narrower scopes call `.stop()` themselves.
-- `llama_server`: the tiny llama behind one default launcher, shared by the whole session (integration and
-  client tests); `llama_client` / `llama_async_client`: textgen_client clients on it.
+- `llama_server`: the tiny llama behind one launcher with `--enable-prefill-logprobs` (so `decoder_input_details`
+  returns the prompt's logprobs, off by default on the paged engine as in TGI 3), shared by the whole session
+  (integration and client tests); `llama_client` / `llama_async_client`: textgen_client clients on it.
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def launcher() -> Iterator[Callable[..., LauncherProcess]]:
 
 @pytest.fixture(scope="session")
 def llama_server(launcher: Callable[..., LauncherProcess], tiny_llama: Path) -> LauncherProcess:
-    """The tiny llama behind one default `textgen-launcher`, for every test directory of the session."""
-    return launcher(tiny_llama)
+    """The tiny llama behind one `textgen-launcher --enable-prefill-logprobs`, for every test directory of the
+    session."""
+    return launcher(tiny_llama, "--enable-prefill-logprobs")
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,8 @@ FLAG_VARS = (
     "LOG_LEVEL",
     "ATTENTION",
     "PREFIX_CACHING",
+    "ENABLE_PREFILL_LOGPROBS",
+    "REQUEST_LOGPROBS",  # the shards' own variable, which the launcher passes on
 )
 
 

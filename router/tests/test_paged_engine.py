@@ -43,7 +43,9 @@ class Setup:
         return router_config(max_input_tokens=400, max_total_tokens=512, max_batch_prefill_tokens=self.prefill_tokens)
 
     def env(self) -> dict[str, str]:
+        # REQUEST_LOGPROBS: the shards compute the prompt logprobs test_prompt_logprobs_skip_the_prefix_cache asks.
         env = {"PREFIX_CACHING": "1" if self.prefix_caching else "0", "ATTENTION": self.attention}
+        env["REQUEST_LOGPROBS"] = "1"
         if self.pool_tokens is not None:
             env["TEXTGEN_KV_CACHE_TOKENS"] = str(self.pool_tokens)
         return env

@@ -53,8 +53,8 @@ def paged_model(model_dir: Path, **options: object) -> PagedCausalLM:
 
 @pytest.fixture(scope="module", params=["paged", "flashinfer", "flashdecoding"])
 def model(request: pytest.FixtureRequest, tiny_llama: Path) -> PagedCausalLM:
-    """Block sizes 16, 1 and 256 (TGI's for these ATTENTION backends)."""
-    return paged_model(tiny_llama, attention=request.param)
+    """Block sizes 16, 1 and 256 (TGI's for these ATTENTION backends); prompt logprobs on (REQUEST_LOGPROBS)."""
+    return paged_model(tiny_llama, attention=request.param, request_logprobs=True)
 
 
 class Blocks:
@@ -232,6 +232,23 @@ def test_info_and_warmup_report_the_pool(tiny_llama: Path) -> None:
     # Without chunking TGI's default max_total is the warmup batch's tokens.
     assert supported == model.pool.tokens and max_total == warmup.total_tokens - 1 and max_input == max_total - 1
     assert model.pool.allocator.free_blocks == model.pool.num_blocks - 1
+
+
+def test_prompt_logprobs_need_request_logprobs(tiny_llama: Path, llama_oracle: HFOracle) -> None:
+    """TGI 3's flash models: without REQUEST_LOGPROBS a request asking for its prompt's logprobs gets none (the
+    forward computes each row's last position only); the tokens are the same either way."""
+    text = "def foo(x):"
+    tokens: dict[bool, list[int]] = {}
+    for on in (False, True):
+        model = paged_model(tiny_llama, request_logprobs=on)
+        request = make_request(1, text, 3, prefill_logprobs=True)
+        generations, batch, _ = model.generate_token(PagedBatch.from_pb(make_batch(1, [request]), model))
+        (generation,) = generations
+        assert generation.HasField("prefill_tokens") == on
+        if on:
+            assert list(generation.prefill_tokens.ids) == prompt_ids(model, text)
+        tokens[on] = [generation.tokens.ids[0], *generate_all(model, batch)[1]]
+    assert tokens[False] == tokens[True] == llama_oracle.greedy(text, 3)
 
 
 def test_prompt_logprobs_of_a_prefix_hit_are_nan_for_the_cached_tokens(

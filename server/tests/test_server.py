@@ -46,8 +46,8 @@ def shard(tiny_llama: Path, otlp_collector):  # type: ignore[no-untyped-def]
         tiny_llama,
         uds_path=uds_path,
         extra_args=["--max-input-tokens", str(MAX_INPUT_TOKENS), "--otlp-endpoint", f"http://127.0.0.1:{port}"],
-        # Export spans within 0.1 s instead of 5 s; a KV pool of a known size.
-        env={"OTEL_BSP_SCHEDULE_DELAY": "100", "TEXTGEN_KV_CACHE_TOKENS": str(POOL_TOKENS)},
+        # Export spans within 0.1 s instead of 5 s; a KV pool of a known size; prompt logprobs computed.
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100", "TEXTGEN_KV_CACHE_TOKENS": str(POOL_TOKENS), "REQUEST_LOGPROBS": "1"},
     ) as handle:
         yield handle
 

@@ -60,6 +60,9 @@ class ServeConfig:
     attention: str = "paged"  # ATTENTION
     prefix_caching: bool = False  # PREFIX_CACHING
     prefill_chunking: bool = True  # PREFILL_CHUNKING
+    # REQUEST_LOGPROBS (the launcher's --enable-prefill-logprobs): only then does the paged engine compute the
+    # prompt logprobs a request asks for, as TGI 3's flash models (a logit row per prompt token is costly).
+    request_logprobs: bool = False
     use_flash_attention: bool = True  # USE_FLASH_ATTENTION=false: the padded CausalLM for every model
 
     @classmethod
@@ -81,6 +84,7 @@ class ServeConfig:
             attention=os.environ.get("ATTENTION") or "paged",
             prefix_caching=_env_flag("PREFIX_CACHING", "0"),
             prefill_chunking=_env_flag("PREFILL_CHUNKING", "1"),
+            request_logprobs=_env_flag("REQUEST_LOGPROBS", "0"),
             use_flash_attention=os.environ.get("USE_FLASH_ATTENTION", "true").lower() not in ("false", "0"),
         )
 
@@ -108,7 +112,13 @@ class ServeConfig:
 
     def paging(self) -> PagingConfig:
         """The paged engine's settings (block size as TGI's for the ATTENTION backend)."""
-        return PagingConfig(self.attention, BLOCK_SIZES[self.attention], self.prefix_caching, self.prefill_chunking)
+        return PagingConfig(
+            self.attention,
+            BLOCK_SIZES[self.attention],
+            self.prefix_caching,
+            self.prefill_chunking,
+            self.request_logprobs,
+        )
 
     def adapters(self) -> list[LoraAdapter]:
         """The entries of LORA_ADAPTERS; UnsupportedConfigError for a malformed list."""
@@ -141,3 +151,4 @@ class PagingConfig:
     block_size: int  # tokens per KV block (TGI's BLOCK_SIZE for the attention backend)
     prefix_caching: bool  # Info.use_prefix_caching: the router may send requests with cache_len > 0
     chunking: bool  # Info.support_chunking: the router may send partial prompts and cached batches to Prefill
+    prompt_logprobs: bool  # whether a request's prefill_logprobs is honoured (else it gets no prefill tokens)

@@ -99,7 +99,10 @@ class PagedCausalLM(Model[PagedBatch]):
     ) -> tuple[list[generate_pb2.Generation], PagedBatch | None, tuple[int, int]]:
         start = time.perf_counter_ns()
         prefilling = [c < p for c, p in zip(batch.cache_lengths, batch.prompt_lengths, strict=True)]
-        want_prompt_logprobs = any(r.prefill_logprobs and p for r, p in zip(batch.requests, prefilling, strict=True))
+        # TGI's flash models: prompt logprobs only with REQUEST_LOGPROBS on, else no request gets prefill tokens.
+        want_prompt_logprobs = self.paging.prompt_logprobs and any(
+            r.prefill_logprobs and p for r, p in zip(batch.requests, prefilling, strict=True)
+        )
         input_ids, positions, step = self._step(batch)
         last = step.cu_seqlens_q[1:].long() - 1  # each row's last new token
         segments = None
