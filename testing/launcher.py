@@ -48,6 +48,8 @@ FLAG_VARS = (
     "PREFIX_CACHING",
     "ENABLE_PREFILL_LOGPROBS",
     "REQUEST_LOGPROBS",  # the shards' own variable, which the launcher passes on
+    "ROPE_SCALING",
+    "ROPE_FACTOR",
 )
 
 

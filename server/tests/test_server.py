@@ -377,15 +377,19 @@ def test_rpcs_continue_the_routers_trace(stub, otlp_collector) -> None:
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, variables, message",
     [
-        (["--quantize", "bitsandbytes"], "--quantize bitsandbytes is not supported"),
-        (["--speculate", "2"], "--speculate 2 is not supported"),
-        (["--sharded"], "--sharded requires the environment variables"),
+        (["--quantize", "bitsandbytes"], {}, "--quantize bitsandbytes is not supported"),
+        (["--speculate", "2"], {}, "--speculate 2 is not supported"),
+        (["--sharded"], {}, "--sharded requires the environment variables"),
+        ([], {"ROPE_SCALING": "yarn", "ROPE_FACTOR": "4.0"}, "ROPE_SCALING=yarn is not supported; use one of"),
     ],
 )
-def test_unsupported_options_are_startup_errors(tiny_llama: Path, args: list[str], message: str) -> None:
+def test_unsupported_options_are_startup_errors(
+    tiny_llama: Path, args: list[str], variables: dict[str, str], message: str
+) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(variables)
     result = subprocess.run(
         [sys.executable, "-m", "textgen_server.cli", "serve", str(tiny_llama), "--uds-path", "/tmp/tg-never", *args],
         capture_output=True,

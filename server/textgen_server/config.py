@@ -14,6 +14,7 @@ torch is imported only for type checking: the CLI builds and checks a ServeConfi
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +29,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 # served by layers/paged_attention.py with the backend's block size.
 BLOCK_SIZES = {"paged": 16, "flashdecoding": 256, "flashinfer": 1, "flashdecoding-ipex": 64}
 ATTENTIONS = tuple(BLOCK_SIZES)
+# The RoPE scalings TGI's launcher offers (--rope-scaling); both are transformers' init functions, which every
+# rotary embedding a shard runs is built with (layers/rotary.py, or transformers' own model classes).
+ROPE_SCALINGS = ("linear", "dynamic")
 
 
 def _env_flag(name: str, default: str) -> bool:
@@ -64,6 +68,10 @@ class ServeConfig:
     # prompt logprobs a request asks for, as TGI 3's flash models (a logit row per prompt token is costly).
     request_logprobs: bool = False
     use_flash_attention: bool = True  # USE_FLASH_ATTENTION=false: the padded CausalLM for every model
+    # ROPE_SCALING / ROPE_FACTOR as the launcher passes them (--rope-scaling / --rope-factor): they replace the
+    # model config's own RoPE scaling, as in TGI's shard.
+    rope_scaling: str | None = None
+    rope_factor: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
@@ -86,6 +94,8 @@ class ServeConfig:
             prefill_chunking=_env_flag("PREFILL_CHUNKING", "1"),
             request_logprobs=_env_flag("REQUEST_LOGPROBS", "0"),
             use_flash_attention=os.environ.get("USE_FLASH_ATTENTION", "true").lower() not in ("false", "0"),
+            rope_scaling=os.environ.get("ROPE_SCALING") or None,
+            rope_factor=os.environ.get("ROPE_FACTOR") or None,
         )
 
     def check(self) -> None:
@@ -109,6 +119,7 @@ class ServeConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UnsupportedConfigError(f"--dtype {self.dtype} is not supported; use one of {', '.join(DTYPES)}")
         self.adapters()
+        self.rope()
 
     def paging(self) -> PagingConfig:
         """The paged engine's settings (block size as TGI's for the ATTENTION backend)."""
@@ -119,6 +130,29 @@ class ServeConfig:
             self.prefill_chunking,
             self.request_logprobs,
         )
+
+    def rope(self) -> tuple[str, float] | None:
+        """The RoPE scaling that replaces the model's: (ROPE_SCALING, ROPE_FACTOR), None when neither is set;
+        UnsupportedConfigError for a type no engine here computes, or a half-given or malformed pair (TGI's shard
+        ignores a lone ROPE_FACTOR and fails on a lone ROPE_SCALING; the launcher always sends both)."""
+        scaling, factor = self.rope_scaling, self.rope_factor
+        if scaling is None and factor is None:
+            return None
+        if scaling is None:
+            raise UnsupportedConfigError(f"ROPE_FACTOR={factor} without ROPE_SCALING: set ROPE_SCALING too")
+        if scaling not in ROPE_SCALINGS:
+            raise UnsupportedConfigError(
+                f"ROPE_SCALING={scaling} is not supported; use one of {', '.join(ROPE_SCALINGS)}"
+            )
+        if factor is None:
+            raise UnsupportedConfigError(f"ROPE_SCALING={scaling} needs ROPE_FACTOR, the scaling factor")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise UnsupportedConfigError(f"ROPE_FACTOR={factor} is not supported: expected a positive number")
+        return scaling, value
 
     def adapters(self) -> list[LoraAdapter]:
         """The entries of LORA_ADAPTERS; UnsupportedConfigError for a malformed list."""

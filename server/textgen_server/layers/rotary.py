@@ -27,6 +27,20 @@ def _default_inv_freq(
     return 1.0 / (theta**exponents), 1.0
 
 
+def override_rope_scaling(config: PretrainedConfig, rope_type: str, factor: float) -> None:
+    """Make `config` scale its RoPE by `rope_type` and `factor` in place of the model's own scaling (TGI's
+    ROPE_SCALING / ROPE_FACTOR), keeping its base and partial rotary factor. Both engines build their rotary
+    embedding from the config with transformers' init functions, so this one change serves them all.
+
+    ValueError for a model without one RoPE for every layer (none at all, or one per layer type).
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ValueError(f"a {config.model_type} model has no single rotary position embedding to scale")
+    kept = {key: params[key] for key in ("rope_theta", "partial_rotary_factor") if key in params}
+    config.rope_parameters = {**kept, "rope_type": rope_type, "factor": factor}
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for `position_ids`; attribute names follow what `dynamic_rope_update` expects."""
 

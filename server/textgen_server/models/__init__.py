@@ -49,7 +49,10 @@ def load_module(
             raise UnsupportedConfigError(f"--sharded over {dist.world_size} shards: {error}") from error
         return load_tp_model(model_dir, config, dtype, device, dist)
     # ---- end of the dispatch point ----
-    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    # `config`, not the directory's: it carries a ROPE_SCALING override.
+    module = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, dtype=dtype, trust_remote_code=trust_remote_code
+    )
     # transformers types PreTrainedModel.to as its functools.wraps wrapper, which drops the bound `self`
     return module.to(device).eval()  # type: ignore[arg-type]
 
@@ -77,6 +80,14 @@ def get_model(serve: ServeConfig) -> Model:
     # a local dir, or the snapshot download-weights fetched
     model_dir = resolve_model_dir(serve.model_id, serve.revision)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=serve.trust_remote_code)
+    rope = serve.rope()
+    if rope is not None:
+        from textgen_server.layers.rotary import override_rope_scaling
+
+        try:
+            override_rope_scaling(config, *rope)
+        except ValueError as error:
+            raise UnsupportedConfigError(f"ROPE_SCALING={serve.rope_scaling}: {error}") from None
     tokenizer = AutoTokenizer.from_pretrained(
         model_dir, trust_remote_code=serve.trust_remote_code, padding_side="left", truncation_side="left"
     )
