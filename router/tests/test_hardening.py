@@ -164,6 +164,49 @@ def test_openai_routes_count_one_request(client: httpx.Client, path: str, body: 
     assert _request_count(client) == before + 1
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", '{"messages": ['),
+        ("/v1/chat/completions", '{"max_tokens": 3}'),
+        ("/v1/completions", "{bad"),
+        ("/chat_tokenize", "{bad"),
+        ("/invocations", '{"messages": "x"}'),
+    ],
+)
+def test_a_body_refused_before_the_handler_is_not_a_request(client: httpx.Client, path: str, body: str) -> None:
+    # TGI's axum extractor refuses the body before the handler that counts tgi_request_count runs.
+    before = _request_count(client)
+    assert post_raw(client, path, body).status_code in (400, 422)
+    assert _request_count(client) == before
+
+
+FAILURES = ("validation", "template", "overloaded", "tool_error")
+
+
+def _failures(client: httpx.Client) -> dict[str, float]:
+    return {err: _metric(client, f'tgi_request_failure{{err="{err}"}}') for err in FAILURES}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "counted"),
+    [
+        ("/v1/completions", {"prompt": "a", "suffix": "x"}, "validation"),
+        ("/v1/completions", {"prompt": ["a"] * 5, "max_tokens": 2}, "validation"),  # max_client_batch_size 4
+        ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 0}, "validation"),  # once, not once a prompt
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                  "tool_choice": "g"}, None),  # fmt: skip
+    ],
+)
+def test_openai_refusals_count_as_tgi_counts_them(
+    client: httpx.Client, path: str, body: dict[str, Any], counted: str | None
+) -> None:
+    # TGI's completions count their own 422s as validation failures; its tool errors are counted under no label.
+    before = _failures(client)
+    assert client.post(path, json=body).status_code == 422
+    assert _failures(client) == {err: n + (err == counted) for err, n in before.items()}
+
+
 def test_client_leaving_during_upload_logs_no_exception(router: RouterProcess) -> None:
     address = urlsplit(router.base_url)
     for _ in range(3):

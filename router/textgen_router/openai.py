@@ -8,7 +8,6 @@ fields, batch size) are 422 JSON, streaming or not; later ones are JSON errors, 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 
@@ -19,17 +18,17 @@ from textgen_router import generation, jsonenc, metrics, tool_grammar
 from textgen_router import openai_responses as bodies
 from textgen_router.body import read_json
 from textgen_router.chat_input import ChatInput, chat_input
-from textgen_router.chat_template import ChatTemplate
+from textgen_router.chat_template import ChatTemplate, TemplateError
 from textgen_router.generation import Generation, Timings
 from textgen_router.handlers import until_disconnected
-from textgen_router.openai_schemas import ChatRequest, CompletionRequest
+from textgen_router.openai_schemas import ChatRequest, CompletionRequest, OpenAIError
 from textgen_router.openai_streams import chat_stream, completion_stream
 from textgen_router.responses import error_response, json_response
 from textgen_router.schemas import GenerateParameters
 from textgen_router.sse import EventStream
 from textgen_router.state import RouterState
 from textgen_router.tracing import request_span, start_request_span
-from textgen_router.types import InferError
+from textgen_router.types import InferError, ValidationError
 
 router = APIRouter()
 
@@ -60,15 +59,14 @@ def _adapter_id(state: RouterState, model: str | None) -> str | None:
     return None
 
 
-# tgi_request_failure labels of the errors raised here, before a request reaches generation.py.
-_FAILURE_LABELS = {"template_error": "template", "validation": "validation", "tool_error": "tool_error"}
-
-
 def _rejected(err: InferError) -> Response:
-    """A request refused before generation: counted as TGI counts it, answered as plain JSON."""
-    label = _FAILURE_LABELS.get(err.error_type)
-    if label is not None:
-        metrics.REQUEST_FAILURE.labels(label).inc()
+    """A request refused before generation: counted as TGI counts it, answered as plain JSON. TGI counts a
+    template error as `template` and the refusals it makes itself (validation, a completion's `suffix` or prompt
+    count) as `validation`; a tool error is counted under no label."""
+    if isinstance(err, TemplateError):
+        metrics.REQUEST_FAILURE.labels("template").inc()
+    elif isinstance(err, (ValidationError, OpenAIError)):
+        metrics.REQUEST_FAILURE.labels("validation").inc()
     return error_response(err)
 
 
@@ -85,10 +83,11 @@ def _record(gen: Generation, start_time: float) -> Timings:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     start_time = time.monotonic()
-    # Once per request (TGI counts its chat requests twice: here and in the generate path it delegates to).
-    metrics.REQUEST_COUNT.inc()
     state = _state(request)
     body = await read_json(request, ChatRequest)
+    # Once per request (TGI counts its chat requests twice: here and in the generate path it delegates to), once
+    # the body is read: axum refuses a bad body before TGI's handler runs.
+    metrics.REQUEST_COUNT.inc()
     template = _chat_template(request)
     try:
         body.check_supported()
@@ -132,9 +131,9 @@ async def _chat(
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     start_time = time.monotonic()
-    metrics.REQUEST_COUNT.inc()
     state = _state(request)
     body = await read_json(request, CompletionRequest)
+    metrics.REQUEST_COUNT.inc()
     try:
         body.check_supported(state.max_client_batch_size)
     except InferError as err:
@@ -155,14 +154,11 @@ async def _complete(
     state: RouterState, env: bodies.Envelope, prompts: Sequence[str], parameters: GenerateParameters,
     start_time: float,
 ) -> Response:  # fmt: skip
-    """Every prompt at once; the first error answers the request."""
-    runs = await asyncio.gather(*(generation.generate(state, p, parameters) for p in prompts), return_exceptions=True)
-    for run in runs:
-        if isinstance(run, InferError):
-            return error_response(run)
-        if isinstance(run, BaseException):
-            raise run
-    gens = [run for run in runs if not isinstance(run, BaseException)]  # all of them, past the loop
+    """Every prompt at once; the first error answers the request (the other prompts are given up)."""
+    try:
+        gens = await generation.all_or_first_error(generation.generate(state, p, parameters) for p in prompts)
+    except InferError as err:
+        return error_response(err)
     prompt_tokens = sum(g.request.input_length for g in gens)
     completion_tokens = sum(g.generated_text.generated_tokens for g in gens)
     # TGI sums each prompt's timing headers into one set.
@@ -183,9 +179,9 @@ async def models(request: Request) -> Response:
 @router.post("/chat_tokenize")
 async def chat_tokenize(request: Request) -> Response:
     """The templated prompt and its tokens: `{"tokenize_response": [{id,text,start,stop}], "templated_text"}`."""
-    metrics.REQUEST_COUNT.inc()
     state = _state(request)
     body = await read_json(request, ChatRequest)
+    metrics.REQUEST_COUNT.inc()
     try:
         body.check_supported()
         prompt = chat_input(body, _chat_template(request)).prompt
