@@ -194,8 +194,11 @@ def _failures(client: httpx.Client) -> dict[str, float]:
         ("/v1/completions", {"prompt": "a", "suffix": "x"}, "validation"),
         ("/v1/completions", {"prompt": ["a"] * 5, "max_tokens": 2}, "validation"),  # max_client_batch_size 4
         ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 0}, "validation"),  # once, not once a prompt
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
-                                  "tool_choice": "g"}, None),  # fmt: skip
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "g"},
+            None,
+        ),
     ],
 )
 def test_openai_refusals_count_as_tgi_counts_them(
