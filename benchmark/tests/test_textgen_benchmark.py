@@ -56,6 +56,10 @@ def test_benchmark_tables_json_and_plot(tiny_llama: Path, start_shard: Callable[
         "| Decode (total) | 1",
         "tokens/secs",
         "| Sequence Length    | 6",
+        # TGI's table writes options as Rust's Debug does and flags as true/false.
+        "| Top N Tokens       | Some(2)",
+        "| Temperature        | None",
+        "| Watermark          | false",
     ):
         assert heading in done.stdout, heading
     assert "batch size 3: run 2/2" in done.stderr
@@ -90,6 +94,10 @@ def test_unreachable_shard_is_one_line(tiny_llama: Path) -> None:
 def test_bad_arguments(tiny_llama: Path, tmp_path: Path) -> None:
     zero = run("-t", str(tiny_llama), "-b", "0")
     assert zero.returncode == 2 and "must be at least 1, got 0" in zero.stderr
+    # TGI's warmups, top-k and top-n are unsigned: clap refuses a negative one before anything runs.
+    for flag in ("-w", "--top-k", "--top-n-tokens"):
+        negative = run("-t", str(tiny_llama), flag, "-3")
+        assert negative.returncode == 2 and "invalid value '-3': invalid digit found in string" in negative.stderr
     missing = run("-m", "/tmp/nowhere-0")
     assert missing.returncode == 2 and "--tokenizer-name" in missing.stderr
     no_tok = run("-t", str(tmp_path / "none"), "-b", "1", "-r", "1", "--revision", "main")

@@ -16,11 +16,13 @@ import sys
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from textgen_benchmark.generation import Sampling, run_benchmark
 from textgen_benchmark.stats import BatchResult
 from textgen_benchmark.table import report
+from textgen_common.cli_values import U32, USIZE, env_flag
 
 T = TypeVar("T")
 DEFAULT_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
@@ -59,17 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-s", "--sequence-length", type=_positive, default=_env("SEQUENCE_LENGTH", "10"))
     p.add_argument("-d", "--decode-length", type=_positive, default=_env("DECODE_LENGTH", "8"))
     p.add_argument("-r", "--runs", type=_positive, default=_env("RUNS", "10"))
-    p.add_argument("-w", "--warmups", type=int, default=_env("WARMUPS", "1"))
+    p.add_argument("-w", "--warmups", type=USIZE, default=_env("WARMUPS", "1"))
     p.add_argument("-m", "--master-shard-uds-path", default=_env("MASTER_SHARD_UDS_PATH", "/tmp/textgen-server-0"))
     p.add_argument("--temperature", type=float, default=_env("TEMPERATURE", None))
-    p.add_argument("--top-k", type=int, default=_env("TOP_K", None))
+    p.add_argument("--top-k", type=U32, default=_env("TOP_K", None))
     p.add_argument("--top-p", type=float, default=_env("TOP_P", None))
     p.add_argument("--typical-p", type=float, default=_env("TYPICAL_P", None))
     p.add_argument("--repetition-penalty", type=float, default=_env("REPETITION_PENALTY", None))
     p.add_argument("--frequency-penalty", type=float, default=_env("FREQUENCY_PENALTY", None))
-    p.add_argument("--watermark", action="store_true", default=_env("WATERMARK", "") in ("1", "true"))
-    p.add_argument("--do-sample", action="store_true", default=_env("DO_SAMPLE", "") in ("1", "true"))
-    p.add_argument("--top-n-tokens", type=int, default=_env("TOP_N_TOKENS", None))
+    p.add_argument("--watermark", action="store_true", default=env_flag("WATERMARK"))
+    p.add_argument("--do-sample", action="store_true", default=env_flag("DO_SAMPLE"))
+    p.add_argument("--top-n-tokens", type=U32, default=_env("TOP_N_TOKENS", None))
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-': to stdout, no tables)")
     p.add_argument("--plot", metavar="FILE.png", help="write throughput and latency against batch size")
     return p
@@ -105,6 +107,7 @@ def load_tokenizer(name: str, revision: str) -> Tokenizer:
 
 
 def parameters(args: argparse.Namespace, sampling: Sampling) -> dict[str, object]:
+    """The run's parameters, unset sampling options at the values the shard ran with (the JSON document)."""
     return {
         "Model": args.tokenizer_name,
         "Sequence Length": args.sequence_length,
@@ -120,6 +123,37 @@ def parameters(args: argparse.Namespace, sampling: Sampling) -> dict[str, object
         "Frequency Penalty": sampling.frequency_penalty,
         "Watermark": sampling.watermark,
         "Do Sample": sampling.do_sample,
+    }
+
+
+def shown_parameters(args: argparse.Namespace) -> dict[str, str]:
+    """The parameters table's values as TGI's prints them: an option as Rust's Debug writes it (`None`,
+    `Some(0.5)`, `Some(5)`), a flag as `true` / `false`."""
+
+    def option(value: float | int | None) -> str:
+        if value is None:
+            return "None"
+        # A float flag is an f32 there: its shortest digits, with at least one decimal (`Some(1.0)`).
+        shown = (
+            np.format_float_positional(np.float32(value), unique=True, trim="0") if isinstance(value, float) else value
+        )
+        return f"Some({shown})"
+
+    return {
+        "Model": args.tokenizer_name,
+        "Sequence Length": str(args.sequence_length),
+        "Decode Length": str(args.decode_length),
+        "Top N Tokens": option(args.top_n_tokens),
+        "N Runs": str(args.runs),
+        "Warmups": str(args.warmups),
+        "Temperature": option(args.temperature),
+        "Top K": option(args.top_k),
+        "Top P": option(args.top_p),
+        "Typical P": option(args.typical_p),
+        "Repetition Penalty": option(args.repetition_penalty),
+        "Frequency Penalty": option(args.frequency_penalty),
+        "Watermark": str(args.watermark).lower(),
+        "Do Sample": str(args.do_sample).lower(),
     }
 
 
@@ -161,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json == "-":
         print(json.dumps(document, indent=2))
     else:
-        print(report(params, results), end="")
+        print(report(shown_parameters(args), results), end="")
         if args.json:
             Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     if args.plot:

@@ -16,8 +16,8 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
 
 
-def parameters_table(params: dict[str, object]) -> str:
-    return markdown_table(["Parameter", "Value"], [[k, str(v)] for k, v in params.items()])
+def parameters_table(params: dict[str, str]) -> str:
+    return markdown_table(["Parameter", "Value"], [[k, v] for k, v in params.items()])
 
 
 def _ms(v: float) -> str:
@@ -62,5 +62,5 @@ def throughput_table(results: list[BatchResult]) -> str:
     return markdown_table(["Step", "Batch Size", "Average", "Lowest", "Highest"], rows)
 
 
-def report(params: dict[str, object], results: list[BatchResult]) -> str:
+def report(params: dict[str, str], results: list[BatchResult]) -> str:
     return "\n\n".join([parameters_table(params), latency_table(results), throughput_table(results)]) + "\n"

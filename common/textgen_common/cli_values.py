@@ -1,4 +1,4 @@
-"""Command-line value types shared by the launcher and the router: integers read as clap reads TGI's.
+"""Command-line values shared by the launcher, the router and the benchmark, read as clap reads TGI's flags.
 
 TGI's flags are Rust unsigned integers (`usize`, `u32`, `u16`), so clap refuses a negative or oversized value
 before anything starts (exit 2). Python's `int` took them, and the process failed later: `--port 70000`
@@ -8,6 +8,7 @@ with a traceback, `--max-concurrent-requests -1` by answering every request with
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 
 
@@ -34,3 +35,14 @@ def unsigned(bits: int) -> Callable[[str], int]:
 USIZE = unsigned(64)
 U32 = unsigned(32)
 U16 = unsigned(16)  # ports
+
+
+# clap's FalseyValueParser, which TGI's boolean flags use for their environment variables.
+FALSE_WORDS = frozenset({"", "n", "no", "f", "false", "off", "0"})
+
+
+def env_flag(name: str) -> bool:
+    """A boolean flag's environment variable: absent, empty or a false word (any case) is false, anything else
+    true (`JSON_OUTPUT=yes`, `WATERMARK=TRUE`)."""
+    value = os.environ.get(name)
+    return value is not None and value.strip().lower() not in FALSE_WORDS

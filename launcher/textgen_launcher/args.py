@@ -1,7 +1,7 @@
 """Every TGI launcher flag, with its environment variable and default (TGI `launcher/src/main.rs` `Args`).
 
 A flag's environment variable is its name in UPPER_SNAKE_CASE; the command line wins over the
-environment. Boolean flags read true from any value but `false/f/no/n/off/0` (clap's rule).
+environment. Boolean flags read true from any value but an empty one or `false/f/no/n/off/0` (clap's rule).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from textgen_common.cli_values import U16, U32, USIZE
+from textgen_common.cli_values import U16, U32, USIZE, env_flag
 
 QUANTIZE_CHOICES = (
     "awq",
@@ -25,11 +25,6 @@ QUANTIZE_CHOICES = (
     "bitsandbytes-fp4",
     "fp8",
 )
-FALSE_WORDS = {"false", "f", "no", "n", "off", "0"}
-
-
-def env_flag(value: str) -> bool:
-    return value.strip().lower() not in FALSE_WORDS
 
 
 def true_or_false(value: str) -> bool:
@@ -87,7 +82,7 @@ class _Builder:
         self.parser.add_argument(
             *flags,
             action="store_true",
-            default=env in os.environ and env_flag(os.environ[env]),
+            default=env_flag(env),
             help=f"{help} [env: {env}]",
         )
 

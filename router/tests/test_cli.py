@@ -68,7 +68,17 @@ def test_env_vars_and_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("true", True), ("1", True), ("yes", True), ("false", False), ("off", False), ("0", False), ("n", False)],
+    [
+        ("true", True),
+        ("1", True),
+        ("yes", True),
+        ("TRUE", True),
+        ("false", False),
+        ("off", False),
+        ("0", False),
+        ("n", False),
+        ("", False),
+    ],
 )
 def test_boolean_env_values(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
     monkeypatch.setenv("JSON_OUTPUT", value)

@@ -1,7 +1,7 @@
 """`textgen-router` arguments: TGI's router flags, each also read from its UPPER_SNAKE_CASE env var.
 
 A flag given on the command line wins over the env var, which wins over the default. Boolean flags take
-no value; through env, `false/f/no/n/off/0` mean false and anything else true (clap's rules).
+no value; through env, an empty value or `false/f/no/n/off/0` mean false and anything else true (clap's rules).
 Subcommand `print-schema` prints the OpenAPI JSON and exits.
 """
 
@@ -11,14 +11,7 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
-from textgen_common.cli_values import U16, U32, USIZE
-
-FALSE_WORDS = {"false", "f", "no", "n", "off", "0"}
-
-
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name)
-    return value is not None and value.strip().lower() not in FALSE_WORDS
+from textgen_common.cli_values import U16, U32, USIZE, env_flag
 
 
 class _Parser:
@@ -42,7 +35,7 @@ class _Parser:
 
     def flag(self, flag: str) -> None:
         env = flag.lstrip("-").replace("-", "_").upper()
-        self.parser.add_argument(flag, action="store_true", default=_env_flag(env), help=f"(env: {env})")
+        self.parser.add_argument(flag, action="store_true", default=env_flag(env), help=f"(env: {env})")
 
 
 def build_parser() -> argparse.ArgumentParser:
