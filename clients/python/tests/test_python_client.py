@@ -23,7 +23,15 @@ from textgen_client.errors import (
     ValidationError,
     parse_error,
 )
-from textgen_client.types import ChatComplete, ChatCompletionChunk, Completion, FinishReason, StreamResponse
+from textgen_client.payloads import chat_body
+from textgen_client.types import (
+    ChatComplete,
+    ChatCompletionChunk,
+    Completion,
+    FinishReason,
+    OutputMessage,
+    StreamResponse,
+)
 
 PROMPT = "def main():"
 
@@ -78,6 +86,43 @@ def test_chat_and_completion(llama_client: Client, llama_async_client: AsyncClie
     async_chat, async_chunks = asyncio.run(run())
     assert async_chat.choices[0].message.content == chat.choices[0].message.content
     assert "".join(c.choices[0].text for c in async_chunks) == completion.choices[0].text
+
+
+CALL = {"id": "0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_TURNS: list[dict[str, Any]] = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "tool_calls": [CALL]},
+    {"role": "tool", "content": "22 C", "tool_call_id": "0"},
+]
+
+
+def test_chat_sends_tool_calls_and_tool_results(llama_client: Client) -> None:
+    """A turn with only tool calls is sent with them (without, the server sees an empty turn: a 422), and a tool
+    result keeps the id of its call."""
+    sent = chat_body(TOOL_TURNS, False)["messages"]
+    assert sent[1] == {"role": "assistant", "tool_calls": [CALL]}
+    assert sent[2]["tool_call_id"] == "0"
+    assert isinstance(llama_client.chat(TOOL_TURNS, temperature=0, max_tokens=3), ChatComplete)
+
+
+def test_a_reply_is_sent_back_as_a_turn() -> None:
+    """An answer's message (here a tool call, as the server words it) goes back into the conversation as is."""
+    reply = OutputMessage.model_validate(
+        {"role": "assistant", "tool_calls": [{**CALL, "function": {"description": None, **CALL["function"]}}]}
+    )
+    assert chat_body([TOOL_TURNS[0], reply], False)["messages"][1] == TOOL_TURNS[1]
+
+
+def test_unknown_request_keys_are_refused() -> None:
+    """Nothing is dropped silently: a misspelt key in a turn, a tool call or a grammar is an error."""
+    with pytest.raises(pydantic.ValidationError, match="tool_call_ids"):
+        chat_body([{"role": "tool", "content": "1", "tool_call_ids": "0"}], False)
+    with pytest.raises(pydantic.ValidationError, match="argument"):
+        chat_body([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "argument": "{}"}}]}], False)
+    with pytest.raises(pydantic.ValidationError, match="schema"):
+        Client("http://127.0.0.1:9").generate(
+            PROMPT, grammar={"type": "json", "value": {"type": "object"}, "schema": {}}
+        )
 
 
 def test_server_validation_error(llama_client: Client) -> None:

@@ -24,8 +24,8 @@ from textgen_client.payloads import (
 from textgen_client.types import (
     ChatComplete,
     ChatCompletionChunk,
+    ChatMessage,
     Completion,
-    Message,
     Response,
     StreamResponse,
 )
@@ -83,14 +83,14 @@ class Client(_Base):
             yield parse_event(StreamResponse, payload)
 
     def chat(
-        self, messages: Sequence[Message | dict[str, Any]], stream: bool = False, **kwargs: Any
+        self, messages: Sequence[ChatMessage], stream: bool = False, **kwargs: Any
     ) -> ChatComplete | Iterator[ChatCompletionChunk]:
         """Chat completion; `stream=True` returns `chat_stream(...)` as TGI's client does."""
         if stream:
             return self.chat_stream(messages, **kwargs)
         return ChatComplete.model_validate(self._post("/v1/chat/completions", chat_body(messages, False, **kwargs)))
 
-    def chat_stream(self, messages: Sequence[Message | dict[str, Any]], **kwargs: Any) -> Iterator[ChatCompletionChunk]:
+    def chat_stream(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Iterator[ChatCompletionChunk]:
         for payload in self._stream("/v1/chat/completions", chat_body(messages, True, **kwargs)):
             yield parse_event(ChatCompletionChunk, payload)
 
@@ -139,16 +139,14 @@ class AsyncClient(_Base):
             yield parse_event(StreamResponse, payload)
 
     async def chat(
-        self, messages: Sequence[Message | dict[str, Any]], stream: bool = False, **kwargs: Any
+        self, messages: Sequence[ChatMessage], stream: bool = False, **kwargs: Any
     ) -> ChatComplete | AsyncIterator[ChatCompletionChunk]:
         if stream:
             return self.chat_stream(messages, **kwargs)
         body = chat_body(messages, False, **kwargs)
         return ChatComplete.model_validate(await self._post("/v1/chat/completions", body))
 
-    async def chat_stream(
-        self, messages: Sequence[Message | dict[str, Any]], **kwargs: Any
-    ) -> AsyncIterator[ChatCompletionChunk]:
+    async def chat_stream(self, messages: Sequence[ChatMessage], **kwargs: Any) -> AsyncIterator[ChatCompletionChunk]:
         async for payload in self._stream("/v1/chat/completions", chat_body(messages, True, **kwargs)):
             yield parse_event(ChatCompletionChunk, payload)
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
 from textgen_client.errors import TextGenerationError, parse_error
-from textgen_client.types import ChatRequest, CompletionRequest, Grammar, Message, Parameters, Request
+from textgen_client.types import ChatMessage, ChatRequest, CompletionRequest, Grammar, Parameters, Request
 
 DONE = object()
 """Returned by `parse_sse_line` for the OpenAI routes' terminal `data:[DONE]`."""
@@ -62,10 +62,10 @@ def generate_body(
     return Request(inputs=prompt, stream=stream, parameters=parameters).model_dump(mode="json")
 
 
-def chat_body(messages: Sequence[Message | dict[str, Any]], stream: bool, **kwargs: Any) -> dict[str, Any]:
+def chat_body(messages: Sequence[ChatMessage], stream: bool, **kwargs: Any) -> dict[str, Any]:
     """Body for POST /v1/chat/completions; unset optional fields are left out."""
-    msgs = [m if isinstance(m, Message) else Message.model_validate(m) for m in messages]
-    request = ChatRequest(messages=msgs, stream=stream, **kwargs)
+    # Validated from plain data: a turn may be a dict or a reply's message as well as a `Message`.
+    request = ChatRequest.model_validate({"messages": list(messages), "stream": stream, **kwargs})
     return request.model_dump(mode="json", exclude_none=True)
 
 

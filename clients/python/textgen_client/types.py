@@ -7,9 +7,16 @@ Requests are validated on the client before they are sent, with the same rules a
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+
+class _RequestModel(BaseModel):
+    """A request body (or a piece of one): a misspelt or unknown key fails here instead of being dropped silently,
+    which would send a different request from the one written."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class GrammarType(str, Enum):
@@ -19,7 +26,7 @@ class GrammarType(str, Enum):
     regex = "regex"
 
 
-class Grammar(BaseModel):
+class Grammar(_RequestModel):
     type: GrammarType
     # A JSON schema (object or JSON string) for `json` / `json_object`, `{"name", "schema"}` for `json_schema`,
     # a pattern for `regex`.
@@ -38,7 +45,7 @@ def _strictly_positive(name: str, v: float | int | None) -> None:
         raise ValueError(f"`{name}` must be strictly positive")
 
 
-class Parameters(BaseModel):
+class Parameters(_RequestModel):
     """The `parameters` object of a /generate request."""
 
     do_sample: bool = False
@@ -94,7 +101,7 @@ class Parameters(BaseModel):
         return self
 
 
-class Request(BaseModel):
+class Request(_RequestModel):
     """Body of POST / (the compat route the client uses for generate and generate_stream)."""
 
     inputs: str
@@ -181,17 +188,6 @@ class StreamResponse(BaseModel):
 # ---- OpenAI-compatible routes ------------------------------------------------------------------
 
 
-class TextChunk(BaseModel):
-    type: str = "text"
-    text: str
-
-
-class Message(BaseModel):
-    role: str
-    content: str | list[TextChunk] | None = None
-    name: str | None = None
-
-
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -227,12 +223,63 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class TextChunk(_RequestModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImageUrl(_RequestModel):
+    url: str
+
+
+class ImageChunk(_RequestModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageUrl
+
+
+class MessageFunctionCall(_RequestModel):
+    """The function an earlier assistant turn called; `arguments` its JSON object, as text or as an object."""
+
+    # Read from the attributes of a reply's `FunctionCall` too (see `Message`).
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_RequestModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
+class Message(_RequestModel):
+    """A chat turn: `content`, or (an assistant turn) `tool_calls`; a `tool` turn's result names its call in
+    `tool_call_id`."""
+
+    # A reply's `OutputMessage` is accepted as a turn by its attributes, so an assistant's answer, tool calls
+    # included, can be sent back as it came (TGI's client uses one Message class for both).
+    model_config = ConfigDict(from_attributes=True)
+
+    role: str
+    content: str | list[TextChunk | ImageChunk] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
 class OutputMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+
+
+ChatMessage = Message | OutputMessage | dict[str, Any]
+"""What a chat call takes as a turn: a `Message`, its dict, or a reply's message sent back."""
 
 
 class ChatCompletionComplete(BaseModel):
@@ -281,10 +328,7 @@ class ChatCompletionChunk(OpenAIEnvelope):
     usage: Usage | None = None
 
 
-class ChatRequest(BaseModel):
-    # A misspelt keyword argument must fail here, not be dropped silently.
-    model_config = ConfigDict(extra="forbid")
-
+class ChatRequest(_RequestModel):
     model: str = "tgi"
     messages: list[Message]
     frequency_penalty: float | None = None
@@ -324,9 +368,7 @@ class Completion(OpenAIEnvelope):
     usage: Usage | None = None
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CompletionRequest(_RequestModel):
     model: str = "tgi"
     prompt: str | list[str]
     frequency_penalty: float | None = None
