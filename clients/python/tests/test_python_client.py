@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from collections.abc import AsyncIterator
 from typing import Any
 
-import pydantic
 import pytest
 
 from testing.launcher import LauncherProcess
@@ -34,6 +35,7 @@ from textgen_client.types import (
 )
 
 PROMPT = "def main():"
+NOWHERE = "http://127.0.0.1:9"  # nothing listens: a request refused by the client never gets this far
 
 
 def test_generate(llama_client: Client) -> None:
@@ -115,14 +117,12 @@ def test_a_reply_is_sent_back_as_a_turn() -> None:
 
 def test_unknown_request_keys_are_refused() -> None:
     """Nothing is dropped silently: a misspelt key in a turn, a tool call or a grammar is an error."""
-    with pytest.raises(pydantic.ValidationError, match="tool_call_ids"):
+    with pytest.raises(ValidationError, match="tool_call_ids"):
         chat_body([{"role": "tool", "content": "1", "tool_call_ids": "0"}], False)
-    with pytest.raises(pydantic.ValidationError, match="argument"):
+    with pytest.raises(ValidationError, match="argument"):
         chat_body([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "argument": "{}"}}]}], False)
-    with pytest.raises(pydantic.ValidationError, match="schema"):
-        Client("http://127.0.0.1:9").generate(
-            PROMPT, grammar={"type": "json", "value": {"type": "object"}, "schema": {}}
-        )
+    with pytest.raises(ValidationError, match="schema"):
+        Client(NOWHERE).generate(PROMPT, grammar={"type": "json", "value": {"type": "object"}, "schema": {}})
 
 
 def test_server_validation_error(llama_client: Client) -> None:
@@ -146,19 +146,43 @@ def test_not_found(llama_server: LauncherProcess) -> None:
         Client(llama_server.base_url + "/no-such-route").generate(PROMPT)
 
 
-def test_client_side_validation() -> None:
-    """Bad parameters never leave the client (TGI's client rules, e.g. top_p=1.0, best_of with a seed)."""
-    local = Client("http://127.0.0.1:9")
-    with pytest.raises(pydantic.ValidationError, match="top_p"):
-        local.generate(PROMPT, top_p=1.0)
-    with pytest.raises(pydantic.ValidationError, match="seed"):
-        local.generate(PROMPT, best_of=2, do_sample=True, seed=1)
-    with pytest.raises(pydantic.ValidationError, match="best_of"):
-        list(local.generate_stream(PROMPT, best_of=2, do_sample=True))
-    with pytest.raises(pydantic.ValidationError, match="inputs"):
-        local.generate("")
-    with pytest.raises(pydantic.ValidationError, match="max_tokenz"):
-        local.chat([{"role": "user", "content": "hi"}], max_tokenz=3)
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"temperature": 0}, "`temperature` must be strictly positive"),
+        ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
+        ({"seed": -1}, "`seed` must be positive"),
+        ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` is > 1"),
+        ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
+        ({"grammar": {"type": "regex", "value": ""}}, "`value` cannot be empty for `regex` grammar"),
+        # pydantic's own refusals (a wrong type) come as the same exception
+        ({"top_k": "many"}, "`top_k`: Input should be a valid integer"),
+    ],
+)
+def test_client_side_refusals_are_validation_errors(parameters: dict[str, Any], message: str) -> None:
+    """Bad parameters never leave the client and raise errors.ValidationError with TGI's client's message, from
+    both clients (pydantic's ValidationError would escape an `except errors.ValidationError`)."""
+    with pytest.raises(ValidationError, match=f"^{re.escape(message)}"):
+        Client(NOWHERE).generate(PROMPT, **parameters)
+    with pytest.raises(ValidationError, match=f"^{re.escape(message)}"):
+        asyncio.run(AsyncClient(NOWHERE).generate(PROMPT, **parameters))
+
+
+def test_client_side_refusals_of_prompts_streams_and_chats() -> None:
+    async def first_event(stream: AsyncIterator[Any]) -> Any:
+        return await anext(stream)
+
+    for generate in (Client(NOWHERE).generate, lambda p: asyncio.run(AsyncClient(NOWHERE).generate(p))):
+        with pytest.raises(ValidationError, match="^`inputs` cannot be empty$"):
+            generate("")
+    with pytest.raises(ValidationError, match="^`inputs` cannot be empty$"):
+        asyncio.run(first_event(AsyncClient(NOWHERE).generate_stream("")))
+    with pytest.raises(ValidationError, match=re.escape("`best_of` != 1 is not supported when `stream` == True")):
+        list(Client(NOWHERE).generate_stream(PROMPT, best_of=2, do_sample=True))
+    with pytest.raises(ValidationError, match="`max_tokenz`: Extra inputs are not permitted"):
+        Client(NOWHERE).chat([{"role": "user", "content": "hi"}], max_tokenz=3)
+    with pytest.raises(ValidationError, match="`messages.0.role`: Field required"):
+        asyncio.run(AsyncClient(NOWHERE).chat([{"content": "hi"}]))
 
 
 @pytest.mark.parametrize(

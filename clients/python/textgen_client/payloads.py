@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
-from textgen_client.errors import TextGenerationError, parse_error
+from textgen_client.errors import TextGenerationError, ValidationError, parse_error
 from textgen_client.types import ChatMessage, ChatRequest, CompletionRequest, Grammar, Parameters, Request
 
 DONE = object()
 """Returned by `parse_sse_line` for the OpenAI routes' terminal `data:[DONE]`."""
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """pydantic's own refusals (a wrong type, an unknown key) as the client's `ValidationError`, the exception
+    every other client-side check raises, so one `except` catches a request refused before it is sent."""
+    try:
+        yield
+    except PydanticValidationError as err:
+        problems = "; ".join(
+            f"`{'.'.join(map(str, e['loc']))}`: {e['msg']}" if e["loc"] else e["msg"] for e in err.errors()
+        )
+        raise ValidationError(problems) from err
 
 
 def generate_body(
@@ -39,39 +53,44 @@ def generate_body(
     grammar: Grammar | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Body for POST / ; validated client-side, every field sent (nulls included) as TGI's client does."""
-    parameters = Parameters(
-        details=True,
-        do_sample=do_sample,
-        max_new_tokens=max_new_tokens,
-        best_of=best_of,
-        repetition_penalty=repetition_penalty,
-        frequency_penalty=frequency_penalty,
-        return_full_text=return_full_text,
-        seed=seed,
-        stop=stop_sequences if stop_sequences is not None else [],
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        truncate=truncate,
-        typical_p=typical_p,
-        watermark=watermark,
-        decoder_input_details=decoder_input_details,
-        top_n_tokens=top_n_tokens,
-        grammar=Grammar.model_validate(grammar) if isinstance(grammar, dict) else grammar,
-    )
-    return Request(inputs=prompt, stream=stream, parameters=parameters).model_dump(mode="json")
+    with _refusals():
+        parameters = Parameters(
+            details=True,
+            do_sample=do_sample,
+            max_new_tokens=max_new_tokens,
+            best_of=best_of,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            return_full_text=return_full_text,
+            seed=seed,
+            stop=stop_sequences if stop_sequences is not None else [],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            truncate=truncate,
+            typical_p=typical_p,
+            watermark=watermark,
+            decoder_input_details=decoder_input_details,
+            top_n_tokens=top_n_tokens,
+            grammar=Grammar.model_validate(grammar) if isinstance(grammar, dict) else grammar,
+        )
+        request = Request(inputs=prompt, stream=stream, parameters=parameters)
+    return request.model_dump(mode="json")
 
 
 def chat_body(messages: Sequence[ChatMessage], stream: bool, **kwargs: Any) -> dict[str, Any]:
     """Body for POST /v1/chat/completions; unset optional fields are left out."""
     # Validated from plain data: a turn may be a dict or a reply's message as well as a `Message`.
-    request = ChatRequest.model_validate({"messages": list(messages), "stream": stream, **kwargs})
+    with _refusals():
+        request = ChatRequest.model_validate({"messages": list(messages), "stream": stream, **kwargs})
     return request.model_dump(mode="json", exclude_none=True)
 
 
 def completion_body(prompt: str | list[str], stream: bool, **kwargs: Any) -> dict[str, Any]:
     """Body for POST /v1/completions; unset optional fields are left out."""
-    return CompletionRequest(prompt=prompt, stream=stream, **kwargs).model_dump(mode="json", exclude_none=True)
+    with _refusals():
+        request = CompletionRequest(prompt=prompt, stream=stream, **kwargs)
+    return request.model_dump(mode="json", exclude_none=True)
 
 
 def error_from_body(status_code: int, body: bytes) -> TextGenerationError:

@@ -1,7 +1,9 @@
 """Request and response models of the textgen HTTP API (TGI-compatible JSON shapes).
 
-Requests are validated on the client before they are sent, with the same rules as TGI's Python client
-(which is slightly stricter than the server: e.g. `frequency_penalty` must be > 0).
+Requests are validated on the client before they are sent, with the same rules and messages as TGI's Python
+client (which is slightly stricter than the server: e.g. `frequency_penalty` must be > 0). A refusal raises
+`textgen_client.errors.ValidationError` itself (pydantic passes on any exception that is not a ValueError), as
+TGI's validators do.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from textgen_client.errors import ValidationError
 
 
 class _RequestModel(BaseModel):
@@ -32,17 +36,21 @@ class Grammar(_RequestModel):
     # a pattern for `regex`.
     value: Any
 
-    @field_validator("value")
-    @classmethod
-    def _non_empty(cls, v: Any) -> Any:
-        if not v:
-            raise ValueError("`value` cannot be empty")
-        return v
+    @model_validator(mode="after")
+    def _non_empty(self) -> Grammar:
+        if not self.value:
+            raise ValidationError(f"`value` cannot be empty for `{self.type.value}` grammar")
+        return self
 
 
 def _strictly_positive(name: str, v: float | int | None) -> None:
     if v is not None and v <= 0:
-        raise ValueError(f"`{name}` must be strictly positive")
+        raise ValidationError(f"`{name}` must be strictly positive")
+
+
+def _open_unit_interval(name: str, v: float | None) -> None:
+    if v is not None and not 0 < v < 1:
+        raise ValidationError(f"`{name}` must be > 0.0 and < 1.0")
 
 
 class Parameters(_RequestModel):
@@ -69,10 +77,22 @@ class Parameters(_RequestModel):
 
     @model_validator(mode="after")
     def _check(self) -> Parameters:
+        # In the order TGI's client checks its fields (so of two bad values the same one is reported);
+        # `max_new_tokens` first, with the server's message, as the server would refuse it anyway.
+        _strictly_positive("max_new_tokens", self.max_new_tokens)
+        _strictly_positive("repetition_penalty", self.repetition_penalty)
+        _strictly_positive("frequency_penalty", self.frequency_penalty)
+        if self.seed is not None and self.seed < 0:
+            raise ValidationError("`seed` must be positive")
+        _strictly_positive("temperature", self.temperature)
+        _strictly_positive("top_k", self.top_k)
+        _open_unit_interval("top_p", self.top_p)
+        _strictly_positive("truncate", self.truncate)
+        _open_unit_interval("typical_p", self.typical_p)
         _strictly_positive("best_of", self.best_of)
         if self.best_of is not None and self.best_of > 1:
             if self.seed is not None:
-                raise ValueError("`seed` must not be set when `best_of` is > 1")
+                raise ValidationError("`seed` must not be set when `best_of` is > 1")
             sampling = (
                 self.do_sample
                 or self.temperature is not None
@@ -81,23 +101,8 @@ class Parameters(_RequestModel):
                 or self.typical_p is not None
             )
             if not sampling:
-                raise ValueError("you must use sampling when `best_of` is > 1")
-        for name in (
-            "repetition_penalty",
-            "frequency_penalty",
-            "temperature",
-            "top_k",
-            "truncate",
-            "top_n_tokens",
-            "max_new_tokens",
-        ):
-            _strictly_positive(name, getattr(self, name))
-        if self.seed is not None and self.seed < 0:
-            raise ValueError("`seed` must be positive")
-        for name in ("top_p", "typical_p"):
-            v = getattr(self, name)
-            if v is not None and not 0 < v < 1:
-                raise ValueError(f"`{name}` must be > 0.0 and < 1.0")
+                raise ValidationError("you must use sampling when `best_of` is > 1")
+        _strictly_positive("top_n_tokens", self.top_n_tokens)
         return self
 
 
@@ -108,18 +113,13 @@ class Request(_RequestModel):
     parameters: Parameters | None = None
     stream: bool = False
 
-    @field_validator("inputs")
-    @classmethod
-    def _non_empty(cls, v: str) -> str:
-        if not v:
-            raise ValueError("`inputs` cannot be empty")
-        return v
-
     @model_validator(mode="after")
-    def _no_best_of_stream(self) -> Request:
+    def _check(self) -> Request:
+        if not self.inputs:
+            raise ValidationError("`inputs` cannot be empty")
         p = self.parameters
         if self.stream and p is not None and p.best_of is not None and p.best_of > 1:
-            raise ValueError("`best_of` != 1 is not supported when `stream` is True")
+            raise ValidationError("`best_of` != 1 is not supported when `stream` == True")
         return self
 
 
