@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from testing.launcher import LauncherProcess
-from textgen_client import AsyncClient, Client
+from textgen_client import AsyncClient, Client, errors, types
 from textgen_client.errors import (
     BadRequestError,
     GenerationError,
@@ -24,7 +24,7 @@ from textgen_client.errors import (
     ValidationError,
     parse_error,
 )
-from textgen_client.payloads import chat_body
+from textgen_client.payloads import chat_body, generate_body
 from textgen_client.types import (
     ChatComplete,
     ChatCompletionChunk,
@@ -183,6 +183,40 @@ def test_client_side_refusals_of_prompts_streams_and_chats() -> None:
         Client(NOWHERE).chat([{"role": "user", "content": "hi"}], max_tokenz=3)
     with pytest.raises(ValidationError, match="`messages.0.role`: Field required"):
         asyncio.run(AsyncClient(NOWHERE).chat([{"content": "hi"}]))
+
+
+# The public names of TGI's client 0.7.0 (text_generation.types / .errors).
+TGI_TYPES = (
+    "GrammarType Grammar ToolCall Message Tool ChatCompletionComplete Function ChoiceDeltaToolCall ChoiceDelta "
+    "Choice ChatCompletionChunk ChatComplete ChatRequest Parameters Request InputToken Token FinishReason "
+    "BestOfSequence Details Response StreamDetails StreamResponse DeployedModel ValidationError"
+).split()
+TGI_ERRORS = (
+    "ValidationError GenerationError OverloadedError IncompleteGenerationError BadRequestError ShardNotReadyError "
+    "ShardTimeoutError NotFoundError RateLimitExceededError NotSupportedError UnknownError parse_error"
+).split()
+
+
+def test_tgi_client_names() -> None:
+    """Code written for TGI's client finds its names: modules, enum members, the exception it may catch."""
+    assert [n for n in TGI_TYPES if not hasattr(types, n)] == []
+    assert [n for n in TGI_ERRORS if not hasattr(errors, n)] == []
+    assert types.GrammarType.Json is types.GrammarType.json and types.GrammarType.Regex is types.GrammarType.regex
+    body = generate_body(PROMPT, False, grammar=types.Grammar(type=types.GrammarType.Regex, value="[ab]+"))
+    assert body["parameters"]["grammar"] == {"type": "regex", "value": "[ab]+"}
+    assert isinstance(errors.NotSupportedError("m"), errors.TextGenerationError)
+    assert "`m`" in str(errors.NotSupportedError("m"))
+
+
+def test_tools_are_tgi_tools() -> None:
+    """`tools` takes TGI's `Tool` (or its dict), `type` defaulting to "function"; a misspelt key is refused."""
+    function = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    sent = chat_body(
+        TOOL_TURNS[:1], False, tools=[types.Tool(type="function", function=function), {"function": function}]
+    )
+    assert sent["tools"] == [{"type": "function", "function": function}] * 2
+    with pytest.raises(ValidationError, match="`tools.0.functions`"):
+        chat_body(TOOL_TURNS[:1], False, tools=[{"functions": function}])
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,14 @@ class RateLimitExceededError(TextGenerationError):
     pass
 
 
+class NotSupportedError(TextGenerationError):
+    """A model the hosted Inference API does not serve. TGI's client raises it from its Inference API clients,
+    which textgen has no counterpart of: it is here so that code catching it still imports."""
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(f"Model `{model_id}` is not available for inference with this client.")
+
+
 class UnknownError(TextGenerationError):
     pass
 

@@ -24,10 +24,15 @@ class _RequestModel(BaseModel):
 
 
 class GrammarType(str, Enum):
+    # TGI's client names its members `Json` / `Regex`; textgen's lowercase names are aliases of the same
+    # members, so code written for either works.
+    Json = "json"
+    Regex = "regex"
     json = "json"
+    regex = "regex"
+    # textgen's OpenAI-style types (TGI's server accepts them; its client has no member for them)
     json_object = "json_object"
     json_schema = "json_schema"
-    regex = "regex"
 
 
 class Grammar(_RequestModel):
@@ -223,6 +228,19 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+# TGI's client names for the same shapes: a called function, and a tool call in a stream delta.
+Function = FunctionCall
+ChoiceDeltaToolCall = ToolCall
+
+
+class Tool(_RequestModel):
+    """A tool offered to the model (`chat(tools=...)`); `function` is `{"name", "description", "parameters"}`,
+    `parameters` a JSON schema of its arguments."""
+
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
 class TextChunk(_RequestModel):
     type: Literal["text"] = "text"
     text: str
@@ -345,8 +363,8 @@ class ChatRequest(_RequestModel):
     top_p: float | None = None
     stop: list[str] | None = None
     stream_options: dict[str, bool] | None = None
-    # OpenAI's tool definitions; "auto" | "none" | "required" | a tool's name | {"type": "function", ...}
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    # "auto" | "none" | "required" | a tool's name | {"type": "function", "function": {"name": ...}}
     tool_choice: str | dict[str, Any] | None = None
     tool_prompt: str | None = None
     # {"type": "json_object" | "json_schema" | "regex" | "text", ...} (TGI's `value` or OpenAI's `json_schema`)
@@ -379,3 +397,11 @@ class CompletionRequest(_RequestModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: list[str] | None = None
+
+
+class DeployedModel(BaseModel):
+    """A model of the Hugging Face Inference API's list, kept for code written against TGI's client; textgen's
+    own `/info` says which model it serves."""
+
+    model_id: str
+    sha: str
