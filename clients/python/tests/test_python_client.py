@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -177,12 +178,83 @@ def test_client_side_refusals_of_prompts_streams_and_chats() -> None:
             generate("")
     with pytest.raises(ValidationError, match="^`inputs` cannot be empty$"):
         asyncio.run(first_event(AsyncClient(NOWHERE).generate_stream("")))
+    # generate_stream has no best_of (TGI's neither); the body's own check stays for a hand-built request
     with pytest.raises(ValidationError, match=re.escape("`best_of` != 1 is not supported when `stream` == True")):
-        list(Client(NOWHERE).generate_stream(PROMPT, best_of=2, do_sample=True))
+        generate_body(PROMPT, True, best_of=2, do_sample=True)
     with pytest.raises(ValidationError, match="`max_tokenz`: Extra inputs are not permitted"):
-        Client(NOWHERE).chat([{"role": "user", "content": "hi"}], max_tokenz=3)
+        Client(NOWHERE).completion(PROMPT, max_tokenz=3)
     with pytest.raises(ValidationError, match="`messages.0.role`: Field required"):
         asyncio.run(AsyncClient(NOWHERE).chat([{"content": "hi"}]))
+
+
+# TGI 0.7.0's client methods: their parameters in order, with defaults (`...`: none).
+TGI_GENERATE = {
+    "prompt": ...,
+    "do_sample": False,
+    "max_new_tokens": 20,
+    "best_of": None,
+    "repetition_penalty": None,
+    "frequency_penalty": None,
+    "return_full_text": False,
+    "seed": None,
+    "stop_sequences": None,
+    "temperature": None,
+    "top_k": None,
+    "top_p": None,
+    "truncate": None,
+    "typical_p": None,
+    "watermark": False,
+    "decoder_input_details": False,
+    "top_n_tokens": None,
+    "grammar": None,
+}
+TGI_SIGNATURES = {
+    "generate": TGI_GENERATE,
+    "generate_stream": {k: v for k, v in TGI_GENERATE.items() if k not in ("best_of", "decoder_input_details")},
+    "chat": {
+        "messages": ...,
+        "repetition_penalty": None,
+        "frequency_penalty": None,
+        "logit_bias": None,
+        "logprobs": None,
+        "top_logprobs": None,
+        "max_tokens": None,
+        "n": None,
+        "presence_penalty": None,
+        "stream": False,
+        "seed": None,
+        "temperature": None,
+        "top_p": None,
+        "tools": None,
+        "tool_choice": None,
+    },
+}
+
+
+@pytest.mark.parametrize("client", [Client, AsyncClient])
+@pytest.mark.parametrize("method", list(TGI_SIGNATURES))
+def test_tgi_positional_parameters(client: type, method: str) -> None:
+    """A call written for TGI's client, positional arguments included, means the same here; textgen's extra
+    parameters are keyword-only, so they cannot shift TGI's."""
+    params = list(inspect.signature(getattr(client, method)).parameters.values())[1:]  # less self
+    positional = {
+        p.name: ... if p.default is p.empty else p.default for p in params if p.kind is p.POSITIONAL_OR_KEYWORD
+    }
+    assert positional == TGI_SIGNATURES[method]
+    assert list(positional) == list(TGI_SIGNATURES[method])
+
+
+def test_positional_calls(llama_client: Client) -> None:
+    sampled = llama_client.generate(PROMPT, True, 3)  # do_sample, max_new_tokens
+    assert sampled.details is not None and sampled.details.generated_tokens <= 3
+    assert sampled.details.seed is not None  # sampling reports its seed
+    chat = llama_client.chat([{"role": "user", "content": "hi"}], None, None, None, None, None, 2)  # max_tokens
+    assert isinstance(chat, ChatComplete) and chat.usage.completion_tokens <= 2
+    # TGI's second chat parameter: the chat route has no repetition penalty (TGI's server drops it unread)
+    with pytest.raises(ValidationError, match="^`repetition_penalty` is not supported"):
+        llama_client.chat([{"role": "user", "content": "hi"}], 1.2)
+    with pytest.raises(ValidationError, match="^`repetition_penalty` is not supported"):
+        asyncio.run(AsyncClient(NOWHERE).chat([{"role": "user", "content": "hi"}], repetition_penalty=1.2))
 
 
 # The public names of TGI's client 0.7.0 (text_generation.types / .errors).

@@ -8,7 +8,7 @@ raises the `textgen_client.errors` exception matching its `error_type` / status.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -26,8 +26,10 @@ from textgen_client.types import (
     ChatCompletionChunk,
     ChatMessage,
     Completion,
+    Grammar,
     Response,
     StreamResponse,
+    Tool,
 )
 
 
@@ -73,25 +75,153 @@ class Client(_Base):
                 if payload is not None:
                     yield payload  # type: ignore[misc]
 
-    def generate(self, prompt: str, **parameters: Any) -> Response:
-        """Generate text; `parameters` as TGI's client (max_new_tokens=20, do_sample=False, ...)."""
-        payload = self._post("", generate_body(prompt, False, **parameters))
-        return Response.model_validate(payload[0])
+    def generate(
+        self,
+        prompt: str,
+        do_sample: bool = False,
+        max_new_tokens: int = 20,
+        best_of: int | None = None,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        return_full_text: bool = False,
+        seed: int | None = None,
+        stop_sequences: list[str] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        truncate: int | None = None,
+        typical_p: float | None = None,
+        watermark: bool = False,
+        decoder_input_details: bool = False,
+        top_n_tokens: int | None = None,
+        grammar: Grammar | dict[str, Any] | None = None,
+    ) -> Response:
+        """Generate text: TGI's client's parameters, in its order and with its defaults."""
+        body = generate_body(
+            prompt,
+            False,
+            do_sample=do_sample,
+            max_new_tokens=max_new_tokens,
+            best_of=best_of,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            return_full_text=return_full_text,
+            seed=seed,
+            stop_sequences=stop_sequences,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            truncate=truncate,
+            typical_p=typical_p,
+            watermark=watermark,
+            decoder_input_details=decoder_input_details,
+            top_n_tokens=top_n_tokens,
+            grammar=grammar,
+        )
+        return Response.model_validate(self._post("", body)[0])
 
-    def generate_stream(self, prompt: str, **parameters: Any) -> Iterator[StreamResponse]:
-        for payload in self._stream("", generate_body(prompt, True, **parameters)):
+    def generate_stream(
+        self,
+        prompt: str,
+        do_sample: bool = False,
+        max_new_tokens: int = 20,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        return_full_text: bool = False,
+        seed: int | None = None,
+        stop_sequences: list[str] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        truncate: int | None = None,
+        typical_p: float | None = None,
+        watermark: bool = False,
+        top_n_tokens: int | None = None,
+        grammar: Grammar | dict[str, Any] | None = None,
+    ) -> Iterator[StreamResponse]:
+        """Stream generated tokens: `generate`'s parameters less `best_of` and `decoder_input_details`, which a
+        stream cannot have (as in TGI's client)."""
+        body = generate_body(
+            prompt,
+            True,
+            do_sample=do_sample,
+            max_new_tokens=max_new_tokens,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            return_full_text=return_full_text,
+            seed=seed,
+            stop_sequences=stop_sequences,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            truncate=truncate,
+            typical_p=typical_p,
+            watermark=watermark,
+            top_n_tokens=top_n_tokens,
+            grammar=grammar,
+        )
+        for payload in self._stream("", body):
             yield parse_event(StreamResponse, payload)
 
     def chat(
-        self, messages: Sequence[ChatMessage], stream: bool = False, **kwargs: Any
+        self,
+        messages: Sequence[ChatMessage],
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: list[float] | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        max_tokens: int | None = None,
+        n: int | None = None,
+        presence_penalty: float | None = None,
+        stream: bool = False,
+        seed: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        tools: Sequence[Tool | dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        *,
+        max_completion_tokens: int | None = None,
+        stop: list[str] | None = None,
+        stream_options: dict[str, bool] | None = None,
+        tool_prompt: str | None = None,
+        response_format: dict[str, Any] | None = None,
     ) -> ChatComplete | Iterator[ChatCompletionChunk]:
-        """Chat completion; `stream=True` returns `chat_stream(...)` as TGI's client does."""
+        """Chat completion, or with `stream=True` an iterator of its chunks. The positional parameters are TGI's
+        client's, in its order (`repetition_penalty` is refused: the chat route has none); textgen's other
+        chat fields are keyword-only."""
+        body = chat_body(
+            messages,
+            stream,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            max_tokens=max_tokens,
+            n=n,
+            presence_penalty=presence_penalty,
+            seed=seed,
+            temperature=temperature,
+            top_p=top_p,
+            tools=tools,
+            tool_choice=tool_choice,
+            max_completion_tokens=max_completion_tokens,
+            stop=stop,
+            stream_options=stream_options,
+            tool_prompt=tool_prompt,
+            response_format=response_format,
+        )
         if stream:
-            return self.chat_stream(messages, **kwargs)
-        return ChatComplete.model_validate(self._post("/v1/chat/completions", chat_body(messages, False, **kwargs)))
+            return self._chat_chunks(body)
+        return ChatComplete.model_validate(self._post("/v1/chat/completions", body))
 
     def chat_stream(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Iterator[ChatCompletionChunk]:
-        for payload in self._stream("/v1/chat/completions", chat_body(messages, True, **kwargs)):
+        """`chat(messages, stream=True, **kwargs)`, typed as the stream it returns."""
+        return cast(Iterator[ChatCompletionChunk], self.chat(messages, stream=True, **kwargs))
+
+    def _chat_chunks(self, body: dict[str, Any]) -> Iterator[ChatCompletionChunk]:
+        for payload in self._stream("/v1/chat/completions", body):
             yield parse_event(ChatCompletionChunk, payload)
 
     def completion(
@@ -130,24 +260,155 @@ class AsyncClient(_Base):
                 if payload is not None:
                     yield payload  # type: ignore[misc]
 
-    async def generate(self, prompt: str, **parameters: Any) -> Response:
-        payload = await self._post("", generate_body(prompt, False, **parameters))
-        return Response.model_validate(payload[0])
+    async def generate(
+        self,
+        prompt: str,
+        do_sample: bool = False,
+        max_new_tokens: int = 20,
+        best_of: int | None = None,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        return_full_text: bool = False,
+        seed: int | None = None,
+        stop_sequences: list[str] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        truncate: int | None = None,
+        typical_p: float | None = None,
+        watermark: bool = False,
+        decoder_input_details: bool = False,
+        top_n_tokens: int | None = None,
+        grammar: Grammar | dict[str, Any] | None = None,
+    ) -> Response:
+        """Generate text: TGI's client's parameters, in its order and with its defaults."""
+        body = generate_body(
+            prompt,
+            False,
+            do_sample=do_sample,
+            max_new_tokens=max_new_tokens,
+            best_of=best_of,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            return_full_text=return_full_text,
+            seed=seed,
+            stop_sequences=stop_sequences,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            truncate=truncate,
+            typical_p=typical_p,
+            watermark=watermark,
+            decoder_input_details=decoder_input_details,
+            top_n_tokens=top_n_tokens,
+            grammar=grammar,
+        )
+        return Response.model_validate((await self._post("", body))[0])
 
-    async def generate_stream(self, prompt: str, **parameters: Any) -> AsyncIterator[StreamResponse]:
-        async for payload in self._stream("", generate_body(prompt, True, **parameters)):
+    async def generate_stream(
+        self,
+        prompt: str,
+        do_sample: bool = False,
+        max_new_tokens: int = 20,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        return_full_text: bool = False,
+        seed: int | None = None,
+        stop_sequences: list[str] | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        truncate: int | None = None,
+        typical_p: float | None = None,
+        watermark: bool = False,
+        top_n_tokens: int | None = None,
+        grammar: Grammar | dict[str, Any] | None = None,
+    ) -> AsyncIterator[StreamResponse]:
+        """Stream generated tokens: `generate`'s parameters less `best_of` and `decoder_input_details`, which a
+        stream cannot have (as in TGI's client)."""
+        body = generate_body(
+            prompt,
+            True,
+            do_sample=do_sample,
+            max_new_tokens=max_new_tokens,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            return_full_text=return_full_text,
+            seed=seed,
+            stop_sequences=stop_sequences,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            truncate=truncate,
+            typical_p=typical_p,
+            watermark=watermark,
+            top_n_tokens=top_n_tokens,
+            grammar=grammar,
+        )
+        async for payload in self._stream("", body):
             yield parse_event(StreamResponse, payload)
 
     async def chat(
-        self, messages: Sequence[ChatMessage], stream: bool = False, **kwargs: Any
+        self,
+        messages: Sequence[ChatMessage],
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: list[float] | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        max_tokens: int | None = None,
+        n: int | None = None,
+        presence_penalty: float | None = None,
+        stream: bool = False,
+        seed: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        tools: Sequence[Tool | dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        *,
+        max_completion_tokens: int | None = None,
+        stop: list[str] | None = None,
+        stream_options: dict[str, bool] | None = None,
+        tool_prompt: str | None = None,
+        response_format: dict[str, Any] | None = None,
     ) -> ChatComplete | AsyncIterator[ChatCompletionChunk]:
+        """Chat completion, or with `stream=True` an async iterator of its chunks. The positional parameters are TGI's
+        client's, in its order (`repetition_penalty` is refused: the chat route has none); textgen's other
+        chat fields are keyword-only."""
+        body = chat_body(
+            messages,
+            stream,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            max_tokens=max_tokens,
+            n=n,
+            presence_penalty=presence_penalty,
+            seed=seed,
+            temperature=temperature,
+            top_p=top_p,
+            tools=tools,
+            tool_choice=tool_choice,
+            max_completion_tokens=max_completion_tokens,
+            stop=stop,
+            stream_options=stream_options,
+            tool_prompt=tool_prompt,
+            response_format=response_format,
+        )
         if stream:
-            return self.chat_stream(messages, **kwargs)
-        body = chat_body(messages, False, **kwargs)
+            return self._chat_chunks(body)
         return ChatComplete.model_validate(await self._post("/v1/chat/completions", body))
 
     async def chat_stream(self, messages: Sequence[ChatMessage], **kwargs: Any) -> AsyncIterator[ChatCompletionChunk]:
-        async for payload in self._stream("/v1/chat/completions", chat_body(messages, True, **kwargs)):
+        """The chunks of `await chat(messages, stream=True, **kwargs)`, without the `await`."""
+        chunks = cast(AsyncIterator[ChatCompletionChunk], await self.chat(messages, stream=True, **kwargs))
+        async for chunk in chunks:
+            yield chunk
+
+    async def _chat_chunks(self, body: dict[str, Any]) -> AsyncIterator[ChatCompletionChunk]:
+        async for payload in self._stream("/v1/chat/completions", body):
             yield parse_event(ChatCompletionChunk, payload)
 
     async def completion(

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
 from textgen_client.errors import TextGenerationError, ValidationError, parse_error
-from textgen_client.types import ChatMessage, ChatRequest, CompletionRequest, Grammar, Parameters, Request
+from textgen_client.types import ChatMessage, ChatRequest, CompletionRequest, Parameters, Request
 
 DONE = object()
 """Returned by `parse_sse_line` for the OpenAI routes' terminal `data:[DONE]`."""
@@ -31,55 +31,29 @@ def _refusals() -> Iterator[None]:
 
 
 def generate_body(
-    prompt: str,
-    stream: bool,
-    *,
-    do_sample: bool = False,
-    max_new_tokens: int = 20,
-    best_of: int | None = None,
-    repetition_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    return_full_text: bool = False,
-    seed: int | None = None,
-    stop_sequences: list[str] | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    truncate: int | None = None,
-    typical_p: float | None = None,
-    watermark: bool = False,
-    decoder_input_details: bool = False,
-    top_n_tokens: int | None = None,
-    grammar: Grammar | dict[str, Any] | None = None,
+    prompt: str, stream: bool, stop_sequences: list[str] | None = None, **parameters: Any
 ) -> dict[str, Any]:
-    """Body for POST / ; validated client-side, every field sent (nulls included) as TGI's client does."""
+    """Body for POST / from the clients' generate parameters (TGI's names: `stop_sequences` fills `stop`);
+    validated client-side, every field sent (nulls included) as TGI's client does."""
     with _refusals():
-        parameters = Parameters(
-            details=True,
-            do_sample=do_sample,
-            max_new_tokens=max_new_tokens,
-            best_of=best_of,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            return_full_text=return_full_text,
-            seed=seed,
-            stop=stop_sequences if stop_sequences is not None else [],
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            truncate=truncate,
-            typical_p=typical_p,
-            watermark=watermark,
-            decoder_input_details=decoder_input_details,
-            top_n_tokens=top_n_tokens,
-            grammar=Grammar.model_validate(grammar) if isinstance(grammar, dict) else grammar,
+        request = Request(
+            inputs=prompt,
+            stream=stream,
+            parameters=Parameters(details=True, stop=stop_sequences or [], **parameters),
         )
-        request = Request(inputs=prompt, stream=stream, parameters=parameters)
     return request.model_dump(mode="json")
 
 
-def chat_body(messages: Sequence[ChatMessage], stream: bool, **kwargs: Any) -> dict[str, Any]:
+def chat_body(
+    messages: Sequence[ChatMessage], stream: bool, repetition_penalty: float | None = None, **kwargs: Any
+) -> dict[str, Any]:
     """Body for POST /v1/chat/completions; unset optional fields are left out."""
+    if repetition_penalty is not None:
+        # TGI's client sends it and TGI's server ignores it as an unknown field: refused, not silently lost.
+        raise ValidationError(
+            "`repetition_penalty` is not supported by /v1/chat/completions: use `frequency_penalty` or "
+            "`presence_penalty`"
+        )
     # Validated from plain data: a turn may be a dict or a reply's message as well as a `Message`.
     with _refusals():
         request = ChatRequest.model_validate({"messages": list(messages), "stream": stream, **kwargs})
