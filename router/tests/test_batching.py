@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from inference_harness import collect, prompt, router_config, valid
 
+from textgen_pb import generate_pb2
 from textgen_router import metrics
 from textgen_router.backend import Backend, connect_backend
+from textgen_router.batching import tokens_of
 from textgen_router.infer import Infer
 from textgen_router.types import (
     EndEvent,
@@ -254,3 +257,9 @@ def test_permits(infer: Infer) -> None:
     for p in permits[1:]:
         p.release()
     assert infer.available_permits == 128
+
+
+def test_prompt_tokens_without_is_special() -> None:
+    # TGI's shards send prefill tokens with an empty is_special; its router reads none there.
+    tokens = tokens_of(generate_pb2.Tokens(ids=[1, 2], logprobs=[math.nan, -1.0], texts=["a", "b"]))
+    assert [(t.id, t.text, t.special) for t in tokens] == [(1, "a", False), (2, "b", False)]

@@ -54,8 +54,10 @@ FINISH_REASONS = {
 PREFILL, DECODE = "prefill", "decode"
 
 
-def _tokens(t: generate_pb2.Tokens) -> list[Token]:
-    return [Token(i, text, lp, sp) for i, text, lp, sp in zip(t.ids, t.texts, t.logprobs, t.is_special, strict=True)]
+def tokens_of(t: generate_pb2.Tokens) -> list[Token]:
+    """`is_special` may be empty: TGI's shards send prompt tokens without it (and TGI's router reads none there)."""
+    special = t.is_special or [False] * len(t.ids)
+    return [Token(i, text, lp, sp) for i, text, lp, sp in zip(t.ids, t.texts, t.logprobs, special, strict=True)]
 
 
 async def keep_requests(
@@ -317,7 +319,7 @@ class Batcher:
                 continue
             request = entry.request
             if request.decoder_input_details and g.HasField("prefill_tokens"):
-                put((entry, PrefillEvent(_tokens(g.prefill_tokens))))
+                put((entry, PrefillEvent(tokens_of(g.prefill_tokens))))
             toks = g.tokens
             ids, texts, logprobs, special = toks.ids, toks.texts, toks.logprobs, toks.is_special
             last = len(ids) - 1
@@ -326,7 +328,7 @@ class Batcher:
             done = g.HasField("generated_text")
             for i in range(last + 1):
                 token = Token(ids[i], texts[i], logprobs[i], special[i])
-                top = _tokens(top_tokens[i]) if i < len(top_tokens) else []
+                top = tokens_of(top_tokens[i]) if i < len(top_tokens) else []
                 if done and i == last:
                     gt = g.generated_text
                     put(

@@ -38,6 +38,12 @@ def gpt2_oracle(tiny_gpt2: Path) -> HFOracle:
     return HFOracle(tiny_gpt2)
 
 
+def test_info_reports_tgi_block_size(gpt2: CausalLM) -> None:
+    # TGI's v3 router rounds its budgets by Info.block_size whatever the engine (a 0 divides by zero there).
+    info = gpt2.info
+    assert info.requires_padding and info.block_size == 16 and not info.use_prefix_caching
+
+
 def test_from_pb_pads_left_and_reserves_right(gpt2: CausalLM) -> None:
     batch = CausalLMBatch.from_pb(make_batch(1, [make_request(0, PROMPTS[0], 3), make_request(1, "class", 7)]), gpt2)
     long, short = batch.input_lengths

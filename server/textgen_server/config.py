@@ -172,6 +172,9 @@ class ShardConfig:
     vocab_size: int  # width of the logits the model returns
     eos_token_ids: frozenset[int]  # every id that ends a sequence
     attention_impl: str = "eager"  # reported by Info
+    # TGI's BLOCK_SIZE for the ATTENTION backend, reported by Info whatever the engine: TGI's v3 router rounds its
+    # token budgets by it even for a padded shard, and divides by zero on a 0.
+    block_size: int = BLOCK_SIZES["paged"]
     rank: int = 0  # this shard's rank in the tensor-parallel group; it reports the rows i % world_size == rank
     world_size: int = 1
     max_input_tokens: int | None = None  # prompts longer than this (after truncation) are refused

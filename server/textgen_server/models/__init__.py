@@ -119,6 +119,7 @@ def get_model(serve: ServeConfig) -> Model:
         eos_token_ids=frozenset(eos_token_ids(model_dir, config, tokenizer.eos_token_id)),
         # What transformers resolved at load time; the tensor-parallel modules use SDPA.
         attention_impl=getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa",
+        block_size=serve.paging().block_size,
         rank=dist.rank,
         world_size=dist.world_size,
         max_input_tokens=serve.max_input_tokens,

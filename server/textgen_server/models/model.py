@@ -207,7 +207,8 @@ class Model(ABC, Generic[B]):
 
     @property
     def info(self) -> generate_pb2.InfoResponse:
-        # Padded batches with a transformers KV cache: no paging, so no blocks, chunking or prefix cache.
+        # Padded batches with a transformers KV cache: no paging, so no chunking or prefix cache, and the block size
+        # only for the router's budget rounding (as TGI's padded models report it).
         return generate_pb2.InfoResponse(
             requires_padding=True,
             dtype=str(self.config.dtype),
@@ -216,7 +217,7 @@ class Model(ABC, Generic[B]):
             support_chunking=self.support_chunking,
             use_prefix_caching=False,
             attention_impl=self.config.attention_impl,
-            block_size=0,
+            block_size=self.config.block_size,
         )
 
     def warmup(
