@@ -31,7 +31,7 @@ def cost_of_a_long_input(model_dir: str) -> None:
     encoded = time.perf_counter()
     ids, offsets = enc.ids, enc.offsets
     listed = time.perf_counter()
-    token_list(tokenizer, PROMPT, True, None)
+    token_list(tokenizer, PROMPT, True)
     body = time.perf_counter() - listed - (listed - start)  # token_list encodes again
     print(
         f"{len(PROMPT):,} chars, {len(ids):,} tokens: encode {encoded - start:.2f} s (GIL held), ids + offsets "

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from testing.shards import OUTPUT_VARS
 from textgen_common.ports import free_port
 
 HEALTH_TIMEOUT_S = 240.0
@@ -47,9 +48,7 @@ FLAG_VARS = (
     "ATTENTION",
     "PREFIX_CACHING",
     "ENABLE_PREFILL_LOGPROBS",
-    "REQUEST_LOGPROBS",  # the shards' own variable, which the launcher passes on
-    "ROPE_SCALING",
-    "ROPE_FACTOR",
+    *OUTPUT_VARS,  # the shards' own variables, which the launcher passes on
 )
 
 

@@ -32,6 +32,10 @@ import grpc
 from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_common.ports import free_port
 
+# TGI's shard variables that change what a shard answers: a test sets them through `env`, never from the
+# developer's shell (REQUEST_LOGPROBS=1 there turned the paged engine's prompt logprobs on for every shard).
+OUTPUT_VARS = ("REQUEST_LOGPROBS", "ROPE_SCALING", "ROPE_FACTOR")
+
 
 def unique_uds_path() -> str:
     return f"/tmp/tg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -154,7 +158,7 @@ def spawn_shards(
     processes: list[subprocess.Popen] = []
     log_paths: list[Path] = []
     for rank in range(num_shard):
-        child_env = dict(os.environ)
+        child_env = {k: v for k, v in os.environ.items() if k not in OUTPUT_VARS}
         child_env.update({"RANK": str(rank), "WORLD_SIZE": str(num_shard)})
         if num_shard > 1:
             child_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port})

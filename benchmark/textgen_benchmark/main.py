@@ -126,35 +126,34 @@ def parameters(args: argparse.Namespace, sampling: Sampling) -> dict[str, object
     }
 
 
-def shown_parameters(args: argparse.Namespace) -> dict[str, str]:
-    """The parameters table's values as TGI's prints them: an option as Rust's Debug writes it (`None`,
-    `Some(0.5)`, `Some(5)`), a flag as `true` / `false`."""
+# The parameters that are options in TGI's table, and the flag each comes from.
+_OPTIONS = {
+    "Top N Tokens": "top_n_tokens",
+    "Temperature": "temperature",
+    "Top K": "top_k",
+    "Top P": "top_p",
+    "Typical P": "typical_p",
+    "Repetition Penalty": "repetition_penalty",
+    "Frequency Penalty": "frequency_penalty",
+}
 
-    def option(value: float | int | None) -> str:
-        if value is None:
-            return "None"
-        # A float flag is an f32 there: its shortest digits, with at least one decimal (`Some(1.0)`).
-        shown = (
-            np.format_float_positional(np.float32(value), unique=True, trim="0") if isinstance(value, float) else value
-        )
-        return f"Some({shown})"
 
-    return {
-        "Model": args.tokenizer_name,
-        "Sequence Length": str(args.sequence_length),
-        "Decode Length": str(args.decode_length),
-        "Top N Tokens": option(args.top_n_tokens),
-        "N Runs": str(args.runs),
-        "Warmups": str(args.warmups),
-        "Temperature": option(args.temperature),
-        "Top K": option(args.top_k),
-        "Top P": option(args.top_p),
-        "Typical P": option(args.typical_p),
-        "Repetition Penalty": option(args.repetition_penalty),
-        "Frequency Penalty": option(args.frequency_penalty),
-        "Watermark": str(args.watermark).lower(),
-        "Do Sample": str(args.do_sample).lower(),
-    }
+def shown_parameters(args: argparse.Namespace, params: dict[str, object]) -> dict[str, str]:
+    """`params` as TGI's parameters table prints them: an option as Rust's Debug writes it (`None`, `Some(0.5)`,
+    `Some(5)`: what was given, not the value the shard ran with), a flag as `true` / `false`."""
+
+    def shown(name: str, value: object) -> str:
+        if name in _OPTIONS:
+            given = getattr(args, _OPTIONS[name])
+            if given is None:
+                return "None"
+            # A float flag is an f32 there: its shortest digits, with at least one decimal (`Some(1.0)`).
+            if isinstance(given, float):
+                given = np.format_float_positional(np.float32(given), unique=True, trim="0")
+            return f"Some({given})"
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return {name: shown(name, value) for name, value in params.items()}
 
 
 async def _run(args: argparse.Namespace, tokenizer: Tokenizer, sampling: Sampling) -> list[BatchResult]:
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json == "-":
         print(json.dumps(document, indent=2))
     else:
-        print(report(shown_parameters(args), results), end="")
+        print(report(shown_parameters(args, params), results), end="")
         if args.json:
             Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     if args.plot:

@@ -177,6 +177,40 @@ def test_closing_reaches_every_subschema_and_only_schemas() -> None:
 
 
 @pytest.mark.parametrize(
+    "schema",
+    [
+        # An object made of allOf members: each lists some of its keys, so none of them is closed, nor the object.
+        {
+            "properties": {"a": {"type": "string"}},
+            "allOf": [
+                {"properties": {"a": {"type": "string"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "integer"}}, "required": ["b"]},
+            ],
+        },
+        # A "base model" definition an allOf member refers to.
+        {
+            "properties": {"x": {}},
+            "allOf": [{"$ref": "#/$defs/B"}],
+            "$defs": {"B": {"properties": {"y": {}}, "required": ["y"]}},
+        },
+    ],
+)
+def test_objects_built_from_all_of_stay_open(schema: dict[str, Any]) -> None:
+    got = grammar.close_objects(schema)
+    assert got["type"] == "object" and "additionalProperties" not in got
+    assert got["allOf"] == schema["allOf"] and got.get("$defs") == schema.get("$defs")
+    # llguidance compiles it: closed members refused each other's required keys (`Unsatisfiable schema`).
+    grammar.to_shard(GrammarParameters(type="json", value=schema))
+
+
+def test_conditions_are_not_closed() -> None:
+    condition = {"properties": {"a": {"const": 1}}}
+    schema = {"properties": {"a": {}}, "not": condition, "if": condition, "then": condition, "contains": condition}
+    got = grammar.close_objects(schema)
+    assert all(got[key] == condition for key in ("not", "if", "then", "contains"))
+
+
+@pytest.mark.parametrize(
     ("response_format", "expected"),
     [
         ({"type": "text"}, None),

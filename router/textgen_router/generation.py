@@ -181,10 +181,11 @@ async def all_or_first_error(runs: Iterable[Awaitable[T]]) -> list[T]:
         for run in runs:
             tasks.append(asyncio.ensure_future(run))
             await asyncio.sleep(0)  # the run's first step, up to its first wait, happens now
-            if _error(tasks[-1]) is not None:
+            if any(_error(task) is not None for task in tasks):  # this one, or one started before it
                 break
         else:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if tasks:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
             error = _error(task)
             if error is not None:

@@ -14,7 +14,8 @@ its failures `cannot compile regex from schema: ...`; a schema llguidance cannot
 What TGI's compiler (outlines-core's `json_schema`) makes of a schema is not plain JSON Schema: a (sub)schema
 with `properties` is an object holding only those properties, whatever its `type` and `additionalProperties`.
 llguidance follows JSON Schema, where `{"properties": {...}}` alone also admits a string and undeclared keys, so
-`close_objects` states TGI's reading in the schema before llguidance sees it.
+`close_objects` states TGI's reading in the schema before llguidance sees it, where the schema does not say
+otherwise itself.
 """
 
 from __future__ import annotations
@@ -69,37 +70,63 @@ def _json_value(grammar: GrammarParameters) -> Any:
     return value
 
 
-# Keywords whose value is a subschema, a list of subschemas, or a map of names to subschemas (2020-12 and the
-# drafts before it), and `$functions`, where the tool grammar keeps its definitions (TGI's name).
+# Keywords whose subschemas describe output on their own (2020-12 and the drafts before it), and `$functions`,
+# where the tool grammar keeps its definitions (TGI's name): these are closed. Not closed: the members of `allOf`,
+# each of which describes only some of an object's keys (closed one by one they would refuse each other's keys),
+# and conditions that are read rather than written (`not`, `if`/`then`/`else`, `contains`, `propertyNames`,
+# `dependentSchemas`), whose meaning closing would change.
 _SUBSCHEMA = frozenset(
-    {"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
-     "unevaluatedItems", "unevaluatedProperties"}
-)  # fmt: skip
-_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
-_SUBSCHEMA_MAPS = frozenset(
-    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "$functions"}
+    {"items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties"}
 )
+_SUBSCHEMA_LISTS = frozenset({"anyOf", "oneOf", "prefixItems", "items"})
+_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "$functions"})
 
 
 def close_objects(schema: Any) -> Any:
-    """`schema` with TGI's reading of `properties` (module docstring) made explicit at every level: where a
-    (sub)schema has `properties`, a missing `type` is "object" and a missing `additionalProperties` is false.
-    What a schema states itself is kept: an explicit `"additionalProperties": true` still admits other keys."""
+    """`schema` with TGI's reading of `properties` (module docstring) made explicit: where a (sub)schema has
+    `properties`, a missing `type` is "object" and a missing `additionalProperties` is false.
+
+    What a schema states itself is kept (an explicit `"additionalProperties": true` still admits other keys, an
+    explicit `type` stays), and an object built from `allOf` members stays open: its members, and the
+    definitions a member refers to, are left as they are (see `_SUBSCHEMA`)."""
+    return _close(schema, _all_of_refs(schema))
+
+
+def _close(schema: Any, open_refs: frozenset[str]) -> Any:
     if not isinstance(schema, dict):
         return schema  # a boolean schema, or a malformed one the meta-schema check refuses
     out = {}
     for key, value in schema.items():
         if key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            value = [close_objects(sub) for sub in value]
+            value = [_close(sub, open_refs) for sub in value]
         elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            value = {name: close_objects(sub) for name, sub in value.items()}
+            value = {
+                name: sub if f"#/{key}/{name}" in open_refs else _close(sub, open_refs) for name, sub in value.items()
+            }
         elif key in _SUBSCHEMA:
-            value = close_objects(value)
+            value = _close(value, open_refs)
         out[key] = value
     if isinstance(schema.get("properties"), dict):
         out.setdefault("type", "object")
-        out.setdefault("additionalProperties", False)
+        if "allOf" not in schema:
+            out.setdefault("additionalProperties", False)
     return out
+
+
+def _all_of_refs(schema: Any) -> frozenset[str]:
+    """The `$ref`s that are members of an `allOf` anywhere in `schema`."""
+    found: set[str] = set()
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            members = node.get("allOf")
+            if isinstance(members, list):
+                found.update(m["$ref"] for m in members if isinstance(m, dict) and isinstance(m.get("$ref"), str))
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return frozenset(found)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
