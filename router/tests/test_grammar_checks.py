@@ -447,3 +447,28 @@ def test_without_tools_the_response_format_is_the_grammar(tokenizer: PreTrainedT
     assert chat_input(chat_request(tool_choice="none"), template).parameters.grammar is None
     with pytest.raises(tool_grammar.ToolError, match="^Tool error: Grammar and tools are mutually exclusive$"):
         chat_input(chat_request(response_format={"type": "json_object"}), template)
+
+
+def test_a_template_that_only_names_tools_in_its_text_does_not_read_them(tokenizer: PreTrainedTokenizerBase) -> None:
+    # TGI asks minijinja for the template's undeclared variables: text that says "tools" reads none.
+    from textgen_router.chat_input import chat_input
+
+    chat = chat_input(chat_request(tool_choice="required"), ChatTemplate(tokenizer, "Use tools wisely.\n" + PLAIN))
+    tools_json = tool_grammar.tools_prompt(tool_grammar.select_tools(TOOLS[:1], "required"))
+    assert chat.prompt.endswith(f"\n---\n{tools_json}\n{tool_grammar.DEFAULT_TOOL_PROMPT}\nassistant:")
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        # Cut right after the final message's text, trailing whitespace dropped (TGI's trim_end).
+        (PLAIN, "user: Hi\nassistant: Hello"),
+        # A template that changes the text: nothing to cut at, the whole render (TGI: 200, not an error).
+        (PLAIN.replace("m['content']", "m['content'] | upper"), "user: HI\nassistant: HELLO \nassistant:"),
+    ],
+)
+def test_a_final_assistant_message_is_continued_as_tgi_cuts_it(
+    tokenizer: PreTrainedTokenizerBase, template: str, expected: str
+) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello "}]
+    assert ChatTemplate(tokenizer, template).apply(messages) == expected

@@ -12,11 +12,13 @@ template that never reads `tool_calls` sees an earlier turn's tool calls as that
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
+import jinja2.meta
 
 from textgen_router.types import InferError
 
@@ -31,6 +33,22 @@ class TemplateError(InferError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"Template error: {message}")
+
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
+
+
+def _variables(template: str) -> set[str]:
+    """The variables `template` reads without setting them, as TGI asks minijinja (`undeclared_variables`): a
+    name that only appears in the template's text (`Use tools wisely.`) is not one. The `generation` tags
+    (transformers' extension) are dropped before parsing, as TGI drops them; a template Jinja cannot parse reads
+    nothing (rendering it reports the error)."""
+    source = _GENERATION_TAG.sub("", template)
+    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return jinja2.meta.find_undeclared_variables(environment.parse(source))
+    except jinja2.TemplateSyntaxError:
+        return set()
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -96,7 +114,8 @@ class ChatTemplate:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
         self.tokenizer = tokenizer
         self.template = template
-        self._reads_tools = template is not None and "tools" in template
+        self._reads_tools = template is not None and "tools" in _variables(template)
+        # An attribute of a message (`message.tool_calls`), which no variable list shows: the text is searched.
         self._reads_tool_calls = template is not None and "tool_calls" in template
 
     @classmethod
@@ -130,7 +149,6 @@ class ChatTemplate:
         if tools is not None and messages:
             note = f"\n---\n{tool_prompt}" if self._reads_tools else f"\n---\n{tools_json}\n{tool_prompt}"
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + note}
-        continue_final = bool(messages) and messages[-1]["role"] == "assistant"
         template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else list(tools)
         try:
             text = self.tokenizer.apply_chat_template(
@@ -138,12 +156,18 @@ class ChatTemplate:
                 tools=template_tools,
                 chat_template=self.template,
                 tokenize=False,
-                add_generation_prompt=not continue_final,
-                continue_final_message=continue_final,
+                add_generation_prompt=True,
             )
         except (jinja2.TemplateError, ValueError) as err:
             raise TemplateError(str(err)) from err
         assert isinstance(text, str)
+        if messages and messages[-1]["role"] == "assistant":
+            # TGI's continue-final-message: the render is cut right after the last occurrence of the final
+            # message's text, trailing whitespace dropped; kept whole when the template changed that text.
+            final = messages[-1]["content"]
+            index = text.rfind(final)
+            if index >= 0:
+                text = text[: index + len(final)].rstrip()
         return text
 
     def _readable(self, message: dict[str, Any]) -> dict[str, Any]:
