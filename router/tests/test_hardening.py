@@ -251,6 +251,7 @@ def test_big_inputs_do_not_stall_other_requests(big_router: RouterProcess) -> No
             big.append(c.post(path, json={"inputs": prompt, "parameters": {"max_new_tokens": 2}}).status_code)
 
     senders = [threading.Thread(target=send_big, args=(path,)) for path in ("/tokenize", "/generate", "/generate")]
+    began = time.monotonic()
     for sender in senders:
         sender.start()
     with httpx.Client(base_url=big_router.base_url, timeout=60) as c:
@@ -261,10 +262,13 @@ def test_big_inputs_do_not_stall_other_requests(big_router: RouterProcess) -> No
             small.append(c.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code)
     for sender in senders:
         sender.join()
+    span = time.monotonic() - began
     assert sorted(big) == [200, 422, 422]  # the prompt is far over --max-input-tokens
     assert len(health) >= 3 and set(small) == {200}  # small requests really ran meanwhile
-    # Generous: /health takes a few milliseconds; the workers compete for the CPU, not for the event loop.
-    assert max(health) < 1.0, health
+    # Against the big requests' own time, not a wall-clock bound, so that a loaded machine slows both alike: a
+    # blocked event loop held a probe for a whole tokenization (a third of the span or more); a free one
+    # answers in milliseconds, well under a tenth of it.
+    assert max(health) < span / 10, (span, health)
     assert process.memory_info().rss - rss_before < 100 * 2**20
 
 
