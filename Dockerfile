@@ -35,12 +35,12 @@ COPY benchmark benchmark
 COPY clients clients
 RUN pip install -e . && make proto PYTHON=python3
 
-# Like TGI's image: the server listens on 80 inside the container, the hub cache is the /data volume. The built
-# CPU ops are kept there too, so a restarted container does not compile them again (their names carry the CPU's
-# flags and the sources' hash: a volume shared by other CPUs or versions holds one build of each). A read-only
-# /data makes the shard build them under /tmp instead (layers/cpu_ops.py).
+# Like TGI's image: the server listens on 80 inside the container, and HF_HOME is the /data volume, so the hub
+# cache is /data/hub, where TGI 2.x and 3.x volumes keep their models. The built CPU ops are kept there too, so a
+# restarted container does not compile them again (their names carry the CPU's flags and the sources' hash: a
+# volume shared by other CPUs or versions holds one build of each). A read-only /data makes the shard build them
+# under /tmp instead (layers/cpu_ops.py).
 ENV HF_HOME=/data \
-    HUGGINGFACE_HUB_CACHE=/data \
     TORCH_EXTENSIONS_DIR=/data/torch_extensions \
     PORT=80
 VOLUME /data

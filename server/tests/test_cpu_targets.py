@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from textgen_server.layers.cpu_ops import ARCH_ENV, ENV_SWITCH, cpu_flags, kernel_available
+from textgen_server.layers.cpu_ops import ARCH_ENV, ENV_SWITCH, HEADERS, SOURCES, cpu_flags, kernel_available
 
 HERE = Path(__file__).parent
 AVX2_TESTS = (
@@ -121,3 +121,14 @@ def test_an_unwritable_extensions_dir_builds_elsewhere(tmp_path: Path) -> None:
     )
     assert "TORCH_EXTENSIONS_DIR cannot be written" in probe.stderr
     assert "textgen_torch_extensions" in probe.stderr
+
+
+def test_an_installed_package_carries_every_source_of_the_ops() -> None:
+    # A non-editable install holds only what package-data lists: a missing header made the library's name (a hash
+    # of every source) raise, and the shard stop, instead of building the ops.
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((HERE.parents[1] / "pyproject.toml").read_text())
+    globs = project["tool"]["setuptools"]["package-data"]["textgen_server"]
+    package = HERE.parent / "textgen_server"
+    shipped = {path for pattern in globs for path in package.glob(pattern)}
+    assert set(SOURCES) | set(HEADERS) <= shipped
