@@ -51,6 +51,13 @@ class _Base:
         return self.base_url + route if route else self.base_url
 
 
+def _arguments(values: dict[str, Any]) -> dict[str, Any]:
+    """A method's arguments from its `locals()` taken first thing, for the body builder that takes the same names:
+    the methods spell TGI's parameters out (a caller may pass them by position), and the sync and async clients
+    forward them the same way."""
+    return {name: value for name, value in values.items() if name != "self"}
+
+
 class Client(_Base):
     """Blocking client; one HTTP connection per call."""
 
@@ -97,27 +104,7 @@ class Client(_Base):
         grammar: Grammar | dict[str, Any] | None = None,
     ) -> Response:
         """Generate text: TGI's client's parameters, in its order and with its defaults."""
-        body = generate_body(
-            prompt,
-            False,
-            do_sample=do_sample,
-            max_new_tokens=max_new_tokens,
-            best_of=best_of,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            return_full_text=return_full_text,
-            seed=seed,
-            stop_sequences=stop_sequences,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            truncate=truncate,
-            typical_p=typical_p,
-            watermark=watermark,
-            decoder_input_details=decoder_input_details,
-            top_n_tokens=top_n_tokens,
-            grammar=grammar,
-        )
+        body = generate_body(stream=False, **_arguments(locals()))
         return Response.model_validate(self._post("", body)[0])
 
     def generate_stream(
@@ -141,25 +128,7 @@ class Client(_Base):
     ) -> Iterator[StreamResponse]:
         """Stream generated tokens: `generate`'s parameters less `best_of` and `decoder_input_details`, which a
         stream cannot have (as in TGI's client)."""
-        body = generate_body(
-            prompt,
-            True,
-            do_sample=do_sample,
-            max_new_tokens=max_new_tokens,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            return_full_text=return_full_text,
-            seed=seed,
-            stop_sequences=stop_sequences,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            truncate=truncate,
-            typical_p=typical_p,
-            watermark=watermark,
-            top_n_tokens=top_n_tokens,
-            grammar=grammar,
-        )
+        body = generate_body(stream=True, **_arguments(locals()))
         for payload in self._stream("", body):
             yield parse_event(StreamResponse, payload)
 
@@ -190,28 +159,7 @@ class Client(_Base):
         """Chat completion, or with `stream=True` an iterator of its chunks. The positional parameters are TGI's
         client's, in its order (`repetition_penalty` is refused: the chat route has none); textgen's other
         chat fields are keyword-only."""
-        body = chat_body(
-            messages,
-            stream,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            max_tokens=max_tokens,
-            n=n,
-            presence_penalty=presence_penalty,
-            seed=seed,
-            temperature=temperature,
-            top_p=top_p,
-            tools=tools,
-            tool_choice=tool_choice,
-            max_completion_tokens=max_completion_tokens,
-            stop=stop,
-            stream_options=stream_options,
-            tool_prompt=tool_prompt,
-            response_format=response_format,
-        )
+        body = chat_body(**_arguments(locals()))
         if stream:
             return self._chat_chunks(body)
         return ChatComplete.model_validate(self._post("/v1/chat/completions", body))
@@ -282,27 +230,7 @@ class AsyncClient(_Base):
         grammar: Grammar | dict[str, Any] | None = None,
     ) -> Response:
         """Generate text: TGI's client's parameters, in its order and with its defaults."""
-        body = generate_body(
-            prompt,
-            False,
-            do_sample=do_sample,
-            max_new_tokens=max_new_tokens,
-            best_of=best_of,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            return_full_text=return_full_text,
-            seed=seed,
-            stop_sequences=stop_sequences,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            truncate=truncate,
-            typical_p=typical_p,
-            watermark=watermark,
-            decoder_input_details=decoder_input_details,
-            top_n_tokens=top_n_tokens,
-            grammar=grammar,
-        )
+        body = generate_body(stream=False, **_arguments(locals()))
         return Response.model_validate((await self._post("", body))[0])
 
     async def generate_stream(
@@ -326,25 +254,7 @@ class AsyncClient(_Base):
     ) -> AsyncIterator[StreamResponse]:
         """Stream generated tokens: `generate`'s parameters less `best_of` and `decoder_input_details`, which a
         stream cannot have (as in TGI's client)."""
-        body = generate_body(
-            prompt,
-            True,
-            do_sample=do_sample,
-            max_new_tokens=max_new_tokens,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            return_full_text=return_full_text,
-            seed=seed,
-            stop_sequences=stop_sequences,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            truncate=truncate,
-            typical_p=typical_p,
-            watermark=watermark,
-            top_n_tokens=top_n_tokens,
-            grammar=grammar,
-        )
+        body = generate_body(stream=True, **_arguments(locals()))
         async for payload in self._stream("", body):
             yield parse_event(StreamResponse, payload)
 
@@ -375,28 +285,7 @@ class AsyncClient(_Base):
         """Chat completion, or with `stream=True` an async iterator of its chunks. The positional parameters are TGI's
         client's, in its order (`repetition_penalty` is refused: the chat route has none); textgen's other
         chat fields are keyword-only."""
-        body = chat_body(
-            messages,
-            stream,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            max_tokens=max_tokens,
-            n=n,
-            presence_penalty=presence_penalty,
-            seed=seed,
-            temperature=temperature,
-            top_p=top_p,
-            tools=tools,
-            tool_choice=tool_choice,
-            max_completion_tokens=max_completion_tokens,
-            stop=stop,
-            stream_options=stream_options,
-            tool_prompt=tool_prompt,
-            response_format=response_format,
-        )
+        body = chat_body(**_arguments(locals()))
         if stream:
             return self._chat_chunks(body)
         return ChatComplete.model_validate(await self._post("/v1/chat/completions", body))
