@@ -1,7 +1,8 @@
 """The pytest fixtures every test directory shares; the repo-root conftest.py registers this module once.
 
 Models (session-scoped, from testing.models' on-disk cache): `tiny_llama`, `tiny_gpt2`, `tiny_mistral`,
-`tiny_qwen2`: the `Path` of a tiny real model of that architecture.
+`tiny_qwen2`: the `Path` of a tiny real model of that architecture; `cycling_llama`: the tiny llama made to loop
+(`textgen_server.builder.build_cycling_model`), for speculation.
 
 Real shard processes (testing.shards):
 - `start_shard(model_dir, uds_path=None, env=None, extra_args=(), num_shard=1, timeout=120.0)`:
@@ -52,6 +53,13 @@ tiny_llama = tiny_model_fixture("llama")
 tiny_gpt2 = tiny_model_fixture("gpt2")
 tiny_mistral = tiny_model_fixture("mistral")
 tiny_qwen2 = tiny_model_fixture("qwen2")
+
+
+@pytest.fixture(scope="session")
+def cycling_llama(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from textgen_server.builder import build_cycling_model
+
+    return build_cycling_model(tiny_llama, tmp_path_factory.mktemp("cycling") / "llama")
 
 
 @pytest.fixture

@@ -344,8 +344,12 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     model = random_model(arch, config, d.dtype, seed)
     model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / STAMP).write_text(json.dumps(stamp))
+    return _publish(tmp, out, stamp)
 
+
+def _publish(tmp: Path, out: Path, stamp: dict[str, object]) -> Path:
+    """Stamp the build in `tmp` and rename it to `out`, unless a concurrent identical build got there first."""
+    (tmp / STAMP).write_text(json.dumps(stamp))
     if not _is_built(out, stamp):
         shutil.rmtree(out, ignore_errors=True)
         try:
@@ -410,3 +414,40 @@ def build_test_adapter(
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
     return out
+
+
+# The period of the loop a cycling model's greedy text falls into.
+CYCLE_PERIOD = 5
+
+
+def build_cycling_model(source: str | Path, out_dir: str | Path) -> Path:
+    """A copy of the Llama model `source` made to loop, for n-gram speculation's tests and benchmark.
+
+    No attention or MLP output (o_proj and down_proj zero), so a position's logits depend on its own token only,
+    and an LM head that puts each token's embedding on the row of its successor in a cycle of CYCLE_PERIOD ids:
+    greedy text repeats every CYCLE_PERIOD tokens (the case speculation is for, with every guess confirmed), and
+    every position of a step still has logits of its own. Returns at once when `out_dir` holds it already.
+    """
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    stamp = {"cycling_of": str(source), "period": CYCLE_PERIOD}
+    if _is_built(out, stamp):
+        return out
+    tmp = out.with_name(f"{out.name}.building-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    weights = load_file(tmp / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    embed = weights["model.embed_tokens.weight"]
+    ids = torch.arange(embed.shape[0])
+    successor = (ids // CYCLE_PERIOD) * CYCLE_PERIOD + (ids % CYCLE_PERIOD + 1) % CYCLE_PERIOD
+    past = successor >= embed.shape[0]  # a last, partial group of ids maps each to itself
+    successor[past] = ids[past]
+    head = torch.empty_like(embed)
+    head[successor] = embed
+    weights["lm_head.weight"] = head
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    return _publish(tmp, out, stamp)
