@@ -189,6 +189,27 @@ def test_chunked_prefill_joins_a_decoding_batch(model: PagedCausalLM, llama_orac
     assert torch.allclose(torch.tensor(list(prefill.logprobs)[1:]), expected, atol=1e-4)
 
 
+def test_a_row_still_prefilling_ahead_of_one_that_emits(model: PagedCausalLM, llama_oracle: HFOracle) -> None:
+    """The step budget goes to the last rows first, so a later row can finish its prompt and emit while an earlier
+    one is still prefilling: each emitting row takes its own logits."""
+    blocks = Blocks(model.paging.block_size)
+    long_text, short_text = SHARED + "Tell me about the sea.", "def foo(x):"
+    long_ids = prompt_ids(model, long_text)
+    requests = [
+        with_blocks(make_request(0, long_text, 6), blocks.take(len(long_ids) + 5), chunk_len=8),
+        with_blocks(make_request(1, short_text, 6), blocks.take(len(prompt_ids(model, short_text)) + 5)),
+    ]
+    batch: PagedBatch | None = PagedBatch.from_pb(make_batch(1, requests), model)
+    tokens: dict[int, list[int]] = {}
+    generations, batch, _ = model.generate_token(batch)
+    record(tokens, generations)
+    assert list(tokens) == [1]  # the first row is still prefilling, the second emitted
+    for request_id, ids in generate_all(model, batch).items():
+        tokens[request_id] = tokens.get(request_id, []) + ids
+    assert tokens[0] == llama_oracle.greedy(long_text, 6)
+    assert tokens[1] == llama_oracle.greedy(short_text, 6)
+
+
 def test_rows_that_cannot_run_are_refused_by_id(model: PagedCausalLM) -> None:
     size = model.paging.block_size
     good = make_request(1, "x = 1", 4)

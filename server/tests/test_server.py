@@ -380,7 +380,12 @@ def test_rpcs_continue_the_routers_trace(stub, otlp_collector) -> None:
     "args, variables, message",
     [
         (["--quantize", "bitsandbytes"], {}, "--quantize bitsandbytes is not supported"),
-        (["--speculate", "2"], {}, "--speculate 2 is not supported"),
+        (
+            ["--speculate", "2"],
+            {"USE_FLASH_ATTENTION": "false"},
+            "--speculate 2 is not supported with the padded CausalLM (model type llama, USE_FLASH_ATTENTION=false)",
+        ),
+        (["--speculate", "-1"], {}, "--speculate -1 is not supported: expected a count >= 0"),
         (["--sharded"], {}, "--sharded requires the environment variables"),
         ([], {"ROPE_SCALING": "yarn", "ROPE_FACTOR": "4.0"}, "ROPE_SCALING=yarn is not supported; use one of"),
     ],

@@ -134,3 +134,17 @@ def test_unshardable_models_fail_at_startup_with_a_clear_error(
         with pytest.raises(RuntimeError, match=re.escape(f"--sharded over 2 shards: {message}")):
             with ShardProcess(model_dir, num_shard=2, timeout=120):
                 pass
+
+
+def test_two_speculating_ranks_emit_what_one_plain_rank_emits(cycling_llama: Path) -> None:
+    """--speculate 3 over 2 ranks: each rank guesses from the same history and confirms the same guesses, so the
+    tokens (greedy and seeded) are one plain shard's, several per step."""
+    with (
+        ShardProcess(cycling_llama) as one,
+        ShardProcess(cycling_llama, num_shard=2, extra_args=["--speculate", "3"]) as two,
+    ):
+        for sample in (False, True):
+            wanted, _ = generate(one, requests(sample))
+            got, reported = generate(two, requests(sample))
+            assert got == wanted
+            assert reported == [{0, 2}, {1}]

@@ -108,10 +108,8 @@ class ServeConfig:
             raise UnsupportedConfigError(
                 f"--quantize {self.quantize} is not supported: this shard runs transformers models unquantized"
             )
-        if self.speculate:
-            raise UnsupportedConfigError(
-                f"--speculate {self.speculate} is not supported: the padded CausalLM never speculates"
-            )
+        if self.speculate is not None and self.speculate < 0:
+            raise UnsupportedConfigError(f"--speculate {self.speculate} is not supported: expected a count >= 0")
         if self.attention not in ATTENTIONS:
             raise UnsupportedConfigError(
                 f"ATTENTION={self.attention} is not supported; use one of {', '.join(ATTENTIONS)}"
@@ -122,13 +120,16 @@ class ServeConfig:
         self.rope()
 
     def paging(self) -> PagingConfig:
-        """The paged engine's settings (block size as TGI's for the ATTENTION backend)."""
+        """The paged engine's settings (block size as TGI's for the ATTENTION backend; as in TGI, speculation
+        turns prefill chunking off)."""
+        speculate = self.speculate or 0
         return PagingConfig(
             self.attention,
             BLOCK_SIZES[self.attention],
             self.prefix_caching,
-            self.prefill_chunking,
+            self.prefill_chunking and not speculate,
             self.request_logprobs,
+            speculate,
         )
 
     def rope(self) -> tuple[str, float] | None:
@@ -189,3 +190,4 @@ class PagingConfig:
     prefix_caching: bool  # Info.use_prefix_caching: the router may send requests with cache_len > 0
     chunking: bool  # Info.support_chunking: the router may send partial prompts and cached batches to Prefill
     prompt_logprobs: bool  # whether a request's prefill_logprobs is honoured (else it gets no prefill tokens)
+    speculate: int = 0  # Info.speculate: the most tokens a row guesses per step (utils/speculate.py), 0 for none

@@ -80,6 +80,20 @@ def get_model(serve: ServeConfig) -> Model:
     # a local dir, or the snapshot download-weights fetched
     model_dir = resolve_model_dir(serve.model_id, serve.revision)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=serve.trust_remote_code)
+    if getattr(config, "medusa_num_heads", None) or config.model_type == "mlp_speculator":
+        raise UnsupportedConfigError(
+            f"{serve.model_id} is a speculator (Medusa heads or an MLP speculator), which this shard cannot run; "
+            "serve its base model, with --speculate N for n-gram speculation"
+        )
+    from textgen_server.models.tp_llama import TP_MODEL_TYPES
+
+    if serve.speculate and not (config.model_type in TP_MODEL_TYPES and serve.use_flash_attention):
+        # TGI's CausalLM never speculates either: only the paged engine verifies several tokens per step.
+        raise UnsupportedConfigError(
+            f"--speculate {serve.speculate} is not supported with the padded CausalLM (model type "
+            f"{config.model_type}{', USE_FLASH_ATTENTION=false' if not serve.use_flash_attention else ''}): "
+            "only the paged engine speculates"
+        )
     rope = serve.rope()
     if rope is not None:
         from textgen_server.layers.rotary import override_rope_scaling

@@ -35,14 +35,28 @@ class TokenRows(Protocol):
 
 @dataclass
 class Chosen:
-    """The tokens a step chose, k-th entry for the k-th emitting row; `prompt_logprobs` by row."""
+    """The tokens a step chose, k-th entry for the k-th emitting row: its one token, or with speculation its
+    accepted guesses and the token chosen after them, in order; `prompt_logprobs` by row."""
 
-    next_ids: torch.Tensor  # int64 [N], on the model's device
-    ids: list[int]
-    logprobs: list[float]
-    top_ids: list[list[int]] = field(default_factory=list)  # empty when no row asked for top-n tokens
-    top_logprobs: list[list[float]] = field(default_factory=list)
+    next_ids: torch.Tensor  # int64 [N]: each emitting row's first token, on the model's device
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+    # Per row, per token: the top-n alternatives; empty when no row asked for top-n tokens.
+    top_ids: list[list[list[int]]] = field(default_factory=list)
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
     prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)
+
+    def extend(self, rows: list[int], more: Chosen) -> None:
+        """Append the tokens `more` chose for a later position of some rows: its j-th row is this one's
+        `rows[j]`-th."""
+        for j, k in enumerate(rows):
+            self.ids[k] += more.ids[j]
+            self.logprobs[k] += more.logprobs[j]
+            if more.top_ids:
+                if not self.top_ids:
+                    self.top_ids, self.top_logprobs = [[] for _ in self.ids], [[] for _ in self.ids]
+                self.top_ids[k] += more.top_ids[j]
+                self.top_logprobs[k] += more.top_logprobs[j]
 
 
 def choose(
@@ -63,10 +77,11 @@ def choose(
     choice = chooser(last_ids, logits)
     # float64 holds every id exactly
     ids, values = torch.stack([choice.next_ids.double(), choice.logprobs.double()]).tolist()
-    result = Chosen(choice.next_ids, [int(i) for i in ids], values)
+    result = Chosen(choice.next_ids, [[int(i)] for i in ids], [[v] for v in values])
     if any(top_n_tokens):
         scores = choice.scores if processed_top_n else logits
-        result.top_ids, result.top_logprobs = batch_top_tokens(top_n_tokens, torch.log_softmax(scores.float(), -1))
+        top_ids, top_logprobs = batch_top_tokens(top_n_tokens, torch.log_softmax(scores.float(), -1))
+        result.top_ids, result.top_logprobs = [[t] for t in top_ids], [[t] for t in top_logprobs]
     return result
 
 
@@ -82,8 +97,9 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int]) -> list[float]:
 def emit_generations(
     model: Model, batch: TokenRows, rows: Sequence[int], chosen: Chosen, by_request_id: bool = False
 ) -> tuple[list[generate_pb2.Generation], list[bool]]:
-    """Record `chosen` for `rows` of `batch`; returns this rank's Generations and, per row of `rows`, whether
-    the request stopped. A rank reports row i when `i % world_size == rank` (TGI's CausalLM), or with
+    """Record `chosen` for `rows` of `batch`, each row's tokens in order up to the first that stops it (so one
+    Generation may carry several tokens); returns this rank's Generations and, per row of `rows`, whether the
+    request stopped. A rank reports row i when `i % world_size == rank` (TGI's CausalLM), or with
     `by_request_id` when `request.id % world_size == rank` (TGI's FlashCausalLM, whose rows move)."""
     generations: list[generate_pb2.Generation] = []
     stopped: list[bool] = []
@@ -91,21 +107,30 @@ def emit_generations(
     rank, world_size = model.config.rank, model.config.world_size
     for k, i in enumerate(rows):
         request = batch.requests[i]
-        next_id = chosen.ids[k]
         ids = batch.all_input_ids[i]
-        ids.append(next_id)
-        text, batch.prefix_offsets[i], batch.read_offsets[i] = model.decode_token(
-            ids, batch.prefix_offsets[i], batch.read_offsets[i]
-        )
         criteria = batch.stopping_criterias[i]
-        stop, reason = criteria(next_id, text)
+        texts: list[str] = []
+        stop, reason = False, None
+        for next_id in chosen.ids[k]:  # the tokens after a stop are dropped
+            ids.append(next_id)
+            text, batch.prefix_offsets[i], batch.read_offsets[i] = model.decode_token(
+                ids, batch.prefix_offsets[i], batch.read_offsets[i]
+            )
+            texts.append(text)
+            stop, reason = criteria(next_id, text)
+            if stop:
+                break
         stopped.append(stop)
         if (request.id if by_request_id else i) % world_size != rank:
             continue  # another rank reports this row; the router concatenates all ranks' lists
+        emitted = chosen.ids[k][: len(texts)]
         generation = generate_pb2.Generation(
             request_id=request.id,
             tokens=generate_pb2.Tokens(
-                ids=[next_id], logprobs=[chosen.logprobs[k]], texts=[text], is_special=[next_id in special]
+                ids=emitted,
+                logprobs=chosen.logprobs[k][: len(texts)],
+                texts=texts,
+                is_special=[t in special for t in emitted],
             ),
         )
         if stop:
@@ -114,7 +139,8 @@ def emit_generations(
             prompt = ids[: len(chosen.prompt_logprobs[i]) + 1]
             generation.prefill_tokens.CopyFrom(_tokens(model, prompt, [math.nan, *chosen.prompt_logprobs[i]]))
         if batch.top_n_tokens[i]:
-            generation.top_tokens.append(_tokens(model, chosen.top_ids[k], chosen.top_logprobs[k]))
+            for t in range(len(texts)):
+                generation.top_tokens.append(_tokens(model, chosen.top_ids[k][t], chosen.top_logprobs[k][t]))
         generations.append(generation)
     return generations, stopped
 

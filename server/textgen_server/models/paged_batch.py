@@ -3,13 +3,14 @@
 A row's keys and values live in the blocks of its block table (models/kv_pool.py); no row is padded. Per row:
 `cache_lengths[i]` tokens are already in the pool (a prefix-cache hit, then every computed token), and the
 next forward computes `chunk_lengths[i]` more: the whole rest of the prompt, a chunk of it (chunked prefill),
-or 1 (decode). A row still prefilling emits no token. `filter` and `concatenate` move block tables, never
-keys or values.
+or 1 (decode), plus the row's guesses with --speculate. A row still prefilling emits no token. `filter` and
+`concatenate` move block tables, never keys or values.
 
 Contract with the router (generate.v3 `Request`): `blocks` cover every position the request will write
-(prompt + max_new_tokens - 1 tokens); position p lives in slot `blocks[p // block_size] * block_size +
-p % block_size` (the router's `slots` say the same, so the shard derives them from the blocks); `cache_len`
-leading prompt tokens are already in those blocks; `chunk_len`, when set, is the first forward's token count.
+(prompt + max_new_tokens - 1 tokens; a row never guesses past its max_new_tokens, so speculation needs no
+more); position p lives in slot `blocks[p // block_size] * block_size + p % block_size` (the router's `slots`
+say the same, so the shard derives them from the blocks); `cache_len` leading prompt tokens are already in
+those blocks; `chunk_len`, when set, is the first forward's token count.
 Requests without blocks get them from the shard's own allocator and give them back when they leave.
 """
 
@@ -32,6 +33,7 @@ from textgen_server.models.model import (
     rows_to_keep,
 )
 from textgen_server.utils.grammar import RowGrammars
+from textgen_server.utils.speculate import NGramIndex
 from textgen_server.utils.stopping import StoppingCriteria
 from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
 
@@ -121,6 +123,10 @@ class PagedBatch(Batch):
     top_n_tokens: list[int]
     adapter_indices: list[int]  # each row's LoRA adapter (Model.adapter_index); 0 = the base model
     prompt_logprobs: dict[int, list[float]]  # by request id: prefill logprobs of the chunks computed so far
+    # With --speculate: each row's guessed next tokens, fed after its last token by the next forward (so
+    # chunk_lengths[i] = 1 + len(speculative_ids[i]) once decoding), and the index its guesses come from.
+    speculative_ids: list[list[int]]
+    ngrams: list[NGramIndex]
     _block_table_tensor: torch.Tensor | None = field(default=None, init=False)
 
     @classmethod
@@ -175,6 +181,8 @@ class PagedBatch(Batch):
             top_n_tokens=[r.top_n_tokens for r in requests],
             adapter_indices=[row.adapter for row in rows],
             prompt_logprobs={},
+            speculative_ids=[[] for _ in rows],
+            ngrams=[NGramIndex() for _ in rows],
         )
 
     def to_pb(self) -> generate_pb2.CachedBatch:
@@ -264,4 +272,6 @@ _ROW_LISTS = (
     "stopping_criterias",
     "top_n_tokens",
     "adapter_indices",
+    "speculative_ids",
+    "ngrams",
 )

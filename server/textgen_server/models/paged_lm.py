@@ -6,10 +6,16 @@ generated token); the tensor-parallel module writes their keys and values to the
 through its block table (models/tp_llama.py `forward_paged`). Rows whose prompt is now wholly computed choose
 a token; rows still prefilling get their next chunk (TGI's rule: the step's prefill budget shared from the
 last row back, each at least one token) and emit nothing.
+
+With --speculate N (TGI's n-gram speculation; chunking is then off) a decoding row feeds its last token and up
+to N guesses (utils/speculate.py), each attending as a decode row of its own; the row emits the token chosen
+after its last one and, while the chosen token is the next guess, the token chosen after that guess. The keys
+and values of refused guesses stay in the row's slots past its cache length, to be overwritten.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import TYPE_CHECKING
@@ -69,6 +75,7 @@ class PagedCausalLM(Model[PagedBatch]):
         info.use_prefix_caching = self.paging.prefix_caching and not self.adapters
         info.attention_impl = self.paging.attention
         info.block_size = self.paging.block_size
+        info.speculate = self.paging.speculate
         return info
 
     def warmup(
@@ -104,23 +111,44 @@ class PagedCausalLM(Model[PagedBatch]):
             r.prefill_logprobs and p for r, p in zip(batch.requests, prefilling, strict=True)
         )
         input_ids, positions, step = self._step(batch)
-        last = step.cu_seqlens_q[1:].long() - 1  # each row's last new token
+        ends = list(itertools.accumulate(batch.chunk_lengths))
+        # The logits rows choose from: each row's last position, and with guesses fed, the positions of its last
+        # real token and of each guess (the token after each), row i's first at firsts[i].
+        guessing = any(batch.speculative_ids)
+        if guessing:
+            fed = [
+                [end - 1 - len(g) + j for j in range(len(g) + 1)]
+                for end, g in zip(ends, batch.speculative_ids, strict=True)
+            ]
+            firsts = list(itertools.accumulate((len(f) for f in fed[:-1]), initial=0))
+            picked = torch.tensor([p for row in fed for p in row])
+        else:
+            firsts = list(range(len(batch)))
+            picked = step.cu_seqlens_q[1:].long() - 1
         segments = None
         if any(batch.adapter_indices):
             segments = AdapterSegments.of(batch.adapter_indices, batch.chunk_lengths, input_ids.device)
         logits = self.module.forward_paged(
-            input_ids, positions, step, None if want_prompt_logprobs else last.to(input_ids.device), segments
+            input_ids, positions, step, None if want_prompt_logprobs else picked.to(input_ids.device), segments
         )
         if want_prompt_logprobs:
-            self._keep_prompt_logprobs(batch, logits, step.cu_seqlens_q.tolist())
-            logits = logits.index_select(0, last.to(logits.device))
-        batch.cache_lengths = [c + n for c, n in zip(batch.cache_lengths, batch.chunk_lengths, strict=True)]
+            self._keep_prompt_logprobs(batch, logits, [0, *ends])
+            logits = logits.index_select(0, picked.to(logits.device))
+        cache_lengths = batch.cache_lengths
+        batch.cache_lengths = [c + n for c, n in zip(cache_lengths, batch.chunk_lengths, strict=True)]
         emitting = [i for i, ids in enumerate(batch.all_input_ids) if batch.cache_lengths[i] >= len(ids)]
-        chosen = self._choose(batch, emitting, logits)
+        chosen = self._choose(batch, emitting, logits, firsts)
+        if guessing:
+            # Keys and values stay for the last real token and the accepted guesses; the rest are overwritten later.
+            for k, i in enumerate(emitting):
+                if batch.speculative_ids[i]:
+                    batch.cache_lengths[i] = cache_lengths[i] + len(chosen.ids[k])
         forward_ns = time.perf_counter_ns() - start
 
         decode_start = time.perf_counter_ns()
         generations, stopped = emit_generations(self, batch, emitting, chosen, by_request_id=True)
+        if self.paging.speculate:
+            self._guess(batch, emitting, chosen, stopped)
         self._next_chunks(batch)
         if len(emitting) == len(batch) and all(stopped):
             batch.release()
@@ -135,19 +163,31 @@ class PagedCausalLM(Model[PagedBatch]):
         cu_seqlens = torch.zeros(size + 1, dtype=torch.int32)
         torch.cumsum(chunks, 0, out=cu_seqlens[1:])
         tokens = int(cu_seqlens[-1])
+        table = batch.block_table_tensor
+        device = self.config.device
         if tokens == size:  # every row feeds one token: its last
             ids = [row[-1] for row in batch.all_input_ids]
             positions = cache.long()
-            rows = torch.arange(size)
-        else:
-            ids = [t for row, c, n in zip(batch.all_input_ids, batch.cache_lengths, batch.chunk_lengths, strict=True)
-                   for t in row[c : c + n]]  # fmt: skip
-            rows = torch.repeat_interleave(torch.arange(size), chunks.long())
-            positions = cache.long()[rows] + torch.arange(tokens) - cu_seqlens.long()[rows]
-        table = batch.block_table_tensor
+            slots = table[torch.arange(size), positions // block_size].long() * block_size + positions % block_size
+            step = PagedStep(self.pool, slots.to(device), cu_seqlens, (cache + chunks).long(), table)
+            return torch.tensor(ids, dtype=torch.long, device=device), positions.to(device), step
+        ids = [
+            t
+            for row, guesses, c, n in zip(
+                batch.all_input_ids, batch.speculative_ids, batch.cache_lengths, batch.chunk_lengths, strict=True
+            )
+            for t in (row[c : c + n] if not guesses else (row[-1], *guesses))
+        ]
+        rows = torch.repeat_interleave(torch.arange(size), chunks.long())
+        positions = cache.long()[rows] + torch.arange(tokens) - cu_seqlens.long()[rows]
         slots = table[rows, positions // block_size].long() * block_size + positions % block_size
-        device = self.config.device
-        step = PagedStep(self.pool, slots.to(device), cu_seqlens, (cache + chunks).long(), table)
+        if any(batch.speculative_ids):
+            # Every fed token attends as a decode row of its own (its row's keys up to its position), so a guess
+            # is scored by the same attention as the token decoded alone would be.
+            cu_tokens = torch.arange(tokens + 1, dtype=torch.int32)
+            step = PagedStep(self.pool, slots.to(device), cu_tokens, positions + 1, table.index_select(0, rows))
+        else:
+            step = PagedStep(self.pool, slots.to(device), cu_seqlens, (cache + chunks).long(), table)
         return torch.tensor(ids, dtype=torch.long, device=device), positions.to(device), step
 
     @staticmethod
@@ -164,35 +204,80 @@ class PagedCausalLM(Model[PagedBatch]):
             kept.extend(prompt_logprobs(logits[cu_seqlens[i] : cu_seqlens[i + 1]], targets))
 
     @staticmethod
-    def _choose(batch: PagedBatch, emitting: list[int], logits: torch.Tensor) -> Chosen:
-        """Tokens for the rows that emit; the chooser of the others is left as it was (no draw, no history)."""
-        chooser = batch.next_token_chooser
-        last_ids = torch.tensor([batch.all_input_ids[i][-1] for i in emitting], device=logits.device)
-        top_n = [batch.top_n_tokens[i] for i in emitting]
-        if len(emitting) == len(batch):
-            chosen = choose(chooser, last_ids, logits, top_n, processed_top_n=True)
-        else:
-            sub = chooser.filter(emitting)
-            index = torch.tensor(emitting, dtype=torch.long, device=logits.device)
-            chosen = choose(sub, last_ids, logits.index_select(0, index), top_n, processed_top_n=True)
-            _write_back_history(chooser, sub, index)
+    def _choose(batch: PagedBatch, emitting: list[int], logits: torch.Tensor, firsts: list[int]) -> Chosen:
+        """Tokens for the rows that emit; the chooser of the others is left as it was (no draw, no history).
+
+        Row i's first token is chosen from logits row `firsts[i]`. A row that fed guesses then goes on while its
+        guesses match: the token chosen after guess j comes from row `firsts[i] + j + 1`, with the chooser's
+        history and generator moved on by exactly the tokens emitted, so a row emits what it would have emitted
+        one step at a time (greedy or seeded).
+        """
+        last_ids = [batch.all_input_ids[i][-1] for i in emitting]
+        chosen = _choose_rows(batch, emitting, last_ids, logits, [firsts[i] for i in emitting])
         for i in emitting:
             logprobs = batch.prompt_logprobs.pop(batch.requests[i].id, None)
             if logprobs is not None:
                 chosen.prompt_logprobs[i] = logprobs
+        guesses = batch.speculative_ids
+        # k-th emitting rows whose guess j was the token chosen before it
+        going = [k for k, i in enumerate(emitting) if guesses[i] and chosen.ids[k][0] == guesses[i][0]]
+        j = 0
+        while going:
+            rows = [emitting[k] for k in going]
+            more = _choose_rows(batch, rows, [guesses[i][j] for i in rows], logits, [firsts[i] + j + 1 for i in rows])
+            chosen.extend(going, more)
+            j += 1
+            going = [
+                k
+                for k, i, ids in zip(going, rows, more.ids, strict=True)
+                if len(guesses[i]) > j and ids[0] == guesses[i][j]
+            ]
         return chosen
 
+    def _guess(self, batch: PagedBatch, emitting: list[int], chosen: Chosen, stopped: list[bool]) -> None:
+        """Each emitting row's guesses for the next step: at most --speculate, and never more than its
+        max_new_tokens leaves after the next token (so a row writes no position past its blocks). A grammar row
+        guesses nothing: its matcher can only consume tokens that are chosen."""
+        for k, i in enumerate(emitting):
+            batch.ngrams[i].record(len(batch.speculative_ids[i]), len(chosen.ids[k]) - 1)
+            criteria = batch.stopping_criterias[i]
+            limit = min(self.paging.speculate, criteria.max_new_tokens - criteria.current_tokens - 1)
+            constrained = batch.requests[i].parameters.grammar_type != generate_pb2.GRAMMAR_TYPE_NONE
+            if stopped[k] or constrained:
+                limit = 0
+            batch.speculative_ids[i] = batch.ngrams[i].propose(batch.all_input_ids[i], limit)
+
     def _next_chunks(self, batch: PagedBatch) -> None:
-        """Each row's token count for the next forward: 1 once decoding; for a row still prefilling, TGI's rule
-        (the step's budget, less one token per other row, shared from the last row back, at least 1 each)."""
+        """Each row's token count for the next forward: 1 and its guesses once decoding; for a row still
+        prefilling, TGI's rule (the step's budget, less one token per other row, shared from the last row back, at
+        least 1 each)."""
         budget = (self.max_prefill_tokens or 0) - (len(batch) - 1)
-        chunks = [1] * len(batch)
+        chunks = [1 + len(guesses) for guesses in batch.speculative_ids]
         for i in reversed(range(len(batch))):
             remaining = batch.prompt_lengths[i] - batch.cache_lengths[i]
             if remaining > 0:
                 chunks[i] = max(min(remaining, budget), 1) if self.max_prefill_tokens else remaining
                 budget -= chunks[i]
         batch.chunk_lengths = chunks
+
+
+def _choose_rows(
+    batch: PagedBatch, rows: list[int], last_ids: list[int], logits: torch.Tensor, logit_rows: list[int]
+) -> Chosen:
+    """One token for each of `rows` (batch rows, in order) from `logits[logit_rows[k]]`, `last_ids[k]` being the
+    token before it; a sub-chooser of those rows when they are not the whole batch, its history written back."""
+    chooser = batch.next_token_chooser
+    device = logits.device
+    top_n = [batch.top_n_tokens[i] for i in rows]
+    last = torch.tensor(last_ids, device=device)
+    if logit_rows != list(range(logits.shape[0])):
+        logits = logits.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=device))
+    if len(rows) == len(batch):
+        return choose(chooser, last, logits, top_n, processed_top_n=True)
+    sub = chooser.filter(rows)
+    chosen = choose(sub, last, logits, top_n, processed_top_n=True)
+    _write_back_history(chooser, sub, torch.tensor(rows, dtype=torch.long, device=device))
+    return chosen
 
 
 def _write_back_history(
