@@ -16,6 +16,7 @@ schedules under the same budgets; --threads sets OMP_NUM_THREADS for the shard o
     python benchmark/http_load.py --model models/small-llama-v1 --routes generate,chat
     python benchmark/http_load.py --model models/small-llama-v1 --routes chat,chat_json
     python benchmark/http_load.py --model models/small-llama-v1 --shard-baseline
+    python benchmark/http_load.py --model models/small-llama-v1-cycling --speculate 3
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def dtype_args(dtype: str | None) -> list[str]:
     return [] if dtype is None else ["--dtype", dtype]
 
 
-def textgen_server(model: str, budgets: Budgets, env: dict[str, str], dtype: str | None) -> Server:
+def textgen_server(model: str, budgets: Budgets, env: dict[str, str], dtype: str | None, speculate: int) -> Server:
     args = ["--max-concurrent-requests", "256", *budgets.launcher_args(), *dtype_args(dtype)]
+    if speculate:
+        args += ["--speculate", str(speculate)]
     return Launcher("textgen", model, args, env)
 
 
@@ -144,9 +147,15 @@ def step_figures(m0: dict[str, float], m1: dict[str, float], router_cpu: float, 
 
 
 def measure_textgen(
-    model: str, routes: list[str], jobs: list[Job], budgets: Budgets, env: dict[str, str], dtype: str | None
+    model: str,
+    routes: list[str],
+    jobs: list[Job],
+    budgets: Budgets,
+    env: dict[str, str],
+    dtype: str | None,
+    speculate: int = 0,
 ) -> list[dict]:
-    server, out = textgen_server(model, budgets, env, dtype), []
+    server, out = textgen_server(model, budgets, env, dtype, speculate), []
     try:
         for route in routes:
             m0, cpu0, client0 = scrape(server.url), server.cpu_seconds("textgen-router"), time.process_time()
@@ -242,6 +251,7 @@ def parse_args() -> argparse.Namespace:
         choices=("bfloat16", "float16"),
         help="--dtype of every server measured (default: each one's own, float32 on a CPU)",
     )
+    p.add_argument("--speculate", type=int, default=0, help="the launcher's --speculate (n-gram speculation)")
     Budgets.add_arguments(p)
     return p.parse_args()
 
@@ -260,7 +270,7 @@ def measure(args: argparse.Namespace, jobs: list[Job], budgets: Budgets) -> list
     if args.url:
         results = [dict(asyncio.run(run_load(args.url, r, jobs)), server="textgen") for r in routes]
     else:
-        results = measure_textgen(args.model, routes, jobs, budgets, threads_env, args.dtype)
+        results = measure_textgen(args.model, routes, jobs, budgets, threads_env, args.dtype, args.speculate)
     if args.shard_baseline:
         shard_only = measure_shard_only(args.model, jobs, budgets, threads, args.dtype)
         for r in results:  # issue 3's target: e2e >= 0.9x shard-only at the same batch

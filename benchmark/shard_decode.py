@@ -14,8 +14,13 @@ With `--lora-adapters N` it measures multi-LoRA serving instead: the shard loads
 (rank 8, every q/k/v/o and gate/up/down projection) and the same decode runs once with every row on the base
 model and once with the rows spread over the N adapters in turn (neighbouring rows on different adapters).
 
+With `--speculate N` it measures n-gram speculation: one shard with `--speculate N` against one without, runs
+alternating, tokens/s per row and the tokens a step emits. On the random model guesses are nearly always refused
+(the cost of guessing); with `--cycling` the model is first made to loop (builder.build_cycling_model), so every
+guess after the first period is confirmed (the gain at best).
+
 Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--threads 2] [--model-dir DIR]
-       [--grammar | --lora-adapters N]
+       [--grammar | --lora-adapters N | --speculate N [--cycling]]
 """
 
 from __future__ import annotations
@@ -159,6 +164,33 @@ def grammar_steps(model_dir: Path, batches: list[int], runs: int, threads: int, 
         print(f"| {b} | {f_wall * 1e3:.1f} | {c_wall * 1e3:.1f} | {c_wall / f_wall:.3f} | {c_cpu / f_cpu:.3f} |")
 
 
+def speculation_steps(model_dir: Path, batches: list[int], runs: int, threads: int, dtype: str, n: int) -> None:
+    """Decode tokens/s of a shard guessing `n` tokens against one that does not, one shard at a time, runs
+    alternating."""
+    uds = f"/tmp/textgen-bench-{os.getpid()}"
+    plain: list[dict[int, Step]] = []
+    guessing: list[dict[int, Step]] = []
+    for _ in range(runs):
+        for extra, results in (((), plain), (("--speculate", str(n)), guessing)):
+            proc = start_shard(model_dir, uds, threads, dtype=dtype, extra_args=extra)
+            try:
+                results.append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, 1)))
+            finally:
+                stop(proc)
+    print(f"| batch | plain tok/s | --speculate {n} tok/s | ratio | ratio (CPU) | tokens fed / emitted per step |")
+    print("|------:|------------:|------------------:|------:|------------:|------------------------------:|")
+    for b in batches:
+        p_wall, p_cpu = (statistics.median(getattr(r[b], k) for r in plain) for k in ("wall", "cpu"))
+        g_wall, g_cpu = (statistics.median(getattr(r[b], k) for r in guessing) for k in ("wall", "cpu"))
+        tokens, fed = (statistics.median(getattr(r[b], k) for r in guessing) for k in ("tokens", "fed"))
+        # CPU time is counted in ticks: a tiny model's few steps may take none.
+        cpu_ratio = p_cpu / g_cpu if g_cpu else float("nan")
+        print(
+            f"| {b} | {b / p_wall:.1f} | {b / g_wall:.1f} | {p_wall / g_wall:.2f} | {cpu_ratio:.2f} | "
+            f"{fed:.2f} / {tokens:.2f} |"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, action="append", help="batch sizes (default 1, 8, 32)")
@@ -174,9 +206,15 @@ def main(argv: list[str] | None = None) -> None:
         "--grammar", action="store_true", help="every row under a JSON schema vs no grammar (default batch 32)"
     )
     parser.add_argument("--lora-adapters", type=int, default=0, metavar="N", help="base vs N adapters mixed")
+    parser.add_argument("--speculate", type=int, default=0, metavar="N", help="a shard guessing N tokens vs none")
+    parser.add_argument("--cycling", action="store_true", help="with --speculate: the model made to loop")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model_dir = args.model_dir or small_model()
+    if args.cycling:
+        from textgen_server.builder import build_cycling_model
+
+        model_dir = build_cycling_model(model_dir, model_dir.with_name(model_dir.name + "-cycling"))
     batches = args.batch or ([32] if args.grammar else [1, 8, 32])
     uds = f"/tmp/textgen-bench-{os.getpid()}"
     if args.lora_adapters:
@@ -189,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.grammar:
         grammar_steps(model_dir, batches, args.runs, args.threads, args.dtype)
+        return
+    if args.speculate:
+        speculation_steps(model_dir, batches, args.runs, args.threads, args.dtype, args.speculate)
         return
     proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype)
     try:

@@ -22,10 +22,14 @@ NEW_TOKENS = 17  # 1 from Prefill + 16 Decode steps
 
 @dataclass(frozen=True)
 class Step:
-    """Median wall seconds and CPU seconds per decode step (CPU time stays meaningful on a busy machine)."""
+    """Median wall seconds and CPU seconds per decode step (CPU time stays meaningful on a busy machine); with
+    speculation, per token of a row, `tokens` being the tokens a row emitted per Decode call and `fed` the tokens
+    a row's forward computed (its last and its guesses)."""
 
     wall: float
     cpu: float
+    tokens: float = 1.0
+    fed: float = 1.0
 
 
 def progress(line: str) -> None:
@@ -68,17 +72,23 @@ async def shard_steps(
                     request.adapter_id = adapters[i % len(adapters)]
             walls: list[float] = []
             cpus: list[float] = []
+            calls_per_run: list[int] = []
+            fed: list[float] = []  # per Decode call: tokens its forward computed per row
             for run in range(runs + 1):  # the first run warms up
                 cached = (await client.prefill(batch)).batch
                 cpu, start, calls = cpu_seconds(shard), time.perf_counter(), 0
                 while cached is not None:
+                    fed.append(cached.current_tokens / cached.size)
                     cached = (await client.decode([cached])).batch
                     calls += 1
                 if run:
-                    walls.append((time.perf_counter() - start) / calls)
-                    cpus.append((cpu_seconds(shard) - cpu) / calls)
+                    # Every row emits NEW_TOKENS - 1 tokens in Decode calls: one a call unless the shard speculates.
+                    walls.append((time.perf_counter() - start) / (NEW_TOKENS - 1))
+                    cpus.append((cpu_seconds(shard) - cpu) / (NEW_TOKENS - 1))
+                    calls_per_run.append(calls)
                 progress(f"shard batch size {b}: {f'run {run}/{runs}' if run else 'warmup'}")
-            out[b] = Step(statistics.median(walls), statistics.median(cpus))
+            tokens = (NEW_TOKENS - 1) / max(calls_per_run)
+            out[b] = Step(statistics.median(walls), statistics.median(cpus), tokens, statistics.mean(fed))
     finally:
         await client.close()
     return out

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -31,9 +32,10 @@ def start_shard(
     timeout: float = 300.0,
     dtype: str = "float32",
     extra_env: dict[str, str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> subprocess.Popen:
-    """A real shard process (`--dtype dtype`, `extra_env` added to its environment) limited to `threads` cores;
-    returns once Health answers (or raises)."""
+    """A real shard process (`--dtype dtype` and `extra_args`, `extra_env` added to its environment) limited to
+    `threads` cores; returns once Health answers (or raises)."""
     import grpc
 
     from textgen_pb import generate_pb2, generate_pb2_grpc
@@ -41,7 +43,10 @@ def start_shard(
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **(extra_env or {}))
     log = open(Path(tempfile.gettempdir()) / "textgen-bench-shard.log", "wb")  # noqa: SIM115 - child owns it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path", uds_path, "--dtype", dtype],
+        [
+            *(sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir)),
+            *("--uds-path", uds_path, "--dtype", dtype, *extra_args),
+        ],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
