@@ -55,10 +55,18 @@ def run(model: PagedCausalLM, requests: list[pb.Request]) -> tuple[dict[int, lis
 def flat(generations: list[pb.Generation]) -> tuple[list[int], list[float], list[str], list[list[int]], str]:
     """A request's tokens, logprobs, texts, top-n ids per token and generated text, however the steps split them."""
     ids = [t for g in generations for t in g.tokens.ids]
-    logprobs = [round(x, 4) for g in generations for x in g.tokens.logprobs]
+    logprobs = [x for g in generations for x in g.tokens.logprobs]
     texts = [t for g in generations for t in g.tokens.texts]
     top = [list(top.ids) for g in generations for top in g.top_tokens]
     return ids, logprobs, texts, top, generations[-1].generated_text.text
+
+
+def same(guessed: list[pb.Generation], alone: list[pb.Generation]) -> bool:
+    """The same request's output with and without guesses: equal but for float rounding in the logprobs (a step
+    of several tokens per row multiplies matrices of another shape)."""
+    ids, logprobs, *rest = flat(guessed)
+    ids_alone, logprobs_alone, *rest_alone = flat(alone)
+    return ids == ids_alone and rest == rest_alone and logprobs == pytest.approx(logprobs_alone, abs=1e-4)
 
 
 def test_ngram_index_proposes_what_followed_the_latest_occurrence() -> None:
@@ -104,12 +112,25 @@ def test_greedy_tokens_are_transformers_with_fewer_steps(
     alone, plain_steps = run(plain, requests)
     for i, text in enumerate(LOOPS):
         tokens = flat(guessed[i])[0]
-        assert flat(guessed[i]) == flat(alone[i])
+        assert same(guessed[i], alone[i])
         assert tokens == oracle.greedy(text, 24), f"request {i}"
         assert tokens[PERIOD:] == tokens[:-PERIOD]  # the model loops, as built
     assert plain_steps == 24
     # One token a step until a whole period is out, then the 3 guesses and the token after them.
     assert steps == PERIOD + -(-(24 - PERIOD) // 4)
+
+
+@pytest.mark.parametrize("looping", [True, False], ids=["cycling", "random"])
+def test_bfloat16_tokens_are_the_same_with_guesses(looping: bool, cycling_llama: Path, tiny_llama: Path) -> None:
+    model_dir = cycling_llama if looping else tiny_llama
+    speculating, plain = (paged_model(model_dir, speculate=n, dtype="bfloat16") for n in (3, 0))
+    requests = [make_request(i, text, 24, top_n_tokens=2) for i, text in enumerate(LOOPS)]
+    guessed, steps = run(speculating, requests)
+    alone, _ = run(plain, requests)
+    for request in requests:
+        assert flat(guessed[request.id])[0] == flat(alone[request.id])[0], f"request {request.id}"
+        assert flat(guessed[request.id])[3] == flat(alone[request.id])[3]
+    assert (steps < 24) == looping
 
 
 @pytest.mark.parametrize("looping", [True, False], ids=["cycling", "random"])
@@ -141,7 +162,7 @@ def test_seeded_penalised_and_top_n_rows_emit_what_they_emit_without_guesses(
     guessed, _ = run(speculating, requests)
     alone, _ = run(plain, requests)
     for request in requests:
-        assert flat(guessed[request.id]) == flat(alone[request.id]), f"request {request.id}"
+        assert same(guessed[request.id], alone[request.id]), f"request {request.id}"
     for sampled in (0, 2, 3):
         tokens = flat(guessed[sampled])[0]
         assert tokens[PERIOD:] != tokens[:-PERIOD]  # it left the loop
@@ -161,7 +182,7 @@ def test_a_stop_inside_an_accepted_run_ends_the_request_there(
     guessed, _ = run(speculating, requests)
     alone, _ = run(plain, requests)
     for request in requests:
-        assert flat(guessed[request.id]) == flat(alone[request.id])
+        assert same(guessed[request.id], alone[request.id])
         ended = guessed[request.id][-1]
         assert ended.generated_text.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
         assert ended.generated_text.generated_tokens == last + 1
@@ -183,6 +204,24 @@ def test_guesses_never_pass_max_new_tokens_or_the_routers_blocks(speculating: Pa
         assert guessed[request.id][-1].generated_text.finish_reason == pb.FINISH_REASON_LENGTH
 
 
+def test_rows_on_a_lora_adapter_beside_base_rows(cycling_llama: Path, tmp_path: Path) -> None:
+    """Adapter rows (the adapter breaks the loop, so their guesses are mostly refused) and base rows (confirmed)
+    in one speculating batch: each row's LoRA delta covers its fed guesses, the tokens are the plain engine's."""
+    from textgen_server.builder import build_test_adapter
+
+    spec = f"one={build_test_adapter(tmp_path / 'one', cycling_llama, seed=1)}"
+    speculating, plain = (paged_model(cycling_llama, speculate=n, lora_adapters=spec) for n in (3, 0))
+    requests = [make_request(i, LOOPS[i % len(LOOPS)], 20) for i in range(4)]
+    for request in requests[::2]:
+        request.adapter_id = "one"
+    guessed, _ = run(speculating, requests)
+    alone, _ = run(plain, requests)
+    for request in requests:
+        assert same(guessed[request.id], alone[request.id]), f"request {request.id}"
+    assert any(len(g.tokens.ids) > 1 for g in guessed[1])
+    assert flat(guessed[0])[0] != flat(guessed[1])[0][: len(flat(guessed[0])[0])]  # the adapter changed the text
+
+
 def test_a_grammar_row_guesses_nothing(speculating: PagedCausalLM, plain: PagedCausalLM) -> None:
     constrained = make_request(0, LOOPS[0], 12)
     constrained.parameters.grammar = "(a b )+"
@@ -190,5 +229,5 @@ def test_a_grammar_row_guesses_nothing(speculating: PagedCausalLM, plain: PagedC
     requests = [constrained, make_request(1, LOOPS[0], 12)]
     guessed, _ = run(speculating, requests)
     alone, _ = run(plain, requests)
-    assert flat(guessed[0]) == flat(alone[0]) and flat(guessed[1]) == flat(alone[1])
+    assert same(guessed[0], alone[0]) and same(guessed[1], alone[1])
     assert all(len(g.tokens.ids) == 1 for g in guessed[0])
