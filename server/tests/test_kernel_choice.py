@@ -164,7 +164,9 @@ def test_the_environment_forces_one_path_for_every_bucket(
 
 def test_an_unknown_value_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "fastest")
-    with pytest.raises(UnsupportedConfigError, match=f"{ENV}='fastest': expected one of auto, linear, mkl, onednn"):
+    with pytest.raises(
+        UnsupportedConfigError, match=f"{ENV}='fastest': expected one of auto, linear, mkl, onednn, gemv"
+    ):
         choose_linear_kernels(layers_of([(8, 6)], torch.float32))
 
 
@@ -189,7 +191,14 @@ def greedy_tokens(handle: ShardHandle) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "dtype, forced",
-    [("float32", "auto"), ("float32", "linear"), ("float32", "mkl"), ("float32", "onednn"), ("bfloat16", "auto")],
+    [
+        ("float32", "auto"),
+        ("float32", "linear"),
+        ("float32", "mkl"),
+        ("float32", "onednn"),
+        ("bfloat16", "auto"),
+        ("bfloat16", "gemv"),
+    ],
 )
 def test_a_shard_started_with_each_override_matches_transformers(
     dtype: str, forced: str, tiny_llama: Path, start_shard: Callable[..., ShardHandle]

@@ -1,7 +1,7 @@
 """The shard's C++ CPU ops, one library built at first use: attention over the KV caches (decode_attention.cpp,
 see decode_attention.py and paged_attention.py), a decoder layer's small ops (fused_ops.cpp: norm.py, rotary.py,
-the MLP of models/tp_llama.py) and the greedy token choice (token_ops.cpp: utils/tokens.py), sharing the helpers
-of cpu_ops.h.
+the MLP of models/tp_llama.py), the greedy token choice (token_ops.cpp: utils/tokens.py) and a bfloat16 projection
+of a few rows (linear_ops.cpp: linear_choice.py), sharing the helpers of cpu_ops.h.
 
 They are compiled for this CPU (-march=native, or TEXTGEN_CPU_ARCH) with torch's extension builder (a C++ compiler
 and ninja; once per machine and target, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or
@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "decode_attention.cpp", _HERE / "fused_ops.cpp", _HERE / "token_ops.cpp")
+SOURCES = tuple(_HERE / name for name in ("decode_attention.cpp", "fused_ops.cpp", "token_ops.cpp", "linear_ops.cpp"))
 HEADERS = (_HERE / "cpu_ops.h",)
 ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
 # The CPU the ops are compiled for (gcc's -march): this machine's by default. An older target (x86-64-v3: the AVX2

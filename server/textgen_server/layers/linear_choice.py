@@ -1,20 +1,25 @@
 """Which CPU kernel computes each projection, chosen by measurement when the model is loaded.
 
-A projection y = x @ W^T + b has up to three paths on a CPU, each reading W in its own layout:
+A projection y = x @ W^T + b has up to four paths on a CPU, each reading W in its own layout:
 - `linear`: plain `F.linear` on the weight as loaded (the GEMM library may repack W's panels on every call);
 - `mkl` (float32): MKL's packed GEMM on a weight packed once at load;
 - `onednn` (float32, bfloat16 where the CPU has native bf16 kernels, AMX included): oneDNN's GEMM on a weight
-  reordered once at load into its blocked layout.
+  reordered once at load into its blocked layout;
+- `gemv` (bfloat16, one row, CPUs with AVX512-BF16): textgen's own kernel (layers/linear_ops.cpp), which streams
+  the weight from memory faster than oneDNN's at one row on some CPUs. It serves a shape only where it
+  reproduces `F.linear`'s bits there, checked at load (see `GemvKernel`).
 Which is fastest depends on the CPU (MKL's fp32 kernels are slow on some vendors' cores, oneDNN's blocked layout
 loses to them at one row on others) and on the row count. So the shard does not guess: for each distinct
 (out, in, dtype) shape it times every available path (on one thread, see `time_paths`) at one row count per
 bucket of rows (1, 2-8, 9-64, >64), keeps the fastest per bucket (one main path unless another is clearly
 faster, see `choose`), and each forward call picks its bucket's kernel from its row count.
 
-`TEXTGEN_CPU_LINEAR` = auto (default) | linear | mkl | onednn forces one path for every bucket (reproducible
-runs); where the forced path does not exist for a dtype or device, `linear` serves instead.
+`TEXTGEN_CPU_LINEAR` = auto (default) | linear | mkl | onednn | gemv forces one path for every bucket
+(reproducible runs); where the forced path does not exist for a dtype or device, or does not serve a bucket,
+`linear` serves instead.
 
-Outputs: in bfloat16 every path gives `F.linear`'s bits (the oneDNN reorder feeds the kernels `F.linear` uses);
+Outputs: in bfloat16 every path gives `F.linear`'s bits (the oneDNN reorder feeds the kernels `F.linear` uses;
+`gemv` sums in their order, found by comparison);
 in float32 the paths sum in different orders: the same fp32 accuracy, not the same bits (test_linear.py,
 test_kernel_choice.py).
 """
@@ -22,17 +27,20 @@ test_kernel_choice.py).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from textgen_server.config import UnsupportedConfigError
+from textgen_server.layers import cpu_ops
 
 if TYPE_CHECKING:
     from textgen_server.layers.tensor_parallel import Linear
@@ -51,6 +59,11 @@ BUCKET_ROWS = (1, 4, 32, 128)
 MARGIN = 0.10
 # Timing rounds per bucket: at least MIN_ROUNDS, more until MIN_SECONDS of kernel time, at most MAX_ROUNDS.
 MIN_ROUNDS, MAX_ROUNDS, MIN_SECONDS = 5, 20, 0.005
+
+# Before each timed call, a buffer of twice the last-level cache (at most EVICT_MAX) is read, so that the call
+# finds its weight in memory as a decode step does once the step's other weights went through the caches: timed
+# hot, the paths ranked otherwise than in the step (benchmark/README.md, "gemv").
+EVICT_MAX, EVICT_FALLBACK = 256 * 2**20, 32 * 2**20
 
 # Both packed layouts are built for a nominal row count. Measured on torch 2.13, each gives the same results
 # for every row count >= 2 whatever count it was built for, and fp32-close ones at 1 row; bfloat16 gives
@@ -75,6 +88,10 @@ class Kernel(ABC):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.bias = bias
+
+    def serves(self, bucket_index: int) -> bool:
+        """Whether this kernel computes the rows of bucket `bucket_index` as its path promises."""
+        return True
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
@@ -131,7 +148,62 @@ class OnednnKernel(Kernel):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-KERNELS: dict[str, type[Kernel]] = {k.path: k for k in (PlainKernel, MklKernel, OnednnKernel)}
+class GemvKernel(Kernel):
+    """One bfloat16 row by textgen::gemv_bf16 on a weight packed in 16-output blocks.
+
+    oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in order, in runs of K values that are
+    then added; the run length is oneDNN's own choice (benchmark/README.md, "gemv"). This kernel sums in runs of
+    `k_chunk`, found at load per shape and thread count: the first of CHUNKS whose outputs equal `F.linear`'s on
+    CHECK_OUTPUTS random values; where none does (another CPU, AMX, another oneDNN), the kernel serves no bucket
+    and the shard never uses it."""
+
+    path = "gemv"
+    # Run lengths tried, most likely first; 0 sums the whole K in one run.
+    CHUNKS = (512, 1024, 256, 2048, 0)
+    # Outputs compared per run length: a wrong length changes a fraction of a percent of them (benchmark/README.md).
+    CHECK_OUTPUTS = 2**19
+    _found: ClassVar[dict[tuple[int, int, bool, int], int | None]] = {}
+
+    @staticmethod
+    def available(dtype: torch.dtype, device: torch.device) -> bool:
+        return (
+            dtype == torch.bfloat16 and cpu_ops.ops_for(dtype, device) and bool(torch.ops.textgen.gemv_bf16_supported())
+        )
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.textgen.gemv_bf16_pack(weight.contiguous())
+        key = (self.out_features, self.in_features, bias is not None, torch.get_num_threads())
+        if key not in self._found:
+            self._found[key] = self._matching_chunk(weight, bias)
+        self.k_chunk = self._found[key]
+
+    def _matching_chunk(self, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
+        g = torch.Generator(device=weight.device).manual_seed(0)
+        samples = -(-self.CHECK_OUTPUTS // self.out_features)
+        xs = torch.randn(samples, 1, self.in_features, generator=g).to(weight.dtype)
+        with torch.inference_mode():
+            expected = [F.linear(x, weight, bias) for x in xs]
+            for chunk in self.CHUNKS:
+                if chunk >= self.in_features:
+                    continue  # the same sums as 0
+                ops = torch.ops.textgen
+                outs = (ops.gemv_bf16(x, self.packed, bias, self.out_features, chunk) for x in xs)
+                if all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True)):
+                    return chunk
+        return None
+
+    def serves(self, bucket_index: int) -> bool:
+        return bucket_index == 0 and self.k_chunk is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.k_chunk is None:
+            raise RuntimeError("gemv: no run length gives F.linear's bits for this shape on this CPU")
+        return torch.ops.textgen.gemv_bf16(x, self.packed, self.bias, self.out_features, self.k_chunk)
+
+
+KERNELS: dict[str, type[Kernel]] = {k.path: k for k in (PlainKernel, MklKernel, OnednnKernel, GemvKernel)}
 CHOICES = ("auto", *KERNELS)
 
 
@@ -147,9 +219,24 @@ def forced_path() -> str | None:
     return None if value == "auto" else value
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size as Linux reports it (/sys); EVICT_FALLBACK where it says nothing."""
+    sizes = [0]
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes) or EVICT_FALLBACK
+
+
 def time_paths(weight: torch.Tensor, bias: torch.Tensor | None, paths: list[str]) -> dict[str, list[float]]:
     """Least seconds of each path at each bucket's row count on one thread, the paths called in turn so that
-    each sees the same machine state.
+    each sees the same machine state, each with its weight out of the caches (EVICT_MAX); infinite where a path
+    does not serve the bucket (`Kernel.serves`).
 
     One thread, whatever the shard runs with: with several, a call whose sibling thread waits for a core that
     other work holds takes milliseconds, and on a busy machine every path measured alike, so the choice was
@@ -158,25 +245,29 @@ def time_paths(weight: torch.Tensor, bias: torch.Tensor | None, paths: list[str]
     load only adds time, and the least run is the one it disturbed least."""
     kernels = [KERNELS[path](weight, bias) for path in paths]
     g = torch.Generator(device=weight.device).manual_seed(0)
+    evict = torch.ones(min(2 * last_level_cache_bytes(), EVICT_MAX) // 4)
     least: dict[str, list[float]] = {path: [] for path in paths}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            for rows in BUCKET_ROWS:
+            for index, rows in enumerate(BUCKET_ROWS):
                 x = torch.randn(rows, weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
-                for kernel in kernels:
+                serving = [kernel for kernel in kernels if kernel.serves(index)]
+                for kernel in serving:
                     kernel(x)  # first-touch allocations
-                times: list[list[float]] = [[] for _ in kernels]
-                spent = 0.0
-                while len(times[0]) < MAX_ROUNDS and (len(times[0]) < MIN_ROUNDS or spent < MIN_SECONDS):
-                    for kernel, out in zip(kernels, times, strict=True):
+                times: dict[str, list[float]] = {kernel.path: [] for kernel in serving}
+                spent, rounds = 0.0, 0
+                while rounds < MAX_ROUNDS and (rounds < MIN_ROUNDS or spent < MIN_SECONDS):
+                    for kernel in serving:
+                        evict.sum()
                         start = time.perf_counter()
                         kernel(x)
-                        out.append(time.perf_counter() - start)
-                        spent += out[-1]
-                for path, t in zip(paths, times, strict=True):
-                    least[path].append(min(t))
+                        times[kernel.path].append(time.perf_counter() - start)
+                        spent += times[kernel.path][-1]
+                    rounds += 1
+                for path in paths:
+                    least[path].append(min(times[path]) if path in times else math.inf)
     finally:
         torch.set_num_threads(threads)
     return least
@@ -192,6 +283,17 @@ def choose(times: dict[str, list[float]]) -> tuple[str, ...]:
     return tuple(main if times[main][b] <= times[fastest[b]][b] * (1 + MARGIN) else fastest[b] for b in buckets)
 
 
+def forced_choice(forced: str, paths: list[str], layer: Linear) -> tuple[tuple[str, ...], str]:
+    """The forced path in every bucket it serves for `layer`'s shape, `linear` in the others; and why."""
+    if forced not in paths:
+        return ("linear",) * len(BUCKET_ROWS), f"{ENV}={forced}: no {forced} path here"
+    kernel = KERNELS[forced](layer.plain_weight(), layer.bias)
+    choice = tuple(forced if kernel.serves(b) else "linear" for b in range(len(BUCKET_ROWS)))
+    if "linear" in choice and forced != "linear":
+        return choice, f"{ENV}={forced}: linear where {forced} does not serve"
+    return choice, f"{ENV}={forced}"
+
+
 def choose_linear_kernels(layers: Iterable[Linear]) -> None:
     """Give every layer its kernel per bucket: measured once per distinct (out, in, dtype) shape on the first
     layer of that shape (or forced by TEXTGEN_CPU_LINEAR), one log line per shape."""
@@ -204,9 +306,7 @@ def choose_linear_kernels(layers: Iterable[Linear]) -> None:
         paths = available_paths(dtype, device)
         shape = f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')} ({len(group)} layers)"
         if forced is not None:
-            path = forced if forced in paths else "linear"
-            choice: tuple[str, ...] = (path,) * len(BUCKET_ROWS)
-            how = f"{ENV}={forced}" + ("" if forced in paths else f": no {forced} path here")
+            choice, how = forced_choice(forced, paths, group[0])
         elif len(paths) == 1:
             choice = (paths[0],) * len(BUCKET_ROWS)
             how = "the only path here"

@@ -1,0 +1,157 @@
+"""textgen::gemv_bf16 (layers/linear_ops.cpp) and the `gemv` path of the linear choice (layers/linear_choice.py).
+
+Oracles: for the op, its documented arithmetic written out in torch (each output's value pairs added in order,
+odd product then even, each sum rounded to float32, in runs of k_chunk values added in order, plus the bias,
+rounded once to bfloat16): the same bits on any CPU with AVX512-BF16. For the path, `F.linear` itself: the
+kernel serves a shape only where its sums give `F.linear`'s bits, so a served layer must give them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from textgen_server.layers import cpu_ops
+from textgen_server.layers.linear_choice import (
+    BUCKET_ROWS,
+    ENV,
+    GemvKernel,
+    available_paths,
+    choose,
+    choose_linear_kernels,
+    time_paths,
+)
+from textgen_server.layers.tensor_parallel import Linear
+
+CPU = torch.device("cpu")
+needs_gemv = pytest.mark.skipif(
+    "gemv" not in available_paths(torch.bfloat16, CPU), reason="no AVX512-BF16 build of the CPU ops here"
+)
+LOGGER = "textgen_server.layers.linear_choice"
+
+
+def written_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_chunk: int) -> torch.Tensor:
+    """The op's sums, one value pair at a time, in float32 (each bf16 product is exact in float32)."""
+    xf, wf = x.float(), weight.float()
+    k = x.shape[-1]
+    run = k_chunk or k
+    total = torch.zeros(x.shape[0], weight.shape[0])
+    for start in range(0, k, run):
+        acc = torch.zeros_like(total)
+        for p in range(start, min(k, start + run), 2):
+            if p + 1 < k:
+                acc = acc + xf[:, p + 1 : p + 2] * wf[:, p + 1]
+            acc = acc + xf[:, p : p + 1] * wf[:, p]
+        total = acc if start == 0 else total + acc
+    if bias is not None:
+        total = total + bias.float()
+    return total.bfloat16()
+
+
+@needs_gemv
+@pytest.mark.parametrize(
+    ("rows", "out_f", "in_f", "k_chunk", "with_bias"),
+    [
+        (1, 64, 96, 0, False),
+        (1, 100, 77, 32, True),  # a partial block of outputs, an odd K, runs of 32
+        (3, 130, 256, 64, False),  # rows one after another; two whole tiles of blocks and a partial one
+        (1, 2304, 768, 512, False),  # the small Llama's q/k/v, in runs of 512
+        (0, 48, 32, 0, True),
+    ],
+)
+def test_the_op_sums_as_documented(rows: int, out_f: int, in_f: int, k_chunk: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows + out_f + in_f)
+    weight = torch.randn(out_f, in_f, generator=g).bfloat16()
+    bias = torch.randn(out_f, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_f, generator=g).bfloat16()
+    packed = torch.ops.textgen.gemv_bf16_pack(weight)
+    out = torch.ops.textgen.gemv_bf16(x, packed, bias, out_f, k_chunk)
+    assert out.shape == (rows, out_f) and out.dtype == torch.bfloat16
+    assert torch.equal(out, written_out(x, weight, bias, k_chunk))
+
+
+@needs_gemv
+def test_the_op_keeps_leading_dimensions_and_refuses_bad_inputs() -> None:
+    weight = torch.randn(32, 16).bfloat16()
+    packed = torch.ops.textgen.gemv_bf16_pack(weight)
+    x = torch.randn(2, 1, 16).bfloat16()
+    assert torch.equal(torch.ops.textgen.gemv_bf16(x, packed, None, 32, 0)[1, 0], written_out(x[1], weight, None, 0)[0])
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        torch.ops.textgen.gemv_bf16(x.float(), packed, None, 32, 0)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        torch.ops.textgen.gemv_bf16(torch.randn(1, 20).bfloat16(), packed, None, 32, 0)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        torch.ops.textgen.gemv_bf16(x, packed, None, 64, 0)
+    with pytest.raises(RuntimeError, match="k_chunk must be even"):
+        torch.ops.textgen.gemv_bf16(x, packed, None, 32, 3)
+    with pytest.raises(RuntimeError, match="packed by gemv_bf16_pack"):
+        torch.ops.textgen.gemv_bf16(x, weight, None, 32, 0)
+
+
+@needs_gemv
+@pytest.mark.parametrize("shape", [(2304, 768), (768, 2048), (16000, 768), (320, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_a_served_shape_gives_f_linear_s_bits(shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(shape[0])
+    weight = torch.randn(shape, generator=g).bfloat16()
+    kernel = GemvKernel(weight, None)
+    if not kernel.serves(0):
+        pytest.skip(f"oneDNN sums {shape} in another order on this CPU: the kernel stays unused")
+    assert not any(kernel.serves(b) for b in range(1, len(BUCKET_ROWS)))
+    for _ in range(64):
+        x = torch.randn(1, shape[1], generator=g).bfloat16()
+        assert torch.equal(kernel(x), F.linear(x, weight))
+
+
+@needs_gemv
+def test_a_shape_no_run_length_reproduces_is_never_chosen(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Runs of 2 values sum in an order no oneDNN kernel uses: no length found, as on a CPU whose oneDNN differs.
+    monkeypatch.setattr(GemvKernel, "CHUNKS", (2,))
+    monkeypatch.setattr(GemvKernel, "_found", {})
+    monkeypatch.delenv(ENV, raising=False)
+    weight = torch.randn(256, 192, generator=torch.Generator().manual_seed(5)).bfloat16()
+    kernel = GemvKernel(weight, None)
+    assert kernel.k_chunk is None and not kernel.serves(0)
+    with pytest.raises(RuntimeError, match="no run length"):
+        kernel(torch.randn(1, 192).bfloat16())
+    times = time_paths(weight, None, available_paths(torch.bfloat16, CPU))
+    assert times["gemv"] == [float("inf")] * len(BUCKET_ROWS)
+    assert "gemv" not in choose(times)
+    layer = Linear(weight.clone(), None)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        choose_linear_kernels([layer])
+    assert "gemv" not in layer.paths
+    monkeypatch.setenv(ENV, "gemv")
+    layer = Linear(weight.clone(), None)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        choose_linear_kernels([layer])
+    assert layer.paths == ("linear",) * len(BUCKET_ROWS)
+    assert f"{ENV}=gemv: linear where gemv does not serve" in caplog.records[-1].getMessage()
+
+
+@needs_gemv
+def test_forcing_gemv_serves_one_row_and_f_linear_the_rest(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(ENV, "gemv")
+    g = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(2304, 768, generator=g).bfloat16(), torch.randn(2304, generator=g).bfloat16()
+    layer = Linear(weight.clone(), bias.clone())
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        choose_linear_kernels([layer])
+    if layer.paths[0] != "gemv":
+        pytest.skip("oneDNN sums this shape in another order on this CPU")
+    assert layer.paths == ("gemv", "linear", "linear", "linear")
+    for rows in (1, 4, 40):
+        x = torch.randn(rows, 768, generator=g).bfloat16()
+        assert torch.equal(layer(x), F.linear(x, weight, bias))
+
+
+def test_gemv_is_offered_only_for_bfloat16_with_the_ops() -> None:
+    assert "gemv" not in available_paths(torch.float32, CPU)
+    expected = cpu_ops.ops_for(torch.bfloat16, CPU) and bool(torch.ops.textgen.gemv_bf16_supported())
+    assert ("gemv" in available_paths(torch.bfloat16, CPU)) == expected
