@@ -1,9 +1,11 @@
-"""textgen::gemv_bf16 (layers/linear_ops.cpp) and the `gemv` path of the linear choice (layers/linear_choice.py).
+"""textgen::gemv (layers/linear_ops.cpp) and the `gemv` path of the linear choice (layers/linear_choice.py).
 
-Oracles: for the op, its documented arithmetic written out in torch (each output's value pairs added in order,
-odd product then even, each sum rounded to float32, in runs of k_chunk values added in order, plus the bias,
-rounded once to bfloat16): the same bits on any CPU with AVX512-BF16. For the path, `F.linear` itself: the
-kernel serves a shape only where its sums give `F.linear`'s bits, so a served layer must give them.
+Oracles: for the op, its documented arithmetic written out in torch (each output's products added in order, in
+runs of k_chunk values added in order, plus the bias: in float32 one fused multiply-add a value, in bfloat16 a
+value pair's odd product then its even one, each sum rounded to float32, the result rounded once to bfloat16):
+the same bits on any CPU the op is built for. For the path in bfloat16, `F.linear` itself: the kernel serves a
+shape only where its sums give `F.linear`'s bits, so a served layer must give them; in float32, the product in
+float64 within float32's tolerance, as for the other paths (test_linear.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from test_linear import assert_fp32_accurate
 
 from textgen_server.layers import cpu_ops
 from textgen_server.layers.linear_choice import (
@@ -30,65 +33,101 @@ CPU = torch.device("cpu")
 needs_gemv = pytest.mark.skipif(
     "gemv" not in available_paths(torch.bfloat16, CPU), reason="no AVX512-BF16 build of the CPU ops here"
 )
+needs_gemv_fp32 = pytest.mark.skipif(
+    "gemv" not in available_paths(torch.float32, CPU), reason="no AVX-512 build of the CPU ops here"
+)
+DTYPES = [
+    pytest.param(torch.float32, marks=needs_gemv_fp32, id="float32"),
+    pytest.param(torch.bfloat16, marks=needs_gemv, id="bfloat16"),
+]
 LOGGER = "textgen_server.layers.linear_choice"
 
 
 def written_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_chunk: int) -> torch.Tensor:
-    """The op's sums, one value pair at a time, in float32 (each bf16 product is exact in float32)."""
-    xf, wf = x.float(), weight.float()
+    """The op's sums, step by step: in float32 each fused multiply-add as float64 rounded to float32 (the product
+    of two floats is exact in float64), in bfloat16 each product exact in float32."""
+    fp32 = x.dtype == torch.float32
+    xs, ws = (x.double(), weight.double()) if fp32 else (x.float(), weight.float())
     k = x.shape[-1]
     run = k_chunk or k
     total = torch.zeros(x.shape[0], weight.shape[0])
     for start in range(0, k, run):
         acc = torch.zeros_like(total)
-        for p in range(start, min(k, start + run), 2):
+        for p in range(start, min(k, start + run), 1 if fp32 else 2):
+            if fp32:
+                acc = (acc.double() + xs[:, p : p + 1] * ws[:, p]).float()
+                continue
             if p + 1 < k:
-                acc = acc + xf[:, p + 1 : p + 2] * wf[:, p + 1]
-            acc = acc + xf[:, p : p + 1] * wf[:, p]
+                acc = acc + xs[:, p + 1 : p + 2] * ws[:, p + 1]
+            acc = acc + xs[:, p : p + 1] * ws[:, p]
         total = acc if start == 0 else total + acc
     if bias is not None:
         total = total + bias.float()
-    return total.bfloat16()
+    return total.to(x.dtype)
 
 
-@needs_gemv
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("rows", "out_f", "in_f", "k_chunk", "with_bias"),
     [
         (1, 64, 96, 0, False),
-        (1, 100, 77, 32, True),  # a partial block of outputs, an odd K, runs of 32
+        (1, 100, 78, 32, True),  # a partial block of outputs, runs of 32 and a shorter one
+        (1, 100, 77, 0, True),  # an odd K: the last bf16 pair is half padding
         (3, 130, 256, 64, False),  # rows one after another; two whole tiles of blocks and a partial one
         (1, 2304, 768, 512, False),  # the small Llama's q/k/v, in runs of 512
         (0, 48, 32, 0, True),
     ],
 )
-def test_the_op_sums_as_documented(rows: int, out_f: int, in_f: int, k_chunk: int, with_bias: bool) -> None:
+def test_the_op_sums_as_documented(
+    dtype: torch.dtype, rows: int, out_f: int, in_f: int, k_chunk: int, with_bias: bool
+) -> None:
     g = torch.Generator().manual_seed(rows + out_f + in_f)
-    weight = torch.randn(out_f, in_f, generator=g).bfloat16()
-    bias = torch.randn(out_f, generator=g).bfloat16() if with_bias else None
-    x = torch.randn(rows, in_f, generator=g).bfloat16()
-    packed = torch.ops.textgen.gemv_bf16_pack(weight)
-    out = torch.ops.textgen.gemv_bf16(x, packed, bias, out_f, k_chunk)
-    assert out.shape == (rows, out_f) and out.dtype == torch.bfloat16
+    weight = torch.randn(out_f, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, in_f, generator=g).to(dtype)
+    packed = torch.ops.textgen.gemv_pack(weight)
+    out = torch.ops.textgen.gemv(x, packed, bias, out_f, k_chunk)
+    assert out.shape == (rows, out_f) and out.dtype == dtype
     assert torch.equal(out, written_out(x, weight, bias, k_chunk))
 
 
 @needs_gemv
 def test_the_op_keeps_leading_dimensions_and_refuses_bad_inputs() -> None:
     weight = torch.randn(32, 16).bfloat16()
-    packed = torch.ops.textgen.gemv_bf16_pack(weight)
+    packed = torch.ops.textgen.gemv_pack(weight)
     x = torch.randn(2, 1, 16).bfloat16()
-    assert torch.equal(torch.ops.textgen.gemv_bf16(x, packed, None, 32, 0)[1, 0], written_out(x[1], weight, None, 0)[0])
-    with pytest.raises(RuntimeError, match="bfloat16 only"):
-        torch.ops.textgen.gemv_bf16(x.float(), packed, None, 32, 0)
+    assert torch.equal(torch.ops.textgen.gemv(x, packed, None, 32, 0)[1, 0], written_out(x[1], weight, None, 0)[0])
+    with pytest.raises(RuntimeError, match="of one dtype, float32 or bfloat16"):
+        torch.ops.textgen.gemv(x.float(), packed, None, 32, 0)
+    with pytest.raises(RuntimeError, match="of one dtype, float32 or bfloat16"):
+        torch.ops.textgen.gemv(x.half(), torch.ops.textgen.gemv_pack(weight.float()).half(), None, 32, 0)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
-        torch.ops.textgen.gemv_bf16(torch.randn(1, 20).bfloat16(), packed, None, 32, 0)
+        torch.ops.textgen.gemv(torch.randn(1, 20).bfloat16(), packed, None, 32, 0)
     with pytest.raises(RuntimeError, match="does not match the packed weight"):
-        torch.ops.textgen.gemv_bf16(x, packed, None, 64, 0)
-    with pytest.raises(RuntimeError, match="k_chunk must be even"):
-        torch.ops.textgen.gemv_bf16(x, packed, None, 32, 3)
-    with pytest.raises(RuntimeError, match="packed by gemv_bf16_pack"):
-        torch.ops.textgen.gemv_bf16(x, weight, None, 32, 0)
+        torch.ops.textgen.gemv(x, packed, None, 64, 0)
+    with pytest.raises(RuntimeError, match="k_chunk must be a multiple of 2"):
+        torch.ops.textgen.gemv(x, packed, None, 32, 3)
+    with pytest.raises(RuntimeError, match="packed by gemv_pack"):
+        torch.ops.textgen.gemv(x, weight, None, 32, 0)
+    with pytest.raises(RuntimeError, match="bias of 32 values"):
+        torch.ops.textgen.gemv(x, packed, torch.zeros(3).bfloat16(), 32, 0)
+    with pytest.raises(RuntimeError, match="a 2-D float32 or bfloat16 weight"):
+        torch.ops.textgen.gemv_pack(weight.half())
+
+
+@needs_gemv_fp32
+@pytest.mark.parametrize(
+    "shape", [(2304, 768), (768, 768), (768, 2048), (16000, 768), (320, 64), (8, 6)], ids=lambda s: f"{s[0]}x{s[1]}"
+)
+def test_float32_is_within_float32_s_tolerance(shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    weight, bias = torch.randn(shape, generator=g), torch.randn(shape[0], generator=g)
+    kernel = GemvKernel(weight, bias)
+    assert kernel.serves(0) and not any(kernel.serves(b) for b in range(1, len(BUCKET_ROWS)))
+    for _ in range(8):
+        x = torch.randn(1, shape[1], generator=g)
+        assert_fp32_accurate(kernel(x), x, weight, bias)
+    assert kernel(torch.randn(0, shape[1])).shape == (0, shape[0])
 
 
 @needs_gemv
@@ -151,7 +190,8 @@ def test_forcing_gemv_serves_one_row_and_f_linear_the_rest(
         assert torch.equal(layer(x), F.linear(x, weight, bias))
 
 
-def test_gemv_is_offered_only_for_bfloat16_with_the_ops() -> None:
-    assert "gemv" not in available_paths(torch.float32, CPU)
-    expected = cpu_ops.ops_for(torch.bfloat16, CPU) and bool(torch.ops.textgen.gemv_bf16_supported())
-    assert ("gemv" in available_paths(torch.bfloat16, CPU)) == expected
+def test_gemv_is_offered_where_the_ops_have_its_instructions() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = cpu_ops.ops_for(dtype, CPU) and bool(torch.ops.textgen.gemv_supported(dtype))
+        assert ("gemv" in available_paths(dtype, CPU)) == expected
+    assert "gemv" not in available_paths(torch.float16, CPU)

@@ -5,9 +5,10 @@ A projection y = x @ W^T + b has up to four paths on a CPU, each reading W in it
 - `mkl` (float32): MKL's packed GEMM on a weight packed once at load;
 - `onednn` (float32, bfloat16 where the CPU has native bf16 kernels, AMX included): oneDNN's GEMM on a weight
   reordered once at load into its blocked layout;
-- `gemv` (bfloat16, one row, CPUs with AVX512-BF16): textgen's own kernel (layers/linear_ops.cpp), which streams
-  the weight from memory faster than oneDNN's at one row on some CPUs. It serves a shape only where it
-  reproduces `F.linear`'s bits there, checked at load (see `GemvKernel`).
+- `gemv` (one row; float32 on CPUs with AVX-512, bfloat16 with AVX512-BF16): textgen's own kernel
+  (layers/linear_ops.cpp), which streams the weight from memory faster than the libraries' at one row on some
+  CPUs. In bfloat16 it serves a shape only where it reproduces `F.linear`'s bits there, checked at load (see
+  `GemvKernel`).
 Which is fastest depends on the CPU (MKL's fp32 kernels are slow on some vendors' cores, oneDNN's blocked layout
 loses to them at one row on others) and on the row count. So the shard does not guess: for each distinct
 (out, in, dtype) shape it times every available path (on one thread, see `time_paths`) at one row count per
@@ -149,31 +150,36 @@ class OnednnKernel(Kernel):
 
 
 class GemvKernel(Kernel):
-    """One bfloat16 row by textgen::gemv_bf16 on a weight packed in 16-output blocks.
+    """One row by textgen::gemv (layers/linear_ops.cpp) on a weight packed in 16-output blocks.
 
-    oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in order, in runs of K values that are
-    then added; the run length is oneDNN's own choice (benchmark/README.md, "gemv"). This kernel sums in runs of
-    `k_chunk`, found at load per shape and thread count: the first of CHUNKS whose outputs equal `F.linear`'s on
-    CHECK_OUTPUTS random values; where none does (another CPU, AMX, another oneDNN), the kernel serves no bucket
-    and the shard never uses it."""
+    float32: each output sums its products in order, in runs of FLOAT32_RUN values then added, which keeps it
+    within float32's tolerance like the other paths (test_linear.py).
+
+    bfloat16: oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in order, in runs of K values
+    that are then added; the run length is oneDNN's own choice (benchmark/README.md, "gemv"). This kernel sums in
+    runs of `k_chunk`, found at load per shape and thread count: the first of CHUNKS whose outputs equal
+    `F.linear`'s on CHECK_OUTPUTS random values; where none does (another CPU, AMX, another oneDNN), the kernel
+    serves no bucket and the shard never uses it."""
 
     path = "gemv"
-    # Run lengths tried, most likely first; 0 sums the whole K in one run.
+    FLOAT32_RUN = 256
+    # bfloat16 run lengths tried, most likely first; 0 sums the whole K in one run.
     CHUNKS = (512, 1024, 256, 2048, 0)
-    # Outputs compared per run length: a wrong length changes a fraction of a percent of them (benchmark/README.md).
+    # Outputs compared per run length: enough for a wrong length to show dozens of differing ones (benchmark/README.md).
     CHECK_OUTPUTS = 2**19
     _found: ClassVar[dict[tuple[int, int, bool, int], int | None]] = {}
 
     @staticmethod
     def available(dtype: torch.dtype, device: torch.device) -> bool:
-        return (
-            dtype == torch.bfloat16 and cpu_ops.ops_for(dtype, device) and bool(torch.ops.textgen.gemv_bf16_supported())
-        )
+        return cpu_ops.ops_for(dtype, device) and bool(torch.ops.textgen.gemv_supported(dtype))
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.textgen.gemv_bf16_pack(weight.contiguous())
+        self.packed = torch.ops.textgen.gemv_pack(weight.contiguous())
+        if weight.dtype == torch.float32:
+            self.k_chunk: int | None = self.FLOAT32_RUN
+            return
         key = (self.out_features, self.in_features, bias is not None, torch.get_num_threads())
         if key not in self._found:
             self._found[key] = self._matching_chunk(weight, bias)
@@ -188,8 +194,7 @@ class GemvKernel(Kernel):
             for chunk in self.CHUNKS:
                 if chunk >= self.in_features:
                     continue  # the same sums as 0
-                ops = torch.ops.textgen
-                outs = (ops.gemv_bf16(x, self.packed, bias, self.out_features, chunk) for x in xs)
+                outs = (torch.ops.textgen.gemv(x, self.packed, bias, self.out_features, chunk) for x in xs)
                 if all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True)):
                     return chunk
         return None
@@ -200,7 +205,7 @@ class GemvKernel(Kernel):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_chunk is None:
             raise RuntimeError("gemv: no run length gives F.linear's bits for this shape on this CPU")
-        return torch.ops.textgen.gemv_bf16(x, self.packed, self.bias, self.out_features, self.k_chunk)
+        return torch.ops.textgen.gemv(x, self.packed, self.bias, self.out_features, self.k_chunk)
 
 
 KERNELS: dict[str, type[Kernel]] = {k.path: k for k in (PlainKernel, MklKernel, OnednnKernel, GemvKernel)}
