@@ -9,6 +9,7 @@ its tolerance); transformers' greedy tokens for real shard processes started wit
 from __future__ import annotations
 
 import logging
+import math
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from shard_helpers import HFOracle, make_batch, make_request
 from testing.shards import ShardHandle
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig, UnsupportedConfigError
+from textgen_server.layers import linear_choice
 from textgen_server.layers.linear_choice import (
     BUCKET_ROWS,
     ENV,
@@ -233,3 +235,28 @@ def test_bfloat16_without_native_hardware_is_warned_about(
     assert model.config.dtype == getattr(torch, dtype)
     lines = [r.getMessage() for r in caplog.records if "without AVX512-BF16 or AMX" in r.getMessage()]
     assert len(lines) == (1 if warned else 0)
+
+
+@pytest.mark.parametrize(("available", "kept"), [(2**40, ("linear", "mkl", "mkl", "mkl")), (2**20, ("mkl",) * 4)])
+@needs_all_fp32_paths
+def test_second_layouts_are_kept_only_within_their_share_of_memory(
+    available: int,
+    kept: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Times fixed so that `linear` wins one row by far and MKL the rest (a choice of two layouts); with memory
+    to spare both are kept, with less than the layouts need only the main path is."""
+    monkeypatch.delenv(ENV, raising=False)
+    slow = [4.0, math.inf, math.inf, math.inf]  # the one-row gemv, where this CPU has it
+    times = {"linear": [1.0, 3.0, 3.0, 3.0], "mkl": [2.0, 1.0, 1.0, 1.0], "onednn": [4.0] * 4, "gemv": slow}
+    monkeypatch.setattr(linear_choice, "time_paths", lambda weight, bias, paths: {p: times[p] for p in paths})
+    monkeypatch.setattr(linear_choice, "available_memory_bytes", lambda: available)
+    layers = layers_of([(256, 512), (256, 512)], torch.float32)  # 1 MiB of float32 weights in all
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        choose_linear_kernels(layers)
+    assert all(layer.paths == kept for layer in layers)
+    assert {k.path for k in layers[0].kernels} == set(kept)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == (0 if len(set(kept)) > 1 else 1), warned
+    assert all("1 MiB of second weight layouts" in line for line in warned)

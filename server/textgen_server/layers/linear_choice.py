@@ -58,6 +58,9 @@ BUCKET_ROWS = (1, 4, 32, 128)
 # each layout kept costs one more copy of the weight in memory (benchmark/README.md), worth it only for a
 # gain above the measurement's noise.
 MARGIN = 0.10
+# Second layouts of the measured choices (a shape whose buckets run two paths keeps its weight twice) may take
+# at most this share of the memory available at load; the KV cache is sized from what is left after the load.
+SECOND_LAYOUTS_SHARE = 0.25
 # Timing rounds per bucket: at least MIN_ROUNDS, more until MIN_SECONDS of kernel time, at most MAX_ROUNDS.
 MIN_ROUNDS, MAX_ROUNDS, MIN_SECONDS = 5, 20, 0.005
 
@@ -278,14 +281,30 @@ def time_paths(weight: torch.Tensor, bias: torch.Tensor | None, paths: list[str]
     return least
 
 
+def main_path(times: dict[str, list[float]]) -> str:
+    """The path with the least time relative to each bucket's fastest, summed over the buckets."""
+    buckets = range(len(BUCKET_ROWS))
+    fastest = [min(t[b] for t in times.values()) for b in buckets]
+    return min(times, key=lambda p: sum(times[p][b] / fastest[b] for b in buckets))
+
+
 def choose(times: dict[str, list[float]]) -> tuple[str, ...]:
-    """One path per bucket from `time_paths`' times: the main path (least time relative to each bucket's
-    fastest, summed over the buckets) everywhere, except in a bucket where another is more than MARGIN
-    faster."""
+    """One path per bucket from `time_paths`' times: the main path everywhere, except in a bucket where another
+    is more than MARGIN faster."""
+    main = main_path(times)
     buckets = range(len(BUCKET_ROWS))
     fastest = [min(times, key=lambda p: times[p][b]) for b in buckets]
-    main = min(times, key=lambda p: sum(times[p][b] / times[fastest[b]][b] for b in buckets))
     return tuple(main if times[main][b] <= times[fastest[b]][b] * (1 + MARGIN) else fastest[b] for b in buckets)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
 
 
 def forced_choice(forced: str, paths: list[str], layer: Linear) -> tuple[tuple[str, ...], str]:
@@ -301,15 +320,20 @@ def forced_choice(forced: str, paths: list[str], layer: Linear) -> tuple[tuple[s
 
 def choose_linear_kernels(layers: Iterable[Linear]) -> None:
     """Give every layer its kernel per bucket: measured once per distinct (out, in, dtype) shape on the first
-    layer of that shape (or forced by TEXTGEN_CPU_LINEAR), one log line per shape."""
+    layer of that shape (or forced by TEXTGEN_CPU_LINEAR), one log line per shape. Where the measured choices'
+    second layouts would take more than SECOND_LAYOUTS_SHARE of the memory available, every shape keeps its main
+    path alone."""
     forced = forced_path()
     groups: dict[tuple[int, int, torch.dtype, torch.device], list[Linear]] = {}
     for layer in layers:
         weight = layer.plain_weight()
         groups.setdefault((layer.out_features, layer.in_features, weight.dtype, weight.device), []).append(layer)
+    plans: list[tuple[str, list[Linear], tuple[str, ...], str]] = []
+    mains: list[str | None] = []  # per plan, the measured main path (None: not measured)
     for (out_f, in_f, dtype, device), group in groups.items():
         paths = available_paths(dtype, device)
         shape = f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')} ({len(group)} layers)"
+        main = None
         if forced is not None:
             choice, how = forced_choice(forced, paths, group[0])
         elif len(paths) == 1:
@@ -318,11 +342,32 @@ def choose_linear_kernels(layers: Iterable[Linear]) -> None:
         else:
             first = group[0]
             times = time_paths(first.plain_weight(), first.bias, paths)
-            choice = choose(times)
+            choice, main = choose(times), main_path(times)
             rows = "/".join(map(str, BUCKET_ROWS))
             how = f"measured, least ms at {rows} rows: " + ", ".join(
                 f"{p} " + "/".join(f"{t * 1e3:.3f}" for t in times[p]) for p in paths
             )
+        plans.append((shape, group, choice, how))
+        mains.append(main)
+    second = sum(
+        (len(set(choice)) - 1) * sum(layer.plain_weight().nbytes for layer in group)
+        for (_, group, choice, _), main in zip(plans, mains, strict=True)
+        if main is not None
+    )
+    available = available_memory_bytes()
+    if second and available is not None and second > SECOND_LAYOUTS_SHARE * available:
+        logger.warning(
+            "CPU linear: the fastest kernels per row count would keep %d MiB of second weight layouts, more than"
+            " %.0f%% of the %d MiB available: each shape keeps its main path alone",
+            second >> 20,
+            SECOND_LAYOUTS_SHARE * 100,
+            available >> 20,
+        )
+        plans = [
+            (shape, group, choice if main is None else (main,) * len(BUCKET_ROWS), how)
+            for (shape, group, choice, how), main in zip(plans, mains, strict=True)
+        ]
+    for shape, group, choice, how in plans:
         for layer in group:
             layer.use(choice)
         by_bucket = ", ".join(f"{name}: {path}" for name, path in zip(BUCKET_NAMES, choice, strict=True))
