@@ -38,7 +38,7 @@ constexpr int BLOCKS = 4;      // blocks streamed together (independent accumula
 // Steps ahead of the current one that each stream prefetches: 1 or 2 KiB, a few cache lines per stream.
 constexpr int64_t PREFETCH_STEPS = 32;
 
-bool supported(c10::ScalarType dtype) {
+bool supported([[maybe_unused]] c10::ScalarType dtype) {
 #if defined(__AVX512F__)
   if (dtype == at::kFloat) return true;
 #endif
