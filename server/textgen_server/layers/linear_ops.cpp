@@ -54,16 +54,17 @@ constexpr int64_t values_per_step() {
   return std::is_same_v<T, float> ? 1 : 2;
 }
 
-int64_t per_step(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? 1 : 2; }
+int64_t step_of(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? 1 : 2; }
 
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
               "gemv_pack: a 2-D float32 or bfloat16 weight");
-  const int64_t n = w.size(0), k = w.size(1), step = per_step(w);
+  const int64_t n = w.size(0), k = w.size(1), step = step_of(w);
   const int64_t blocks = (n + LANES - 1) / LANES, steps = (k + step - 1) / step;
   at::Tensor padded = at::zeros({blocks * LANES, steps * step}, w.options());
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
-  return padded.view({blocks, LANES, steps, step}).permute({0, 2, 1, 3}).contiguous().view({blocks, steps, LANES * step});
+  const at::Tensor blocked = padded.view({blocks, LANES, steps, step}).permute({0, 2, 1, 3});
+  return blocked.contiguous().view({blocks, steps, LANES * step});
 }
 
 #if defined(__AVX512F__)
@@ -74,7 +75,6 @@ void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T
   constexpr int64_t per_step = values_per_step<T>();
   const int64_t block_stride = steps * per_step * LANES;  // elements of one packed block
   const int64_t run = k_chunk ? k_chunk / per_step : steps;  // steps summed before they join the total
-  // The totals stay in memory, touched once a run: with them in registers too, the accumulators would spill.
   __m512 total[B];
   for (int64_t start = 0; start < steps; start += run) {
     const int64_t stop = std::min(steps, start + run);
@@ -142,7 +142,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const std::option
   TORCH_CHECK(packed.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
               "gemv: x and the packed weight of one dtype, float32 or bfloat16");
   TORCH_CHECK(supported(dtype), "gemv: the library was built without the instructions for ", dtype);
-  const int64_t step = per_step(x);
+  const int64_t step = step_of(x);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == LANES * step && packed.is_contiguous(),
               "gemv: a weight packed by gemv_pack");
   const int64_t blocks = packed.size(0), steps = packed.size(1), k = x.size(-1);
