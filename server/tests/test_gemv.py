@@ -86,7 +86,7 @@ def test_the_op_sums_as_documented(
     bias = torch.randn(out_f, generator=g).to(dtype) if with_bias else None
     x = torch.randn(rows, in_f, generator=g).to(dtype)
     packed = torch.ops.textgen.gemv_pack(weight)
-    out = torch.ops.textgen.gemv(x, packed, bias, out_f, k_chunk)
+    out = torch.ops.textgen.gemv(x, packed, None if bias is None else bias.float(), out_f, k_chunk)
     assert out.shape == (rows, out_f) and out.dtype == dtype
     assert torch.equal(out, written_out(x, weight, bias, k_chunk))
 
@@ -109,8 +109,10 @@ def test_the_op_keeps_leading_dimensions_and_refuses_bad_inputs() -> None:
         torch.ops.textgen.gemv(x, packed, None, 32, 3)
     with pytest.raises(RuntimeError, match="packed by gemv_pack"):
         torch.ops.textgen.gemv(x, weight, None, 32, 0)
-    with pytest.raises(RuntimeError, match="bias of 32 values"):
-        torch.ops.textgen.gemv(x, packed, torch.zeros(3).bfloat16(), 32, 0)
+    with pytest.raises(RuntimeError, match="float32 bias of 32 values"):
+        torch.ops.textgen.gemv(x, packed, torch.zeros(3), 32, 0)
+    with pytest.raises(RuntimeError, match="float32 bias of 32 values"):
+        torch.ops.textgen.gemv(x, packed, torch.zeros(32).bfloat16(), 32, 0)
     with pytest.raises(RuntimeError, match="a 2-D float32 or bfloat16 weight"):
         torch.ops.textgen.gemv_pack(weight.half())
 

@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +180,7 @@ class GemvKernel(Kernel):
         super().__init__(weight, bias)
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.textgen.gemv_pack(weight.contiguous())
+        self.bias_f32 = None if bias is None else bias.float().contiguous()
         if weight.dtype == torch.float32:
             self.k_chunk: int | None = self.FLOAT32_RUN
             return
@@ -197,7 +198,7 @@ class GemvKernel(Kernel):
             for chunk in self.CHUNKS:
                 if chunk >= self.in_features:
                     continue  # the same sums as 0
-                outs = (torch.ops.textgen.gemv(x, self.packed, bias, self.out_features, chunk) for x in xs)
+                outs = (torch.ops.textgen.gemv(x, self.packed, self.bias_f32, self.out_features, chunk) for x in xs)
                 if all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True)):
                     return chunk
         return None
@@ -208,7 +209,7 @@ class GemvKernel(Kernel):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_chunk is None:
             raise RuntimeError("gemv: no run length gives F.linear's bits for this shape on this CPU")
-        return torch.ops.textgen.gemv(x, self.packed, self.bias, self.out_features, self.k_chunk)
+        return torch.ops.textgen.gemv(x, self.packed, self.bias_f32, self.out_features, self.k_chunk)
 
 
 KERNELS: dict[str, type[Kernel]] = {k.path: k for k in (PlainKernel, MklKernel, OnednnKernel, GemvKernel)}
@@ -318,6 +319,25 @@ def forced_choice(forced: str, paths: list[str], layer: Linear) -> tuple[tuple[s
     return choice, f"{ENV}={forced}"
 
 
+class Plan(NamedTuple):
+    """The kernels one projection shape's layers will use, and the log line's reason."""
+
+    shape: str  # for the log line
+    group: list[Linear]
+    choice: tuple[str, ...]  # a path per bucket
+    how: str
+    main: str | None = None  # the measured main path; None where forced or the only one
+
+    def second_layout_bytes(self) -> int:
+        """Memory the measured choice's layouts take beyond one copy of the weights."""
+        if self.main is None:
+            return 0
+        return (len(set(self.choice)) - 1) * sum(layer.plain_weight().nbytes for layer in self.group)
+
+    def main_only(self) -> Plan:
+        return self if self.main is None else self._replace(choice=(self.main,) * len(BUCKET_ROWS))
+
+
 def choose_linear_kernels(layers: Iterable[Linear]) -> None:
     """Give every layer its kernel per bucket: measured once per distinct (out, in, dtype) shape on the first
     layer of that shape (or forced by TEXTGEN_CPU_LINEAR), one log line per shape. Where the measured choices'
@@ -328,32 +348,23 @@ def choose_linear_kernels(layers: Iterable[Linear]) -> None:
     for layer in layers:
         weight = layer.plain_weight()
         groups.setdefault((layer.out_features, layer.in_features, weight.dtype, weight.device), []).append(layer)
-    plans: list[tuple[str, list[Linear], tuple[str, ...], str]] = []
-    mains: list[str | None] = []  # per plan, the measured main path (None: not measured)
+    plans: list[Plan] = []
     for (out_f, in_f, dtype, device), group in groups.items():
         paths = available_paths(dtype, device)
         shape = f"{out_f}x{in_f} {str(dtype).removeprefix('torch.')} ({len(group)} layers)"
-        main = None
         if forced is not None:
-            choice, how = forced_choice(forced, paths, group[0])
+            plans.append(Plan(shape, group, *forced_choice(forced, paths, group[0])))
         elif len(paths) == 1:
-            choice = (paths[0],) * len(BUCKET_ROWS)
-            how = "the only path here"
+            plans.append(Plan(shape, group, (paths[0],) * len(BUCKET_ROWS), "the only path here"))
         else:
             first = group[0]
             times = time_paths(first.plain_weight(), first.bias, paths)
-            choice, main = choose(times), main_path(times)
             rows = "/".join(map(str, BUCKET_ROWS))
             how = f"measured, least ms at {rows} rows: " + ", ".join(
                 f"{p} " + "/".join(f"{t * 1e3:.3f}" for t in times[p]) for p in paths
             )
-        plans.append((shape, group, choice, how))
-        mains.append(main)
-    second = sum(
-        (len(set(choice)) - 1) * sum(layer.plain_weight().nbytes for layer in group)
-        for (_, group, choice, _), main in zip(plans, mains, strict=True)
-        if main is not None
-    )
+            plans.append(Plan(shape, group, choose(times), how, main_path(times)))
+    second = sum(plan.second_layout_bytes() for plan in plans)
     available = available_memory_bytes()
     if second and available is not None and second > SECOND_LAYOUTS_SHARE * available:
         logger.warning(
@@ -363,12 +374,9 @@ def choose_linear_kernels(layers: Iterable[Linear]) -> None:
             SECOND_LAYOUTS_SHARE * 100,
             available >> 20,
         )
-        plans = [
-            (shape, group, choice if main is None else (main,) * len(BUCKET_ROWS), how)
-            for (shape, group, choice, how), main in zip(plans, mains, strict=True)
-        ]
-    for shape, group, choice, how in plans:
-        for layer in group:
-            layer.use(choice)
-        by_bucket = ", ".join(f"{name}: {path}" for name, path in zip(BUCKET_NAMES, choice, strict=True))
-        logger.info("CPU linear %s, rows %s (%s)", shape, by_bucket, how)
+        plans = [plan.main_only() for plan in plans]
+    for plan in plans:
+        for layer in plan.group:
+            layer.use(plan.choice)
+        by_bucket = ", ".join(f"{name}: {path}" for name, path in zip(BUCKET_NAMES, plan.choice, strict=True))
+        logger.info("CPU linear %s, rows %s (%s)", plan.shape, by_bucket, plan.how)

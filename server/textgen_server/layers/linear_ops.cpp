@@ -7,8 +7,9 @@
 // textgen::gemv_pack(w [N, K]) -> packed: the weight in blocks of 16 outputs, zero-padded, each block one
 //   contiguous run: bf16 [ceil(N/16), ceil(K/2), 16, 2] (output n's value pair k at [n / 16, k, n % 16, :]),
 //   float32 [ceil(N/16), K, 16].
-// textgen::gemv(x [..., K], packed, bias [N] or None, n, k_chunk) -> y [..., N] in x's dtype, row by row (each
-//   row streams the whole weight: at 2+ rows the libraries' kernels, which reuse each loaded weight, win). Each
+// textgen::gemv(x [..., K], packed, bias [N] float32 or None, n, k_chunk) -> y [..., N] in x's dtype, row by row
+//   (each row streams the whole weight: at 2+ rows the libraries' kernels, which reuse each loaded weight, win;
+//   the bias is float32 whatever x's dtype, converted once by the caller, not on every call). Each
 //   output sums in order, in runs of k_chunk values (0: one run) that are then added in order, plus the bias,
 //   in float32:
 //   - float32: one fused multiply-add a value;
@@ -149,17 +150,16 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const std::option
   TORCH_CHECK(k <= steps * step && k > (steps - 1) * step && n <= blocks * LANES && n > (blocks - 1) * LANES,
               "gemv: x or n does not match the packed weight");
   TORCH_CHECK(k_chunk >= 0 && k_chunk % step == 0, "gemv: k_chunk must be a multiple of ", step);
-  at::Tensor bias_f;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "gemv: bias of ", n, " values expected");
-    bias_f = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "gemv: a contiguous float32 bias of ", n, " values expected");
   }
   const at::Tensor flat = x.reshape({-1, k}).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());
 #if defined(__AVX512F__)
-  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t m = flat.size(0);
   if (dtype == at::kFloat) {
     rows<float>(flat.data_ptr<float>(), m, k, packed.data_ptr<float>(), blocks, steps, bp, y.data_ptr<float>(), n,
