@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from textgen_server.builder import BUILDER_VERSION, build_test_model
+from textgen_server.builder import BUILDER_VERSION, CYCLE_PERIOD, build_cycling_model, build_test_model
 
 FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
 
@@ -69,6 +69,22 @@ def test_rebuild_is_identical_and_reuse_is_free(llama: Path, tmp_path: Path) -> 
     mtime = (llama / "model.safetensors").stat().st_mtime_ns
     assert build_test_model(llama) == llama
     assert (llama / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_cycling_head_is_the_embedding_with_rows_moved_to_their_successors(llama: Path, tmp_path: Path) -> None:
+    """Every head row is written, each from one embedding row (none left as uninitialised memory, which once made
+    the model loop in one pytest session and not in the next): the vocabulary (1024 ids) ends in a partial group,
+    whose ids map to themselves."""
+    from safetensors.torch import load_file
+
+    weights = load_file(build_cycling_model(llama, tmp_path / "cycling") / "model.safetensors")
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    vocab = embed.shape[0]
+    assert vocab % CYCLE_PERIOD  # the partial group exists
+    for i in range(vocab):
+        group = i - i % CYCLE_PERIOD
+        successor = i if group + CYCLE_PERIOD > vocab else group + (i + 1 - group) % CYCLE_PERIOD
+        assert torch.equal(head[successor], embed[i]), f"id {i}"
 
 
 @pytest.mark.parametrize(

@@ -431,7 +431,7 @@ def build_cycling_model(source: str | Path, out_dir: str | Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     out = Path(out_dir)
-    stamp = {"cycling_of": str(source), "period": CYCLE_PERIOD}
+    stamp = {"cycling_of": str(source), "period": CYCLE_PERIOD, "partial_group": "identity"}
     if _is_built(out, stamp):
         return out
     tmp = out.with_name(f"{out.name}.building-{os.getpid()}")
@@ -443,9 +443,12 @@ def build_cycling_model(source: str | Path, out_dir: str | Path) -> Path:
             tensor.zero_()
     embed = weights["model.embed_tokens.weight"]
     ids = torch.arange(embed.shape[0])
-    successor = (ids // CYCLE_PERIOD) * CYCLE_PERIOD + (ids % CYCLE_PERIOD + 1) % CYCLE_PERIOD
-    past = successor >= embed.shape[0]  # a last, partial group of ids maps each to itself
-    successor[past] = ids[past]
+    group = (ids // CYCLE_PERIOD) * CYCLE_PERIOD
+    successor = group + (ids % CYCLE_PERIOD + 1) % CYCLE_PERIOD
+    # The ids of a last, partial group map each to itself, so that `successor` is a permutation and every row of
+    # the head is written (a row no id maps to would keep whatever memory it was given).
+    partial = group + CYCLE_PERIOD > embed.shape[0]
+    successor[partial] = ids[partial]
     head = torch.empty_like(embed)
     head[successor] = embed
     weights["lm_head.weight"] = head
