@@ -83,8 +83,8 @@ def causal_attention(
         return _causal_op(queries, k, v, window if window is not None and windowed else 0, heads, seq)
     mask = None
     if seq != total or windowed:
-        positions = torch.arange(total - seq, total).unsqueeze(1)
-        keys = torch.arange(total)
+        positions = torch.arange(total - seq, total, device=q.device).unsqueeze(1)
+        keys = torch.arange(total, device=q.device)
         visible = keys <= positions
         if window is not None:
             visible &= keys > positions - window

@@ -1,4 +1,4 @@
-"""Attention through a paged KV pool on a CPU: `write_kv` stores a step's keys and values, `paged_attention`
+"""Attention through a paged KV pool: `write_kv` stores a step's keys and values, `paged_attention`
 attends through each row's block table (TGI's flashinfer / flashdecoding layout, `[num_blocks, block_size,
 kv_heads, head_dim]` per layer; slot `s` = `block * block_size + offset`).
 
@@ -11,6 +11,8 @@ dtype is another (float16) take the torch path: keys gathered from the pool, the
 mask (`causal_attention`; in bfloat16 with the op built, the masked softmax is `textgen::causal_softmax_bf16`).
 Both paths round where transformers' eager attention rounds in bfloat16 (see attention_kernels.py), so the
 decode op differs from the torch path only where float32 sums taken in another order round to another bfloat16.
+On a GPU every decode row takes `decode_rows`, torch ops that read nothing on the host when their metadata is
+on the GPU, so a decode step can be captured in a CUDA graph (models/cuda_graphs.py); prefills take SDPA.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     window: int | None = None,
+    key_slots: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's query tokens through the KV pool; returns [T, heads, head_dim] in q's dtype.
 
@@ -70,7 +73,9 @@ def paged_attention(
     - seq_lens [B] (int32 / int64 host tensor or list of ints): row b attends to its first seq_lens[b] positions,
       its new ones (already stored with `write_kv`) last;
     - block_tables int32 [B, max_blocks]: row b's position p lives in block block_tables[b, p // block_size];
-    - window: sliding window, a query at position p sees keys (p - window, p]; None: all keys up to p.
+    - window: sliding window, a query at position p sees keys (p - window, p]; None: all keys up to p;
+    - key_slots: per row of several queries, the pool slots (int64, on the pool's device) of its seq_lens[b]
+      positions, computed once per step for every layer (`row_key_slots`); None: from the table, per call.
 
     Bottom-right aligned: query i of a row of n queries sits at position seq_lens[b] - n + i. When every row has
     one query (T == B) the metadata is never read on the host; lists avoid a tensor-to-list copy otherwise.
@@ -78,64 +83,38 @@ def paged_attention(
     batch = len(seq_lens)
     block_tables = block_tables.to(torch.int32)
     kernel = use_paged_kernel(q.dtype, q.device)
-    if kernel and q.shape[0] == batch:  # every row a decode row: the common step, straight to the op
+    if q.shape[0] == batch:  # every row a decode row: the common step, straight to the op or `decode_rows`
         lengths = torch.as_tensor(seq_lens, dtype=torch.int64)
-        return torch.ops.textgen.paged_decode_attention(q, k_cache, v_cache, block_tables, lengths, scale, window or 0)
+        if kernel:
+            return torch.ops.textgen.paged_decode_attention(
+                q, k_cache, v_cache, block_tables.contiguous(), lengths, scale, window or 0
+            )
+        return decode_rows(q, k_cache, v_cache, block_tables, lengths, scale, window)
     cu = cu_seqlens_q.tolist() if isinstance(cu_seqlens_q, torch.Tensor) else list(cu_seqlens_q)
     lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
     out = torch.empty(q.shape[0], q.shape[1], q.shape[2], dtype=q.dtype, device=q.device)
     decode = [b for b in range(batch) if cu[b + 1] - cu[b] == 1]
     if decode:
-        tokens = torch.tensor([cu[b] for b in decode])
-        rows = torch.tensor(decode)
+        tokens = torch.tensor([cu[b] for b in decode], device=q.device)
+        rows = torch.tensor(decode, device=block_tables.device)
         lengths = torch.tensor([lens[b] for b in decode])
+        tables = block_tables[rows].contiguous()
         if kernel:
             out[tokens] = torch.ops.textgen.paged_decode_attention(
-                q[tokens], k_cache, v_cache, block_tables[rows].contiguous(), lengths, scale, window or 0
+                q[tokens], k_cache, v_cache, tables, lengths, scale, window or 0
             )
         else:
-            out[tokens] = _decode_rows(q[tokens], k_cache, v_cache, block_tables[rows], lengths, scale, window)
+            out[tokens] = decode_rows(q[tokens], k_cache, v_cache, tables, lengths, scale, window)
     for b in range(batch):
         if cu[b + 1] - cu[b] > 1:
-            out[cu[b] : cu[b + 1]] = _row(
-                q[cu[b] : cu[b + 1]], k_cache, v_cache, block_tables[b], lens[b], scale, window
-            )
+            slots = key_slots[b] if key_slots is not None else None
+            if slots is None:
+                slots = row_key_slots(block_tables[b : b + 1], [lens[b]], k_cache.shape[1], k_cache.device)[0]
+            out[cu[b] : cu[b + 1]] = _row(q[cu[b] : cu[b + 1]], k_cache, v_cache, slots, scale, window)
     return out
 
 
-def _visible(positions: torch.Tensor, length: int | torch.Tensor, window: int | None) -> torch.Tensor:
-    """Which key positions [..., K] a query at `positions` [..., 1] sees: those up to it, within the window."""
-    keys = torch.arange(int(length) if isinstance(length, int) else int(length.max()))
-    visible = keys <= positions
-    if window is not None:
-        visible &= keys > positions - window
-    return visible
-
-
-def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Pool slots (int64) of `positions` through block table rows `table` (same leading shape)."""
-    return table.gather(-1, positions // block_size).long() * block_size + positions % block_size
-
-
-def _row(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    table: torch.Tensor,
-    length: int,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    """One row's n queries [n, H, D] over its first `length` positions, gathered from the pool."""
-    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    slots = _slots(table, torch.arange(length), k_cache.shape[1])
-    keys = k_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    values = v_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)
-    attend = attention_for(q.dtype, q.device)
-    return causal_attention(q.transpose(0, 1).unsqueeze(0), keys, values, scale, window, attend)[0].transpose(0, 1)
-
-
-def _decode_rows(
+def decode_rows(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -144,14 +123,55 @@ def _decode_rows(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """The op's work in torch: decode rows' queries [B, H, D] over their keys gathered into [B, Hkv, max_len, D].
-    Positions past a row's length read its position 0, which is written (a masked column's zero weight times
-    an unwritten slot's NaN would be NaN)."""
+    """The op's work in torch (GPUs, and CPUs without the op): decode rows' queries [B, H, D] over their keys
+    gathered into [B, Hkv, width, D], masked past each row's length (int64 [B]).
+
+    With `lengths` on the host the width is the rows' longest, read there; with `lengths` on a GPU (a CUDA graph's
+    static buffers) it is the whole table's, `tables.shape[1] * block_size`, and nothing is read on the host, so
+    the call can be captured. Positions past a row's length read its position 0, which is written (a
+    masked column's zero weight times an unwritten slot's NaN would be NaN).
+    """
+    block_size, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if lengths.device.type == "cpu":
+        tables = tables[:, : -(-int(lengths.max()) // block_size)]
+    device = q.device
+    tables, lengths = tables.to(device), lengths.to(device)
+    keys = torch.arange(tables.shape[1] * block_size, device=device)
+    last = (lengths - 1).unsqueeze(1)  # [B, 1]
+    visible = keys <= last  # [B, width]
+    if window is not None:
+        visible &= keys > last - window
+    slots = _slots(tables, torch.where(visible, keys, 0), block_size)
+    k = k_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)  # [B, Hkv, width, D]
+    v = v_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)
+    attend = attention_for(q.dtype, device)
+    return attend(q.unsqueeze(2), k, v, visible.view(q.shape[0], 1, 1, -1), scale).squeeze(2)
+
+
+def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slots (int64) of `positions` through block table rows `table` (same leading shape)."""
+    return table.gather(-1, positions // block_size).long() * block_size + positions % block_size
+
+
+def row_key_slots(
+    tables: torch.Tensor, lengths: Sequence[int], block_size: int, device: torch.device
+) -> list[torch.Tensor]:
+    """The pool slots of positions 0 .. lengths[i] - 1 of each row of `tables` (host, [R, max_blocks]), moved to
+    `device` in one copy."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    positions = torch.arange(int(sum(lengths))) - starts[rows]
+    slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
+    return list(slots.to(device).split(list(lengths)))
+
+
+def _row(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
+    """One row's n queries [n, H, D] over its keys at `slots` (the row's positions in order), gathered from the
+    pool."""
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    visible = _visible((lengths - 1).unsqueeze(1), lengths, window)  # [B, max_len]
-    positions = torch.where(visible, torch.arange(visible.shape[1]), 0)
-    slots = _slots(tables, positions, k_cache.shape[1])
-    keys = k_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)  # [B, Hkv, max_len, D]
-    values = v_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)
+    keys = k_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    values = v_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)
     attend = attention_for(q.dtype, q.device)
-    return attend(q.unsqueeze(2), keys, values, visible.view(q.shape[0], 1, 1, -1), scale).squeeze(2)
+    return causal_attention(q.transpose(0, 1).unsqueeze(0), keys, values, scale, window, attend)[0].transpose(0, 1)

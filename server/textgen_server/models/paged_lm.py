@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from textgen_pb import generate_pb2
 from textgen_server.config import PagingConfig, ShardConfig
 from textgen_server.layers.lora import AdapterSegments
+from textgen_server.layers.paged_attention import row_key_slots
 from textgen_server.models.generations import Chosen, choose, emit_generations, prompt_logprobs
 from textgen_server.models.kv_pool import KVPool, free_memory, pool_blocks
 from textgen_server.models.model import Model
@@ -156,7 +157,9 @@ class PagedCausalLM(Model[PagedBatch]):
         return generations, batch, (forward_ns, time.perf_counter_ns() - decode_start)
 
     def _step(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedStep]:
-        """The step's flat token ids and positions, and where attention reads and writes."""
+        """The step's flat token ids and positions, and where attention reads and writes. Everything attention
+        reads goes to the device here, once per step: on a GPU a host tensor read per layer would stop the
+        stream at every layer."""
         size, block_size = len(batch), self.paging.block_size
         chunks = torch.tensor(batch.chunk_lengths, dtype=torch.int32)
         cache = torch.tensor(batch.cache_lengths, dtype=torch.int32)
@@ -165,11 +168,16 @@ class PagedCausalLM(Model[PagedBatch]):
         tokens = int(cu_seqlens[-1])
         table = batch.block_table_tensor
         device = self.config.device
+        lengths = (cache + chunks).long()
         if tokens == size:  # every row feeds one token: its last
             ids = [row[-1] for row in batch.all_input_ids]
             positions = cache.long()
             slots = table[torch.arange(size), positions // block_size].long() * block_size + positions % block_size
-            step = PagedStep(self.pool, slots.to(device), cu_seqlens, (cache + chunks).long(), table)
+            if device.type != "cpu":
+                # The table cut to the live blocks; `decode_rows` reads every column of a table on the device.
+                table = table[:, : -(-int(lengths.max()) // block_size)].to(device)
+                lengths = lengths.to(device)
+            step = PagedStep(self.pool, slots.to(device), cu_seqlens, lengths, table)
             return torch.tensor(ids, dtype=torch.long, device=device), positions.to(device), step
         ids = [
             t
@@ -187,8 +195,19 @@ class PagedCausalLM(Model[PagedBatch]):
             cu_tokens = torch.arange(tokens + 1, dtype=torch.int32)
             step = PagedStep(self.pool, slots.to(device), cu_tokens, positions + 1, table.index_select(0, rows))
         else:
-            step = PagedStep(self.pool, slots.to(device), cu_seqlens, (cache + chunks).long(), table)
+            step = PagedStep(self.pool, slots.to(device), cu_seqlens, lengths, table, self._key_slots(batch, table))
         return torch.tensor(ids, dtype=torch.long, device=device), positions.to(device), step
+
+    def _key_slots(self, batch: PagedBatch, table: torch.Tensor) -> list[torch.Tensor | None]:
+        """The keys' slots of each row feeding several tokens (None for the others), for every layer's attention."""
+        several = [i for i, n in enumerate(batch.chunk_lengths) if n > 1]
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        if several:
+            lengths = [batch.cache_lengths[i] + batch.chunk_lengths[i] for i in several]
+            found = row_key_slots(table[several], lengths, self.paging.block_size, self.config.device)
+            for i, slots in zip(several, found, strict=True):
+                out[i] = slots
+        return out
 
     @staticmethod
     def _keep_prompt_logprobs(batch: PagedBatch, logits: torch.Tensor, cu_seqlens: list[int]) -> None:

@@ -187,6 +187,8 @@ class PagedStep:
     cu_seqlens_q: torch.Tensor  # [B + 1]
     seq_lens: torch.Tensor  # int64 [B]
     block_tables: torch.Tensor  # int32 [B, max_blocks]
+    # per row of several queries, its keys' slots on the pool's device, once per step (paged_attention's key_slots)
+    key_slots: list[torch.Tensor | None] | None = None
 
 
 class Attention(nn.Module):
@@ -250,7 +252,15 @@ class Attention(nn.Module):
         k_cache, v_cache = step.pool.keys[self.layer_idx], step.pool.values[self.layer_idx]
         write_kv(k_cache, v_cache, step.slots, k, v, self.fused)
         return paged_attention(
-            q, k_cache, v_cache, step.cu_seqlens_q, step.seq_lens, step.block_tables, self.scaling, self.window
+            q,
+            k_cache,
+            v_cache,
+            step.cu_seqlens_q,
+            step.seq_lens,
+            step.block_tables,
+            self.scaling,
+            self.window,
+            step.key_slots,
         )
 
     def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> torch.Tensor:
@@ -514,6 +524,7 @@ def load_tp_model(
     aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
     weights = Weights.from_dir(Path(model_dir), device, dtype, dist.rank, dist.world_size, aliases)
     model = TPCausalLM(config, weights, dist, device).eval()
-    # Once per shard start: the kernels this CPU runs fastest, measured on the loaded weights.
-    choose_linear_kernels(m for m in model.modules() if isinstance(m, Linear))
+    if device.type == "cpu":
+        # Once per shard start: the kernels this CPU runs fastest, measured on the loaded weights.
+        choose_linear_kernels(m for m in model.modules() if isinstance(m, Linear))
     return model
