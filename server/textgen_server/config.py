@@ -39,6 +39,20 @@ def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).lower() in ("1", "true")
 
 
+def parse_cuda_graphs(value: str | None) -> tuple[int, ...]:
+    """The batch sizes of CUDA_GRAPHS (a comma list, as the launcher sets it; zeros dropped, as TGI's launcher
+    drops them): none when unset, as TGI's shard. ValueError for anything but non-negative integers."""
+    if not value:
+        return ()
+    try:
+        sizes = [int(item) for item in value.split(",")]
+    except ValueError:
+        raise ValueError(f"expected comma-separated batch sizes, got {value!r}") from None
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"expected non-negative batch sizes, got {value!r}")
+    return tuple(sorted({size for size in sizes if size > 0}))
+
+
 class UnsupportedConfigError(ValueError):
     """The shard cannot serve the model as asked; the CLI reports it as one clear line and exits."""
 
@@ -72,6 +86,8 @@ class ServeConfig:
     # model config's own RoPE scaling, as in TGI's shard.
     rope_scaling: str | None = None
     rope_factor: str | None = None
+    # CUDA_GRAPHS as the launcher passes it: the decode batch sizes captured at warmup on a GPU (models/cuda_graphs.py)
+    cuda_graphs: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
@@ -96,6 +112,7 @@ class ServeConfig:
             use_flash_attention=os.environ.get("USE_FLASH_ATTENTION", "true").lower() not in ("false", "0"),
             rope_scaling=os.environ.get("ROPE_SCALING") or None,
             rope_factor=os.environ.get("ROPE_FACTOR") or None,
+            cuda_graphs=os.environ.get("CUDA_GRAPHS") or None,
         )
 
     def check(self) -> None:
@@ -118,6 +135,10 @@ class ServeConfig:
             raise UnsupportedConfigError(f"--dtype {self.dtype} is not supported; use one of {', '.join(DTYPES)}")
         self.adapters()
         self.rope()
+        try:
+            parse_cuda_graphs(self.cuda_graphs)
+        except ValueError as error:
+            raise UnsupportedConfigError(f"CUDA_GRAPHS: {error}") from None
 
     def paging(self) -> PagingConfig:
         """The paged engine's settings (block size as TGI's for the ATTENTION backend; as in TGI, speculation
@@ -130,6 +151,7 @@ class ServeConfig:
             self.prefill_chunking and not speculate,
             self.request_logprobs,
             speculate,
+            parse_cuda_graphs(self.cuda_graphs),
         )
 
     def rope(self) -> tuple[str, float] | None:
@@ -191,3 +213,4 @@ class PagingConfig:
     chunking: bool  # Info.support_chunking: the router may send partial prompts and cached batches to Prefill
     prompt_logprobs: bool  # whether a request's prefill_logprobs is honoured (else it gets no prefill tokens)
     speculate: int = 0  # Info.speculate: the most tokens a row guesses per step (utils/speculate.py), 0 for none
+    cuda_graphs: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs on a GPU (models/cuda_graphs.py)

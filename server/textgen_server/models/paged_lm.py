@@ -16,6 +16,7 @@ and values of refused guesses stay in the row's slots past its cache length, to 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from textgen_pb import generate_pb2
 from textgen_server.config import PagingConfig, ShardConfig
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.paged_attention import row_key_slots
+from textgen_server.models.cuda_graphs import DecodeGraphs
 from textgen_server.models.generations import Chosen, choose, emit_generations, prompt_logprobs
 from textgen_server.models.kv_pool import KVPool, free_memory, pool_blocks
 from textgen_server.models.model import Model
@@ -36,6 +38,8 @@ from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
 
 if TYPE_CHECKING:
     from textgen_server.models.tp_llama import TPCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 class PagedCausalLM(Model[PagedBatch]):
@@ -50,6 +54,7 @@ class PagedCausalLM(Model[PagedBatch]):
         self.adapters = {name: i for i, name in enumerate(module.adapter_names, start=1)}
         self.max_prefill_tokens: int | None = None  # the step's token budget, from Warmup (chunk sizes)
         self._pool: KVPool | None = None
+        self.graphs: DecodeGraphs | None = None  # captured at Warmup on a GPU when CUDA_GRAPHS names sizes
 
     @property
     def batch_type(self) -> type[PagedBatch]:
@@ -60,8 +65,17 @@ class PagedCausalLM(Model[PagedBatch]):
         """The KV pool, sized from the free memory when first needed (Warmup, or the first batch)."""
         if self._pool is None:
             shape = self.module.pool_shape(self.paging.block_size)
-            blocks = pool_blocks(shape, free_memory(self.config.device, self.config.world_size))
+            free = free_memory(self.config.device, self.config.world_size)
+            blocks = pool_blocks(shape, free)
             self._pool = KVPool(shape, blocks, self.config.device)
+            logger.info(
+                "KV pool on %s: %d blocks of %d tokens, %.2f GiB (%.2f GiB of free memory allowed)",
+                self.config.device,
+                blocks,
+                shape.block_size,
+                blocks * shape.bytes_per_block / 2**30,
+                free / 2**30,
+            )
         return self._pool
 
     @property
@@ -99,6 +113,10 @@ class PagedCausalLM(Model[PagedBatch]):
             _, max_input_tokens, max_total_tokens = super().warmup(batch, max_input_tokens, max_total_tokens)
         finally:
             batch.release()
+        device = self.config.device
+        if self.paging.cuda_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(self.module, self.pool, self.paging.cuda_graphs, max_total_tokens, device)
+            self.graphs.capture_all()
         return self.pool.tokens, max_input_tokens, max_total_tokens
 
     @torch.inference_mode()
@@ -129,9 +147,14 @@ class PagedCausalLM(Model[PagedBatch]):
         segments = None
         if any(batch.adapter_indices):
             segments = AdapterSegments.of(batch.adapter_indices, batch.chunk_lengths, input_ids.device)
-        logits = self.module.forward_paged(
-            input_ids, positions, step, None if want_prompt_logprobs else picked.to(input_ids.device), segments
-        )
+        logits = None
+        if self.graphs is not None and len(input_ids) == len(batch) and segments is None and not want_prompt_logprobs:
+            longest = max(c + n for c, n in zip(batch.cache_lengths, batch.chunk_lengths, strict=True))
+            logits = self.graphs.run(input_ids, positions, step, longest)
+        if logits is None:
+            logits = self.module.forward_paged(
+                input_ids, positions, step, None if want_prompt_logprobs else picked.to(input_ids.device), segments
+            )
         if want_prompt_logprobs:
             self._keep_prompt_logprobs(batch, logits, [0, *ends])
             logits = logits.index_select(0, picked.to(logits.device))
