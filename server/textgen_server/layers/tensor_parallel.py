@@ -21,7 +21,7 @@ from textgen_server.utils.weights import Weights
 class Linear(nn.Module):
     """y = x @ W^T + b, by the kernel `use` gave the bucket of x's row count (layers/linear_choice.py).
 
-    Built with the plain weight and `F.linear` for every row count; the shard's model loader then measures the
+    Built with the plain weight and `F.linear` for every row count; on a CPU the shard's model loader then measures the
     paths this CPU has and calls `use` (`choose_linear_kernels`), which keeps W only in the layouts the chosen
     kernels read: the plain copy is dropped unless a bucket runs `F.linear`, so the model's memory does not
     double for nothing.

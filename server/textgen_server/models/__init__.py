@@ -57,6 +57,19 @@ def load_module(
     return module.to(device).eval()  # type: ignore[arg-type]
 
 
+def shard_device(rank: int) -> torch.device:
+    """cuda:rank where torch sees a GPU, else the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # cuDNN's attention, SDPA's first choice on Hopper, builds an execution plan for every new shape: each prompt
+    # length, and each decode step's key count outside the CUDA graphs' fixed widths, cost tens of ms on an H100
+    # (benchmark/README.md, "On a GPU"). Flash, memory-efficient and math attention have no such cost.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return torch.device(f"cuda:{rank}")
+
+
 def get_model(serve: ServeConfig) -> Model:
     """Load `serve.model_id` for this shard; options it cannot honour raise UnsupportedConfigError."""
     serve.check()
@@ -67,7 +80,7 @@ def get_model(serve: ServeConfig) -> Model:
     from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 
     dist = initialize_torch_distributed() if serve.sharded else DistInfo(0, 1, None)
-    device = torch.device(f"cuda:{dist.rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = shard_device(dist.rank)
     # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
     default_dtype = torch.float16 if device.type == "cuda" else torch.float32
     dtype = getattr(torch, serve.dtype) if serve.dtype else default_dtype
