@@ -107,9 +107,9 @@ def copy_bandwidth_gbs(threads: int, mib: int = 512) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def bytes_per_step(model_dir: Path, batch: int, itemsize: int = 4) -> float:
+def bytes_per_step(model_dir: Path, batch: int, itemsize: int = 4, mean_context: float | None = None) -> float:
     """Weights read once per step (the embedding table is only gathered) + K and V of the whole batch, at
-    `itemsize` bytes per value."""
+    `itemsize` bytes per value, over `mean_context` positions per row (default: this module's decode's)."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -117,6 +117,7 @@ def bytes_per_step(model_dir: Path, batch: int, itemsize: int = 4) -> float:
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "embed_tokens" not in k) * itemsize
     head_dim = config.hidden_size // config.num_attention_heads
-    mean_context = PROMPT_LEN + NEW_TOKENS / 2
+    if mean_context is None:
+        mean_context = PROMPT_LEN + NEW_TOKENS / 2
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_context * batch * itemsize
     return weights + kv
