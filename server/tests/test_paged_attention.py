@@ -146,10 +146,15 @@ def test_metadata_as_lists_or_int64_tensors(path: str, batch: str) -> None:
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 6])
-def test_op_agrees_with_torch_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, window: int | None) -> None:
-    # Many long rows, so that a rounding difference would show.
+# (heads, KV heads, head size): in bfloat16 on a CPU with AVX512-BF16 the op multiplies bf16 pairs where the head
+# size is a multiple of 32 (the first two, one with query groups) and widens to float32 otherwise (the third).
+@pytest.mark.parametrize("heads", [(12, 12, 64), (8, 2, 96), (4, 4, 48)], ids=["64", "96-grouped", "48"])
+def test_op_agrees_with_torch_path(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, window: int | None, heads: tuple[int, int, int]
+) -> None:
+    # Many long rows, so that a rounding difference would show; odd lengths leave a slot without a pair.
     rows = [(1, n) for n in (300, 257, 200, 129, 64, 33, 20, 1)]
-    case = make_case(rows, dtype, 16, 12, 12, 64, seed=1)
+    case = make_case(rows, dtype, 16, *heads, seed=1)
     got = run(case, 0.125, window)
     monkeypatch.setenv("TEXTGEN_CPU_DECODE_KERNEL", "0")
     expected = run(case, 0.125, window)

@@ -17,7 +17,9 @@
 // bfloat16 rounding follows the eager matmul attention both replace: the scaled query is rounded to bfloat16
 // (`q * scale` in bf16), scores accumulate in float32 and are rounded to bfloat16 (the bf16 matmul's output),
 // the softmax runs in float32, its probabilities are rounded to bfloat16, and the weighted sum of values
-// accumulates in float32 before the final rounding. float32 rounds nowhere in between, as SDPA.
+// accumulates in float32 before the final rounding. float32 rounds nowhere in between, as SDPA. With AVX512-BF16
+// the paged op's bfloat16 products are of bf16 pairs as stored (vdpbf16ps, `use_pairs`): the same roundings,
+// float32 sums in another order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -334,6 +337,92 @@ inline __m512 dot16(const float* q, const T* const* keys, int64_t dim) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bfloat16 with AVX512-BF16 and a head size that is a multiple of 32 (`use_pairs`): vdpbf16ps multiplies bf16
+// pairs as they are stored, where the float32 path widens and shifts every key and value first (benchmark/
+// README.md, "attention.py --paged"). The sums are float32 sums in another order: a pair's products are exact in
+// float32 (the query and the probabilities are rounded to bf16 first, as in the eager attention), each added
+// with one rounding.
+
+// 32 values of q (bf16 values held in float32) as bf16 pairs.
+inline __m512bh pairs_of(const float* q) { return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q)); }
+
+// One slot's dot by pair products: 16 lane sums folded as `fold_add` folds them.
+inline float dot_pairs(const float* q, const uint16_t* key, int64_t dim) {
+  __m512 a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 32) a = _mm512_dpbf16_ps(a, pairs_of(q + d), (__m512bh)_mm512_loadu_si512(key + d));
+  return fold_add(a);
+}
+
+// The bf16 bits of a float32 that holds a bf16 value.
+inline uint32_t bf16_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits >> 16;
+}
+
+// acc += sum_t p[t] * base[offsets[t] + d] by pair products: slots t and t + 1 interleaved column by column
+// (vpunpck{l,h}wd, within 128-bit lanes), times the pair (p[t], p[t + 1]). acc is kept in that interleaved
+// order, `paired_column` giving where column d sits; an odd last slot pairs with itself at weight 0.
+inline void accumulate_pairs(const float* p, const uint16_t* base, const int64_t* offsets, int64_t n, int64_t dim,
+                             float* acc) {
+  for (int64_t d = 0; d < dim; d += 32) {
+    __m512 lo = _mm512_loadu_ps(acc + d), hi = _mm512_loadu_ps(acc + d + 16);
+    for (int64_t t = 0; t < n; t += 2) {
+      const bool two = t + 1 < n;
+      const __m512i x0 = _mm512_loadu_si512(base + offsets[t] + d);
+      const __m512i x1 = two ? _mm512_loadu_si512(base + offsets[t + 1] + d) : x0;
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(
+          static_cast<int>(bf16_bits(p[t]) | (two ? bf16_bits(p[t + 1]) << 16 : 0u)));
+      lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(x0, x1), w);
+      hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(x0, x1), w);
+    }
+    _mm512_storeu_ps(acc + d, lo);
+    _mm512_storeu_ps(acc + d + 16, hi);
+  }
+}
+#endif
+
+// Whether the op takes bf16 pair products (the AVX512-BF16 code above) for T and this head size.
+template <typename T>
+constexpr bool use_pairs([[maybe_unused]] int64_t dim) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, uint16_t> && dim % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// Where accumulate_pairs keeps column d: each 32 columns as 16 from the unpacklo half (columns 8k .. 8k + 3 of
+// 128-bit lane k) then 16 from the unpackhi half (8k + 4 .. 8k + 7).
+inline int64_t paired_column(int64_t d) {
+  const int64_t r = d % 32, k = r / 8, j = r % 8;
+  return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
+}
+
+// dot, by pair products where `pairs`.
+template <typename T>
+inline float dot_as([[maybe_unused]] bool pairs, const float* q, const T* key, int64_t dim) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (pairs) return dot_pairs(q, key, dim);
+  }
+#endif
+  return dot(q, key, dim);
+}
+
+// accumulate, by pair products (acc in paired_column's order) where `pairs`.
+template <typename T>
+inline void accumulate_as([[maybe_unused]] bool pairs, const float* p, const T* base, const int64_t* offsets, int64_t n,
+                          int64_t dim, float* acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (pairs) return accumulate_pairs(p, base, offsets, n, dim, acc);
+  }
+#endif
+  accumulate(p, base, offsets, n, dim, acc);
+}
+
 // One task: row `b`, KV heads [h0, h1). `slots` and `scores` are the thread's scratch; returns false (reading
 // nothing) when the row's block table names a block outside the pool.
 template <typename T>
@@ -360,8 +449,12 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   const int64_t ahead = std::max<int64_t>(4, AHEAD * 128 / span);
   scores.resize(heads * rows);
   int64_t t = 0;
+  const bool pairs = use_pairs<T>(dim);
 #if defined(__AVX512F__)
-  if (dim % 16 == 0) {  // 16 slots at a time (dot16), the same sums as `dot`
+  // 16 slots at a time (dot16, the same sums as `dot`), each head's over the 16 slots. Pair products read the
+  // slots one after the other instead, all heads of a slot at once: memory streams them faster in that order
+  // (benchmark/README.md), and their per-slot fold is cheap beside the widening it replaces.
+  if (!pairs && dim % 16 == 0) {
     const T* keys[16];
     for (; t + 16 <= rows; t += 16) {
       for (int64_t u = t + ahead; u < std::min(t + 16 + ahead, rows); ++u) {
@@ -378,7 +471,7 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     if (t + ahead < rows) prefetch_lines(K + slots[t + ahead] * slot_stride + h0 * dim, span);
     const T* key = K + slots[t] * slot_stride + h0 * dim;
     for (int64_t i = 0; i < heads; ++i) {
-      scores[i * rows + t] = round_as(T{}, dot(queries.data() + i * dim, key + (i / group) * dim, dim));
+      scores[i * rows + t] = round_as(T{}, dot_as(pairs, queries.data() + i * dim, key + (i / group) * dim, dim));
     }
   }
   for (int64_t i = 0; i < heads; ++i) softmax<T>(scores.data() + i * rows, rows);
@@ -389,12 +482,14 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     const int64_t n = std::min<int64_t>(CHUNK, rows - c);
     for (int64_t t = c + ahead; t < std::min(c + n + ahead, rows); ++t) prefetch_lines(V + slots[t] + h0 * dim, span);
     for (int64_t i = 0; i < heads; ++i) {
-      accumulate(scores.data() + i * rows + c, V + (h0 + i / group) * dim, slots.data() + c, n, dim,
-                 acc.data() + i * dim);
+      accumulate_as(pairs, scores.data() + i * rows + c, V + (h0 + i / group) * dim, slots.data() + c, n, dim,
+                    acc.data() + i * dim);
     }
   }
   for (int64_t i = 0; i < heads; ++i) {
-    for (int64_t d = 0; d < dim; ++d) store_as(out + (h0 * group + i) * dim + d, acc[i * dim + d]);
+    for (int64_t d = 0; d < dim; ++d) {
+      store_as(out + (h0 * group + i) * dim + d, acc[i * dim + (pairs ? paired_column(d) : d)]);
+    }
   }
   return true;
 }
