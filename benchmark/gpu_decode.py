@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from textgen_benchmark.decode import bytes_per_step, progress
-from textgen_benchmark.shard import REPO, start_shard, stop
+from textgen_benchmark.shard import cached_llama, start_shard, stop
 
 PROMPT_LEN = 32
 DECODE_STEPS = 64
@@ -44,12 +44,6 @@ class Steps:
 
     wall: float
     shard: float
-
-
-def model_1b() -> Path:
-    from textgen_server.builder import BUILDER_VERSION, build_test_model
-
-    return build_test_model(REPO / "models" / f"llama-1b-v{BUILDER_VERSION}", arch="llama", size="1b")
 
 
 async def shard_steps(socket: str, model_dir: Path, batches: list[int], runs: int) -> dict[int, Steps]:
@@ -202,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    model_dir = args.model_dir or model_1b()
+    model_dir = args.model_dir or cached_llama("1b")
     if args.w1_static:
         w1_static(model_dir, args.dtype, args.requests)
     else:

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from testing.launcher import LauncherProcess
+from testing.models import build_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
@@ -42,9 +42,7 @@ SHARED_GPU = {"TEXTGEN_KV_CACHE_TOKENS": "50000"}
 
 @pytest.fixture(scope="module")
 def llama_1b() -> Path:
-    from textgen_server.builder import BUILDER_VERSION, build_test_model
-
-    return build_test_model(REPO / "models" / f"llama-1b-v{BUILDER_VERSION}", arch="llama", size="1b")
+    return build_model("llama", "1b")
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,17 @@ import psutil
 REPO = Path(__file__).resolve().parents[2]
 
 
-def small_model() -> Path:
-    """The cached "small" build under models/ (keyed by builder version so a stale build is never used)."""
+def cached_llama(size: str) -> Path:
+    """The cached Llama build of `size` under models/ (keyed by builder version so a stale build is never used)."""
     from textgen_server.builder import BUILDER_VERSION, build_test_model
 
-    return build_test_model(REPO / "models" / f"small-llama-v{BUILDER_VERSION}", arch="llama", size="small")
+    name = "small-llama" if size == "small" else f"llama-{size}"
+    return build_test_model(REPO / "models" / f"{name}-v{BUILDER_VERSION}", arch="llama", size=size)
+
+
+def small_model() -> Path:
+    """The cached "small" build under models/ (`models/small-llama-v<builder version>`)."""
+    return cached_llama("small")
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # a shard's --dtype choices

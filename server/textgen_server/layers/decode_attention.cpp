@@ -363,17 +363,19 @@ inline uint32_t bf16_bits(float f) {
 
 // acc += sum_t p[t] * base[offsets[t] + d] by pair products: slots t and t + 1 interleaved column by column
 // (vpunpck{l,h}wd, within 128-bit lanes), times the pair (p[t], p[t + 1]). acc is kept in that interleaved
-// order, `paired_column` giving where column d sits; an odd last slot pairs with itself at weight 0.
+// order, `paired_column` giving where column d sits; an odd last slot pairs with itself at weight 0. n <= CHUNK.
 inline void accumulate_pairs(const float* p, const uint16_t* base, const int64_t* offsets, int64_t n, int64_t dim,
                              float* acc) {
+  int weights[CHUNK / 2];  // the pairs (p[t], p[t + 1]) as bf16 bits, once for every column
+  for (int64_t t = 0; t < n; t += 2) {
+    weights[t / 2] = static_cast<int>(bf16_bits(p[t]) | (t + 1 < n ? bf16_bits(p[t + 1]) << 16 : 0u));
+  }
   for (int64_t d = 0; d < dim; d += 32) {
     __m512 lo = _mm512_loadu_ps(acc + d), hi = _mm512_loadu_ps(acc + d + 16);
     for (int64_t t = 0; t < n; t += 2) {
-      const bool two = t + 1 < n;
       const __m512i x0 = _mm512_loadu_si512(base + offsets[t] + d);
-      const __m512i x1 = two ? _mm512_loadu_si512(base + offsets[t + 1] + d) : x0;
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(
-          static_cast<int>(bf16_bits(p[t]) | (two ? bf16_bits(p[t + 1]) << 16 : 0u)));
+      const __m512i x1 = t + 1 < n ? _mm512_loadu_si512(base + offsets[t + 1] + d) : x0;
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[t / 2]);
       lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(x0, x1), w);
       hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(x0, x1), w);
     }
