@@ -16,7 +16,13 @@ import torch
 from shard_helpers import HFOracle, check_uneven_batch
 from test_paged_lm import paged_model
 
-from textgen_server.config import ServeConfig, UnsupportedConfigError, parse_cuda_graphs
+from textgen_server.config import (
+    WIGGLE_ROOM_DEFAULT,
+    ServeConfig,
+    UnsupportedConfigError,
+    parse_cuda_graphs,
+    parse_wiggle_room,
+)
 from textgen_server.models.cuda_graphs import WIDTH_TOKENS, DecodeGraphs, table_widths
 from textgen_server.models.paged_lm import PagedCausalLM
 
@@ -34,6 +40,21 @@ def test_cuda_graphs_lists_batch_sizes(value: str | None, sizes: tuple[int, ...]
 def test_a_malformed_cuda_graphs_is_refused(value: str) -> None:
     with pytest.raises(UnsupportedConfigError, match=f"CUDA_GRAPHS: expected .*{value}"):
         ServeConfig("m", cuda_graphs=value).check()
+
+
+@pytest.mark.parametrize(("value", "room"), [(None, WIGGLE_ROOM_DEFAULT), ("", 0.9), ("0.8", 0.8), ("0.999", 0.999)])
+def test_tgi_wiggle_room_is_the_pools_share_on_a_gpu(value: str | None, room: float) -> None:
+    assert parse_wiggle_room(value) == room
+    assert ServeConfig("m", wiggle_room=value).paging().wiggle_room == room
+
+
+@pytest.mark.parametrize("value", ["0", "1", "1.5", "-0.2", "most"])
+def test_a_tgi_wiggle_room_outside_0_1_is_refused(value: str) -> None:
+    """TGI's shard asserts 0 < TGI_WIGGLE_ROOM < 1 at start; textgen refuses the value in one line."""
+    with pytest.raises(
+        UnsupportedConfigError, match=f"TGI_WIGGLE_ROOM: expected a number between 0 and 1, got '{value}'"
+    ):
+        ServeConfig("m", wiggle_room=value).check()
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,24 @@ def parse_cuda_graphs(value: str | None) -> tuple[int, ...]:
     return tuple(sorted({size for size in sizes if size > 0}))
 
 
+# TGI's TGI_WIGGLE_ROOM default: on a GPU the KV pool takes this share of CUDA_MEMORY_FRACTION (models/kv_pool.py).
+WIGGLE_ROOM_DEFAULT = 0.90
+
+
+def parse_wiggle_room(value: str | None) -> float:
+    """TGI_WIGGLE_ROOM: WIGGLE_ROOM_DEFAULT when unset; ValueError unless a number strictly between 0 and 1 (TGI's
+    shard asserts the same bounds at import)."""
+    if not value:
+        return WIGGLE_ROOM_DEFAULT
+    try:
+        room = float(value)
+    except ValueError:
+        raise ValueError(f"expected a number between 0 and 1, got {value!r}") from None
+    if not 0 < room < 1:
+        raise ValueError(f"expected a number between 0 and 1, got {value!r}")
+    return room
+
+
 class UnsupportedConfigError(ValueError):
     """The shard cannot serve the model as asked; the CLI reports it as one clear line and exits."""
 
@@ -88,6 +106,8 @@ class ServeConfig:
     rope_factor: str | None = None
     # CUDA_GRAPHS as the launcher passes it: the decode batch sizes captured at warmup on a GPU (models/cuda_graphs.py)
     cuda_graphs: str | None = None
+    # TGI_WIGGLE_ROOM: the share of the memory fraction the KV pool may take on a GPU
+    wiggle_room: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
@@ -113,6 +133,7 @@ class ServeConfig:
             rope_scaling=os.environ.get("ROPE_SCALING") or None,
             rope_factor=os.environ.get("ROPE_FACTOR") or None,
             cuda_graphs=os.environ.get("CUDA_GRAPHS") or None,
+            wiggle_room=os.environ.get("TGI_WIGGLE_ROOM") or None,
         )
 
     def check(self) -> None:
@@ -135,10 +156,14 @@ class ServeConfig:
             raise UnsupportedConfigError(f"--dtype {self.dtype} is not supported; use one of {', '.join(DTYPES)}")
         self.adapters()
         self.rope()
-        try:
-            parse_cuda_graphs(self.cuda_graphs)
-        except ValueError as error:
-            raise UnsupportedConfigError(f"CUDA_GRAPHS: {error}") from None
+        for name, parse, value in (
+            ("CUDA_GRAPHS", parse_cuda_graphs, self.cuda_graphs),
+            ("TGI_WIGGLE_ROOM", parse_wiggle_room, self.wiggle_room),
+        ):
+            try:
+                parse(value)
+            except ValueError as error:
+                raise UnsupportedConfigError(f"{name}: {error}") from None
 
     def paging(self) -> PagingConfig:
         """The paged engine's settings (block size as TGI's for the ATTENTION backend; as in TGI, speculation
@@ -152,6 +177,7 @@ class ServeConfig:
             self.request_logprobs,
             speculate,
             parse_cuda_graphs(self.cuda_graphs),
+            parse_wiggle_room(self.wiggle_room),
         )
 
     def rope(self) -> tuple[str, float] | None:
@@ -214,3 +240,4 @@ class PagingConfig:
     prompt_logprobs: bool  # whether a request's prefill_logprobs is honoured (else it gets no prefill tokens)
     speculate: int = 0  # Info.speculate: the most tokens a row guesses per step (utils/speculate.py), 0 for none
     cuda_graphs: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs on a GPU (models/cuda_graphs.py)
+    wiggle_room: float = WIGGLE_ROOM_DEFAULT  # TGI_WIGGLE_ROOM: the KV pool's share of the memory fraction on a GPU

@@ -23,9 +23,6 @@ from textgen_common.free_blocks import FreeBlocks
 
 # Share of the free memory the pool may take, as TGI's get_free_memory on CPU.
 FREE_MEMORY_SHARE = 0.95
-# TGI's TGI_WIGGLE_ROOM on a GPU: the share of CUDA_MEMORY_FRACTION the pool may take, the rest left to the
-# forward's activations and the CUDA graphs captured after the pool.
-WIGGLE_ROOM_DEFAULT = "0.90"
 # textgen's cap on the pool (tokens), for tests and reproducible runs; TGI has no equivalent.
 POOL_TOKENS_ENV = "TEXTGEN_KV_CACHE_TOKENS"
 
@@ -46,13 +43,14 @@ class PoolShape:
         return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * element
 
 
-def free_memory(device: torch.device, world_size: int) -> int:
+def free_memory(device: torch.device, world_size: int, wiggle_room: float) -> int:
     """Bytes this shard may give its KV pool: TGI's rule, on a GPU the free device memory less the share of the
-    total outside `CUDA_MEMORY_FRACTION` x `TGI_WIGGLE_ROOM`; on a CPU 0.95 of the available host memory, shared by
-    the shards of the machine, times `CUDA_MEMORY_FRACTION`."""
+    total outside `CUDA_MEMORY_FRACTION` x `wiggle_room` (TGI_WIGGLE_ROOM: the rest is left to the forward's
+    activations and the CUDA graphs captured after the pool); on a CPU 0.95 of the available host memory, shared
+    by the shards of the machine, times `CUDA_MEMORY_FRACTION`."""
     fraction = float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0"))
     if device.type == "cuda":
-        fraction *= float(os.environ.get("TGI_WIGGLE_ROOM", WIGGLE_ROOM_DEFAULT))
+        fraction *= wiggle_room
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(free - (1 - fraction) * total))
     return int(psutil.virtual_memory().available * FREE_MEMORY_SHARE * fraction / world_size)

@@ -65,7 +65,7 @@ class PagedCausalLM(Model[PagedBatch]):
         """The KV pool, sized from the free memory when first needed (Warmup, or the first batch)."""
         if self._pool is None:
             shape = self.module.pool_shape(self.paging.block_size)
-            free = free_memory(self.config.device, self.config.world_size)
+            free = free_memory(self.config.device, self.config.world_size, self.paging.wiggle_room)
             blocks = pool_blocks(shape, free)
             self._pool = KVPool(shape, blocks, self.config.device)
             logger.info(
