@@ -37,6 +37,18 @@ U32 = unsigned(32)
 U16 = unsigned(16)  # ports
 
 
+def batch_sizes(value: str) -> list[int]:
+    """CUDA graph batch sizes as TGI's launcher flag and its shard's CUDA_GRAPHS give them: comma-separated
+    non-negative integers (0 disables them). ValueError says what was expected."""
+    try:
+        sizes = [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ValueError("expected comma-separated integers") from None
+    if any(size < 0 for size in sizes):
+        raise ValueError("expected non-negative integers")
+    return sizes
+
+
 # clap's FalseyValueParser, which TGI's boolean flags use for their environment variables.
 FALSE_WORDS = frozenset({"", "n", "no", "f", "false", "off", "0"})
 

@@ -86,6 +86,7 @@ def test_sharded_without_any_device_count_panics_like_tgi() -> None:
         (["--validation-workers", ""], {}, "cannot parse integer from empty string"),
         (["--sharded", "yes"], {}, "invalid value 'yes' (possible values: true, false)"),
         (["--cuda-graphs", "1,x"], {}, "expected comma-separated integers"),
+        ([], {"CUDA_GRAPHS": "1,-2"}, "invalid value '1,-2' (expected non-negative integers)"),
         (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
     ],
 )

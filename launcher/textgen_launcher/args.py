@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Callable
 
-from textgen_common.cli_values import U16, U32, USIZE, env_flag
+from textgen_common.cli_values import U16, U32, USIZE, batch_sizes, env_flag
 
 QUANTIZE_CHOICES = (
     "awq",
@@ -37,12 +37,9 @@ def true_or_false(value: str) -> bool:
 def size_list(value: str) -> list[int]:
     """`--cuda-graphs 1,2,4`: comma-separated non-negative integers."""
     try:
-        sizes = [int(part) for part in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value '{value}' (expected comma-separated integers)") from None
-    if any(size < 0 for size in sizes):
-        raise argparse.ArgumentTypeError(f"invalid value '{value}' (sizes cannot be negative)")
-    return sizes
+        return batch_sizes(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"invalid value '{value}' ({error})") from None
 
 
 def _env_name(flag: str) -> str:

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from textgen_common.cli_values import batch_sizes
 from textgen_common.lora_adapters import LoraAdapter, parse_lora_adapters
 
 if TYPE_CHECKING:
@@ -45,11 +46,9 @@ def parse_cuda_graphs(value: str | None) -> tuple[int, ...]:
     if not value:
         return ()
     try:
-        sizes = [int(item) for item in value.split(",")]
-    except ValueError:
-        raise ValueError(f"expected comma-separated batch sizes, got {value!r}") from None
-    if any(size < 0 for size in sizes):
-        raise ValueError(f"expected non-negative batch sizes, got {value!r}")
+        sizes = batch_sizes(value)
+    except ValueError as error:
+        raise ValueError(f"{error}, got {value!r}") from None
     return tuple(sorted({size for size in sizes if size > 0}))
 
 
