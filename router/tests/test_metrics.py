@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,74 @@ def test_label_misuse_is_an_error() -> None:
         metrics.REQUEST_FAILURE.inc()
     with pytest.raises(ValueError, match="takes labels"):
         metrics.BATCH_CONCAT.labels("a", "b")
+
+
+GOLDEN = Path(__file__).parent / "data" / "metrics_scrape.txt"
+
+
+def record_serving_session() -> None:
+    """A short serving session that records every series the router records, through the API the router uses.
+
+    Its scrape is pinned in `GOLDEN`; it reaches the formatting edges: integral and non-integral values and
+    bucket bounds (max_input_tokens=64 gives 0.64-step bounds), a value on a bound, one past the last bound, one
+    below 1e-4, a large gauge, labelled and unlabelled series, series created in different orders.
+    """
+    m = metrics
+    # Start-up (backend.py): the shard's limits size the length buckets.
+    m.BATCH_MAX_TOTAL_TOKENS.set(1_310_720)
+    m.configure_length_buckets(max_input_tokens=64, max_total_tokens=1000)
+    # Four requests arrive (HTTP layer); one fails validation, one the chat template.
+    for _ in range(4):
+        m.REQUEST_COUNT.inc()
+    m.REQUEST_FAILURE.labels("validation").inc()
+    m.REQUEST_FAILURE.labels(err="template").inc()
+    for input_length, max_new_tokens in ((7, 20), (12, 100)):
+        m.REQUEST_INPUT_LENGTH.observe(input_length)
+        m.REQUEST_MAX_NEW_TOKENS.observe(max_new_tokens)
+    # Queue and batching loop: a prefill of two, decode steps, a third request joins, one step fails.
+    m.QUEUE_SIZE.set(3)
+    m.QUEUE_SIZE.dec()
+    m.QUEUE_SIZE.set(0)
+    m.BATCH_NEXT_SIZE.observe(2)
+    m.BATCH_CURRENT_SIZE.set(2)
+    m.BATCH_CURRENT_MAX_TOKENS.set(139)
+    steps = (("prefill", 0.0123, 0.0004, 0.00002, 0.0131),) + (("decode", 0.0051, 0.0001, 0.00003, 0.0053),) * 3
+    for method, forward, decode, filter_, total in steps:
+        m.BATCH_INFERENCE_COUNT.labels(method).inc()
+        m.BATCH_FORWARD_DURATION.labels(method).observe(forward)
+        m.BATCH_DECODE_DURATION.labels(method).observe(decode)
+        m.BATCH_FILTER_DURATION.labels(method).observe(filter_)
+        m.BATCH_INFERENCE_DURATION.labels(method).observe(total)
+        m.BATCH_INFERENCE_SUCCESS.labels(method).inc()
+    m.BATCH_CONCAT.labels(reason="backpressure").inc()
+    m.BATCH_NEXT_SIZE.observe(1)
+    m.BATCH_CONCAT_DURATION.labels("decode").observe(0.0007)
+    m.BATCH_INFERENCE_COUNT.labels("decode").inc()
+    m.BATCH_INFERENCE_FAILURE.labels("decode").inc()
+    m.REQUEST_FAILURE.labels("generation").inc()
+    m.BATCH_CONCAT.labels("wait_exceeded").inc(2)
+    skipped = m.REQUEST_SKIPPED_TOKENS.labels()
+    for value in (0, 2, 1, 3, 0):
+        skipped.observe(value)
+    m.REQUEST_FAILURE.labels("dropped").inc()
+    m.REQUEST_FAILURE.labels("overloaded").inc()
+    # The two that finished (HTTP layer).
+    for total, validation, queue, inference, per_token, generated in (
+        (0.2503, 0.0011, 0.00015, 0.249, 0.0051, 20),
+        (200.0, 0.0009, 0.0021, 199.5, 1.995, 100),
+    ):
+        m.REQUEST_SUCCESS.inc()
+        m.REQUEST_DURATION.observe(total)
+        m.REQUEST_VALIDATION_DURATION.observe(validation)
+        m.REQUEST_QUEUE_DURATION.observe(queue)
+        m.REQUEST_INFERENCE_DURATION.observe(inference)
+        m.REQUEST_MEAN_TIME_PER_TOKEN_DURATION.observe(per_token)
+        m.REQUEST_GENERATED_TOKENS.observe(generated)
+    m.REQUEST_FAILURE.labels("incomplete").inc()
+    m.BATCH_CURRENT_SIZE.set(0)
+    m.BATCH_CURRENT_MAX_TOKENS.set(0)
+
+
+def test_golden_scrape_is_unchanged_to_the_byte() -> None:
+    record_serving_session()
+    assert metrics.render()[0] == GOLDEN.read_bytes()
