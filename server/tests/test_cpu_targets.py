@@ -13,13 +13,24 @@ its AVX2 kernels there. The AVX2 test does the same in a process of its own:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from textgen_server.layers.cpu_ops import ARCH_ENV, ENV_SWITCH, HEADERS, SOURCES, cpu_flags, kernel_available
+from textgen_server.layers.cpu_ops import (
+    ARCH_ENV,
+    BUILT_STAMP,
+    ENV_SWITCH,
+    HEADERS,
+    SOURCES,
+    cpu_flags,
+    kernel_available,
+    library_name,
+    torch_build_directory,
+)
 
 HERE = Path(__file__).parent
 AVX2_TESTS = (
@@ -109,18 +120,41 @@ def test_a_target_that_is_not_a_march_name_is_refused() -> None:
     assert "TEXTGEN_CPU_ARCH='native -O0' is not a -march target" in probe.stderr
 
 
-def test_an_unwritable_extensions_dir_builds_elsewhere(tmp_path: Path) -> None:
-    """A TORCH_EXTENSIONS_DIR that cannot be written (a read-only Docker volume; here a path under a file, which
-    no one can create, root included) still gets the ops, built under the temporary directory, with a warning."""
+def finished_build() -> Path:
+    """This process's finished library folder (native target), built by kernel_available() if need be."""
     if not kernel_available():
         pytest.skip("no C++ compiler: the shard keeps its torch code")
+    directory = torch_build_directory(library_name(os.environ.get(ARCH_ENV, "native")))
+    assert (directory / BUILT_STAMP).is_file()
+    return directory
+
+
+def test_a_finished_build_loads_though_a_killed_build_left_its_lock(tmp_path: Path) -> None:
+    """torch's builder waits for ever on a lock file that a process killed mid-build left; a library it finished
+    is loaded without it (and without ninja), so such a lock blocks no later start."""
+    built = finished_build()
+    shutil.copytree(built, tmp_path / built.name)
+    (tmp_path / built.name / "lock").write_text("")
+    kernel_available_with({"TORCH_EXTENSIONS_DIR": str(tmp_path)}, available=True, timeout=120)
+
+
+def test_an_unwritable_extensions_dir_falls_back_to_the_temporary_one(tmp_path: Path) -> None:
+    """A TORCH_EXTENSIONS_DIR that cannot be written (a read-only Docker volume; here a path under a file, which
+    no one can create, root included) still gets the ops, from a folder under the temporary directory, with a
+    warning. That folder is seeded with the finished library, as an earlier start would have left it: building it
+    there is what every first start does, and costs a minute here."""
+    built = finished_build()
     blocker = tmp_path / "volume"
     blocker.write_text("")
+    temporary = tmp_path / "tmp"
+    shutil.copytree(built, temporary / "textgen_torch_extensions" / built.name)
     probe = kernel_available_with(
-        {"TORCH_EXTENSIONS_DIR": str(blocker / "torch_extensions")}, available=True, timeout=240
+        {"TORCH_EXTENSIONS_DIR": str(blocker / "torch_extensions"), "TMPDIR": str(temporary)},
+        available=True,
+        timeout=120,
     )
     assert "TORCH_EXTENSIONS_DIR cannot be written" in probe.stderr
-    assert "textgen_torch_extensions" in probe.stderr
+    assert str(temporary / "textgen_torch_extensions") in probe.stderr
 
 
 def test_an_installed_package_carries_every_source_of_the_ops() -> None:

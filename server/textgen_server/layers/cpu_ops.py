@@ -30,6 +30,8 @@ ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
 # The CPU the ops are compiled for (gcc's -march): this machine's by default. An older target (x86-64-v3: the AVX2
 # servers) builds and tests another vector path on an AVX-512 machine (tests/test_cpu_targets.py).
 ARCH_ENV = "TEXTGEN_CPU_ARCH"
+# Written beside a library once `load` built it, naming the torch and the flags it was built with.
+BUILT_STAMP = "textgen-built"
 
 
 def cpu_flags() -> set[str]:
@@ -59,44 +61,80 @@ def _source_tag() -> str:
 
 @functools.cache
 def kernel_available() -> bool:
-    """Build (first call on a machine) and load the ops; False, with a warning, when they cannot be built."""
-    from torch.utils.cpp_extension import load
-
+    """Load the ops, building them first where no finished build of these sources for this CPU, torch and flags is
+    at hand; False, with a warning, when they cannot be built."""
     arch = os.environ.get(ARCH_ENV, "native")
     if not re.fullmatch(r"[\w.+-]+", arch):
         logger.warning("CPU ops unavailable, using torch's: %s=%r is not a -march target", ARCH_ENV, arch)
         return False
-    name = f"textgen_cpu_ops_{_cpu_tag()}_{_source_tag()}_{re.sub(r'[^0-9A-Za-z_]', '_', arch)}"
+    cflags = ["-O3", f"-march={arch}", "-fopenmp"]
+    name = library_name(arch)
+    # The name holds the sources and the CPU; the stamp, torch and the flags.
+    built_for = f"torch {torch.__version__} {' '.join(cflags)}"
     try:
-        load(
-            name=name,
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=["-O3", f"-march={arch}", "-fopenmp"],
-            build_directory=_build_directory(name),
-            is_python_module=False,
-            verbose=False,
-        )
+        directory = torch_build_directory(name)
+        # torch's `load` writes build.ninja, runs ninja and takes a lock file even when the library is built (about
+        # a second of every start, and a lock left by a process killed mid-build blocks every later start): a build
+        # that `load` finished is loaded as it is, from a read-only volume too.
+        if not _load_finished(directory, name, built_for):
+            directory = _writable(directory)
+            if not _load_finished(directory, name, built_for):
+                from torch.utils.cpp_extension import load
+
+                load(
+                    name=name,
+                    sources=[str(path) for path in SOURCES],
+                    extra_cflags=cflags,
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
+                (directory / BUILT_STAMP).write_text(built_for)
     except Exception as err:  # no compiler, no ninja, an unsupported platform: the torch code still works
         logger.warning("CPU ops unavailable, using torch's: %s", err)
         return False
     return True
 
 
-def _build_directory(name: str) -> str | None:
-    """Where to build `name`: torch's choice (None: TORCH_EXTENSIONS_DIR, else its cache) unless the variable names
-    a place that cannot be written, such as a read-only Docker volume; then a directory under the system's
-    temporary one, with a warning. torch writes a lock file there even to load a finished build."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        return None
+def _load_finished(directory: Path, name: str, built_for: str) -> bool:
+    """Load `directory`'s library if `load` finished it for `built_for` (its stamp says so); whether it did."""
+    stamp, library = directory / BUILT_STAMP, directory / f"{name}.so"
     try:
-        os.makedirs(os.path.join(root, name), exist_ok=True)
-        with tempfile.TemporaryFile(dir=os.path.join(root, name)):
-            return None
+        if stamp.read_text() != built_for or not library.is_file():
+            return False
+    except OSError:
+        return False
+    torch.ops.load_library(str(library))
+    return True
+
+
+def library_name(arch: str) -> str:
+    """The library's name for a -march target: it changes with the sources and the CPU."""
+    return f"textgen_cpu_ops_{_cpu_tag()}_{_source_tag()}_{re.sub(r'[^0-9A-Za-z_]', '_', arch)}"
+
+
+def torch_build_directory(name: str) -> Path:
+    """Where torch's `load` builds `name`: TORCH_EXTENSIONS_DIR/name, else a folder per Python and accelerator
+    under torch's cache."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root) / name
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def _writable(directory: Path) -> Path:
+    """`directory`, created, unless it cannot be written (TORCH_EXTENSIONS_DIR on a read-only Docker volume); then a
+    directory under the system's temporary one, with a warning."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            return directory
     except OSError as err:
-        fallback = os.path.join(tempfile.gettempdir(), "textgen_torch_extensions", name)
+        fallback = Path(tempfile.gettempdir()) / "textgen_torch_extensions" / directory.name
         logger.warning("TORCH_EXTENSIONS_DIR cannot be written (%s): building the CPU ops under %s", err, fallback)
-        os.makedirs(fallback, exist_ok=True)
+        fallback.mkdir(parents=True, exist_ok=True)
         return fallback
 
 
