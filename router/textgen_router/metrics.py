@@ -1,9 +1,22 @@
-"""The router's Prometheus metrics, named, typed and bucketed exactly as TGI's (`tgi_*`).
+"""The router's Prometheus metrics, named, typed and bucketed as TGI's (`tgi_*`), served through prometheus-client.
 
-TGI renders through `metrics-exporter-prometheus`, which differs from `prometheus_client` in ways dashboards
-see: counters carry no `_total` suffix and no `_created` series, histograms without configured buckets render
-as summaries, and a series appears only once it has been recorded. A small registry of our own reproduces that
-and keeps the hot path (one `observe` per batch step) to a dict lookup and a bisect.
+Counter and gauge values live in prometheus_client's per-series store (`values.MutexValue`; histograms keep
+plain numbers, see `_HistogramChild`). The scrape is `exposition.generate_latest` over a `CollectorRegistry`
+holding one collector, which turns our metrics into `*MetricFamily` objects whose samples carry TGI's names.
+
+TGI renders through `metrics-exporter-prometheus`. What we keep of it: no `_total` suffix and no `_created`
+series on counters, histograms without configured buckets rendered as summaries (quantiles over recent
+values), a series shown only once it has been recorded, TGI's series order (`_sum` before `_count`), TGI's
+bucket bounds and quantiles printed as Rust prints floats (`le="2"`, `le="0.00015000000000000001"`: label
+values are strings we format). What generate_latest cannot print as TGI does, so the scrape differs from TGI's
+(and from this module's earlier hand-written text) in formatting only, the same series and values for any
+Prometheus parser:
+- counters are typed `untyped`: generate_latest names a `counter` family `<name>_total` in its HELP/TYPE lines,
+  and dashboards query TGI's counters by their bare names;
+- sample values go through `float()` and `repr` (`utils.floatToGoString`): `4.0` where TGI prints `4`, and
+  Go's exponent form from 1e6 on (`1.31072e+06`);
+- labels are sorted by name: `{le="..",method="decode"}` where TGI appends `le` last.
+router/tests/data holds one session's scrape both ways (metrics_scrape.txt, metrics_scrape_tgi.txt).
 
 Who records what (so nothing is counted twice):
 - inference side (queue, batching loop, Infer): tgi_queue_size, tgi_batch_*, tgi_request_failure with
@@ -19,8 +32,19 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+    UnknownMetricFamily,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.values import MutexValue
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
 
@@ -44,38 +68,45 @@ def length_buckets(max_tokens: int) -> list[float]:
     return [(max_tokens / 100.0) * (x + 1) for x in range(100)]
 
 
-def _fmt(value: float) -> str:
-    # Rust's float Display: integral values without ".0", never exponent notation in our ranges.
+def _label_float(value: float) -> str:
+    # A bound or quantile as the `le` / `quantile` label value, as Rust's float Display prints it (integral values
+    # without ".0"): a label value is a string, so generate_latest prints it as given.
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
     if value == int(value) and abs(value) < 1e15:
         return str(int(value))
     return repr(value)
 
 
-def _labels(names: Sequence[str], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{n}="{v}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
+class _Value(MutexValue):
+    """A counter's or gauge's series: prometheus_client's in-process value (a float behind a lock, what its own
+    metrics hold), with the defaults our call sites use (`.labels(..).inc()`)."""
+
+    def __init__(self) -> None:
+        # The arguments name the series for the multiprocess variant (`values.ValueClass` under
+        # PROMETHEUS_MULTIPROC_DIR), which the router does not use: the in-process value ignores them.
+        super().__init__("", "", "", (), (), "")
+
+    def inc(self, amount: float = 1.0) -> None:
+        super().inc(amount)
+
+    def dec(self, amount: float = 1.0) -> None:
+        super().inc(-amount)
 
 
+_QUANTILE_LABELS = tuple(_label_float(q) for q in SUMMARY_QUANTILES)
 _Child = TypeVar("_Child")
 
 
 class _Metric(Generic[_Child]):
     """A named metric and its series, one child (`_Child`, what records the values) per label values."""
 
-    kind = ""
-
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._children: dict[tuple[str, ...], _Child] = {}
-        REGISTRY.append(self)
+        _METRICS.append(self)
 
     def labels(self, *values: str, **kwargs: str) -> _Child:
         """The series for these label values, created (and from then on rendered) on first use."""
@@ -99,38 +130,18 @@ class _Metric(Generic[_Child]):
         """Forget every series (tests; bucket reconfiguration)."""
         self._children.clear()
 
-    def render(self) -> list[str]:
-        if not self._children:
-            return []
-        lines = [f"# HELP {self.name} {self.documentation}", f"# TYPE {self.name} {self.kind}"]
-        for key, child in self._children.items():
-            lines.extend(self._render_child(key, child))
-        return lines
-
-    def _render_child(self, key: tuple[str, ...], child: _Child) -> list[str]:
+    def family(self) -> Metric | None:
+        """The recorded series as one prometheus_client metric family, None before the first is recorded."""
         raise NotImplementedError
 
-
-class _Value:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
-
-    def dec(self, amount: float = 1.0) -> None:
-        self.value -= amount
-
-    def set(self, value: float) -> None:
-        self.value = float(value)
+    def _labels(self, key: tuple[str, ...]) -> dict[str, str]:
+        return dict(zip(self.labelnames, key, strict=True))
 
 
 class Counter(_Metric[_Value]):
-    """Monotonic counter; rendered under its bare name, like TGI's (no `_total`)."""
+    """Monotonic counter; rendered under its bare name, like TGI's (no `_total`), typed `untyped` (module doc)."""
 
-    kind = "counter"
+    _family_type: type[UnknownMetricFamily | GaugeMetricFamily] = UnknownMetricFamily
 
     def _new_child(self) -> _Value:
         return _Value()
@@ -141,51 +152,59 @@ class Counter(_Metric[_Value]):
     def value(self, *labels: str) -> float:
         """Current value (0 when the series was never recorded)."""
         child = self._children.get(tuple(labels))
-        return child.value if child is not None else 0.0
+        return float(child.get()) if child is not None else 0.0
 
-    def _render_child(self, key: tuple[str, ...], child: _Value) -> list[str]:
-        return [f"{self.name}{_labels(self.labelnames, key)} {_fmt(child.value)}"]
+    def family(self) -> Metric | None:
+        if not self._children:
+            return None
+        family = self._family_type(self.name, self.documentation, labels=self.labelnames)
+        for key, child in self._children.items():
+            family.add_metric(key, child.get())
+        return family
 
 
 class Gauge(Counter):
     """A value that goes up and down."""
 
-    kind = "gauge"
+    _family_type = GaugeMetricFamily
 
     def set(self, value: float) -> None:
-        self._unlabelled().set(value)
+        self._unlabelled().set(float(value))
 
     def dec(self, amount: float = 1.0) -> None:
         self._unlabelled().dec(amount)
 
 
+# Histograms and summaries keep plain numbers, not prometheus_client's Histogram layout (a MutexValue per bucket):
+# they are observed on the hot path (each batch step; the summary per request per step), where the locks would
+# cost more than all the rest (one decode step's metric calls on a 2-core VM: about 4 us with plain numbers
+# everywhere, 5.5 us with MutexValues for counters and gauges only, 8.5 us with them in the histograms too), and
+# the router records from its one event-loop thread.
 class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum", "count")
+    __slots__ = ("bounds", "buckets", "sum")
 
     def __init__(self, bounds: list[float]) -> None:
         self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.buckets = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
         self.sum = 0.0
-        self.count = 0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        # bisect_left: the first bound >= value, so a value on a bound counts in that bucket (`le`).
+        self.buckets[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
-        self.count += 1
 
 
 class Histogram(_Metric[_HistogramChild]):
     """Histogram with fixed buckets (`_bucket{le=..}`, `_sum`, `_count`)."""
 
-    kind = "histogram"
-
     def __init__(self, name: str, documentation: str, buckets: Sequence[float], labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, documentation, labelnames)
-        self.buckets = list(buckets)
+        self.set_buckets(buckets)
 
     def set_buckets(self, buckets: Sequence[float]) -> None:
         """Replace the buckets (TGI sizes length buckets from the limits known after warmup); resets series."""
         self.buckets = list(buckets)
+        self._le = [_label_float(b) for b in self.buckets] + ["+Inf"]
         self.clear()
 
     def _new_child(self) -> _HistogramChild:
@@ -196,19 +215,21 @@ class Histogram(_Metric[_HistogramChild]):
 
     def count(self, *labels: str) -> int:
         child = self._children.get(tuple(labels))
-        return child.count if child is not None else 0
+        return sum(child.buckets) if child is not None else 0
 
-    def _render_child(self, key: tuple[str, ...], child: _HistogramChild) -> list[str]:
-        lines, cumulative = [], 0
-        for bound, n in zip(child.bounds, child.counts[:-1], strict=True):  # the +Inf count follows
-            cumulative += n
-            le = f'le="{_fmt(bound)}"'
-            lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {cumulative}")
-        inf = 'le="+Inf"'
-        lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, inf)} {child.count}")
-        lines.append(f"{self.name}_sum{_labels(self.labelnames, key)} {_fmt(child.sum)}")
-        lines.append(f"{self.name}_count{_labels(self.labelnames, key)} {child.count}")
-        return lines
+    def family(self) -> Metric | None:
+        if not self._children:
+            return None
+        # Samples added one by one, not with `add_metric`: it puts `_count` before `_sum`, TGI the other way round.
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in self._children.items():
+            labels, cumulative = self._labels(key), 0
+            for le, bucket in zip(self._le, child.buckets, strict=True):
+                cumulative += bucket
+                family.add_sample(f"{self.name}_bucket", {**labels, "le": le}, cumulative)
+            family.add_sample(f"{self.name}_sum", labels, child.sum)
+            family.add_sample(f"{self.name}_count", labels, cumulative)
+        return family
 
 
 class _SummaryChild:
@@ -228,27 +249,41 @@ class _SummaryChild:
 class Summary(_Metric[_SummaryChild]):
     """What TGI's exporter makes of a histogram without buckets: quantiles over recent values."""
 
-    kind = "summary"
-
     def _new_child(self) -> _SummaryChild:
         return _SummaryChild()
 
     def observe(self, value: float) -> None:
         self._unlabelled().observe(value)
 
-    def _render_child(self, key: tuple[str, ...], child: _SummaryChild) -> list[str]:
-        values = sorted(child.window)
-        lines = []
-        for q in SUMMARY_QUANTILES:
-            v = values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
-            label = f'quantile="{_fmt(q)}"'
-            lines.append(f"{self.name}{_labels(self.labelnames, key, label)} {_fmt(v)}")
-        lines.append(f"{self.name}_sum{_labels(self.labelnames, key)} {_fmt(child.sum)}")
-        lines.append(f"{self.name}_count{_labels(self.labelnames, key)} {child.count}")
-        return lines
+    def family(self) -> Metric | None:
+        if not self._children:
+            return None
+        # prometheus_client's summaries have no quantiles (`add_metric` takes count and sum), so samples one by one.
+        family = SummaryMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in self._children.items():
+            labels, values = self._labels(key), sorted(child.window)
+            for q, quantile in zip(SUMMARY_QUANTILES, _QUANTILE_LABELS, strict=True):
+                value = values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+                family.add_sample(self.name, {**labels, "quantile": quantile}, value)
+            family.add_sample(f"{self.name}_sum", labels, child.sum)
+            family.add_sample(f"{self.name}_count", labels, child.count)
+        return family
 
 
-REGISTRY: list[_Metric[Any]] = []
+class _TgiCollector:
+    """prometheus_client's view of our metrics: one family per metric with a recorded series, in definition order."""
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in _METRICS:
+            family = metric.family()
+            if family is not None:
+                yield family
+
+
+_METRICS: list[_Metric[Any]] = []
+# Our own registry, not prometheus_client's global one: that one also exports process and GC metrics TGI has not.
+REGISTRY = CollectorRegistry()
+REGISTRY.register(_TgiCollector())
 DURATION_BUCKETS = _duration_buckets()
 # Placeholder until `configure_length_buckets` runs after warmup: TGI's default limits (1024 / 2048).
 _DEFAULT_INPUT, _DEFAULT_TOTAL = 1024, 2048
@@ -256,10 +291,7 @@ _DEFAULT_INPUT, _DEFAULT_TOTAL = 1024, 2048
 
 def render() -> tuple[bytes, str]:
     """The text exposition of every recorded series and its content type, for `GET /metrics`."""
-    lines: list[str] = []
-    for metric in REGISTRY:
-        lines.extend(metric.render())
-    return ("\n".join(lines) + "\n").encode() if lines else b"", CONTENT_TYPE
+    return generate_latest(REGISTRY), CONTENT_TYPE
 
 
 def configure_length_buckets(max_input_tokens: int, max_total_tokens: int) -> None:
@@ -271,7 +303,7 @@ def configure_length_buckets(max_input_tokens: int, max_total_tokens: int) -> No
 
 def reset() -> None:
     """Forget every recorded series (tests sharing one process)."""
-    for metric in REGISTRY:
+    for metric in _METRICS:
         metric.clear()
 
 
