@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textgen_router.validation import Validator
+
+if TYPE_CHECKING:
+    # For the annotation only: the HTTP layer imports this module without the inference side (gRPC, protobuf).
+    from textgen_router.infer import Infer
 
 
 def package_version() -> str:
@@ -25,7 +29,7 @@ class RouterState:
     `pipeline_tag` is the hub's, None for local models, which makes POST / return the full text by default.
     """
 
-    infer: Any
+    infer: Infer
     validator: Validator
     model_id: str
     max_concurrent_requests: int
