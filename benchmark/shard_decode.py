@@ -111,7 +111,7 @@ def grammar_costs(model_dir: Path, schemas: list[str]) -> tuple[float, float, fl
     from transformers import AutoTokenizer
 
     from textgen_pb import generate_pb2
-    from textgen_server.utils.grammar import GrammarCompiler, RowGrammars
+    from textgen_server.sampling.grammar import GrammarCompiler, RowGrammars
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     start = time.perf_counter()

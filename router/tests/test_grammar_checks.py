@@ -30,7 +30,7 @@ from textgen_router.chat_template import ChatTemplate
 from textgen_router.openai_schemas import ChatRequest, NamedToolChoice, ResponseFormat, Tool
 from textgen_router.schemas import GenerateRequest, GrammarParameters
 from textgen_router.types import ValidationError
-from textgen_server.utils.grammar import JSON_OPTIONS
+from textgen_server.sampling.grammar import JSON_OPTIONS
 
 FORECAST = {
     "type": "function",

@@ -154,7 +154,7 @@ def check_top_n_distribution(model: Model, oracle: HFOracle, *, processed: bool)
     import pytest
     import torch
 
-    from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
+    from textgen_server.sampling.chooser import HeterogeneousNextTokenChooser
 
     for batch_id, rows in enumerate(([1, 2, 3], [2, 3]), start=1):
         requests = [make_request(i, TOP_N_ROWS[i][0], 2, top_n_tokens=3, params=TOP_N_ROWS[i][1]) for i in rows]

@@ -41,7 +41,7 @@ AVX2_TESTS = (
     "test_attention_kernels.py",
     "test_paged_lm.py",
     "test_causal_lm.py",
-    "test_tokens.py",
+    "test_chooser.py",
 )
 AVX2_ENV = {ARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", ENV_SWITCH: "1"}
 # What x86-64-v3 code may use beyond AVX2 and FMA: a CPU (or a VM) without one of them would stop the build's

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from testing.shards import ShardHandle, ShardProcess
 from textgen_pb import generate_pb2 as pb
-from textgen_server.utils.grammar import GrammarCompiler, RowGrammars
+from textgen_server.sampling.grammar import GrammarCompiler, RowGrammars
 
 # Bounded schemas: every string, array and number has a limit, so an output closes well within MAX_NEW_TOKENS
 # (a 6-character string is at most 6 * 6 bytes of \u escapes, each at least one token).

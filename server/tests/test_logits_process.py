@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from textgen_server.utils.logits_process import (
+from textgen_server.sampling.logits_process import (
     FrequencyPenalty,
     RepetitionPenalty,
     Temperature,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from textgen_pb import generate_pb2
-from textgen_server.utils.stopping import StoppingCriteria
+from textgen_server.sampling.stopping import StoppingCriteria
 
 LENGTH = generate_pb2.FINISH_REASON_LENGTH
 EOS = generate_pb2.FINISH_REASON_EOS_TOKEN

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from textgen_server.layers.cpu_ops import greedy_pick_for, kernel_available
+from textgen_server.layers.cpu_ops import kernel_available
+from textgen_server.sampling.greedy import greedy_pick_for
 
 NAN, INF = float("nan"), float("inf")
 
@@ -77,7 +78,7 @@ def test_the_op_serves_only_where_torch_takes_the_same_vector_path() -> None:
     same = torch.ops.textgen.greedy_pick_capability() == torch.backends.cpu.get_cpu_capability()
     assert greedy_pick_for(torch.float32, torch.device("cpu")) == same
     probe = (
-        "import torch; from textgen_server.layers.cpu_ops import greedy_pick_for; "
+        "import torch; from textgen_server.sampling.greedy import greedy_pick_for; "
         "used = greedy_pick_for(torch.float32, torch.device('cpu')); "
         "print(torch.backends.cpu.get_cpu_capability(), torch.ops.textgen.greedy_pick_capability(), used)"
     )

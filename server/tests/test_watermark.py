@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from textgen_server.utils.watermark import Watermark
+from textgen_server.sampling.watermark import Watermark
 
 CPU = torch.device("cpu")
 

@@ -1,6 +1,6 @@
 """The shard's C++ CPU ops, one library built at first use: attention over the KV caches (decode_attention.cpp,
 see decode_attention.py and paged_attention.py), a decoder layer's small ops (fused_ops.cpp: norm.py, rotary.py,
-the MLP of models/tp_llama.py), the greedy token choice (token_ops.cpp: utils/tokens.py) and a bfloat16 projection
+the MLP of models/tp_llama.py), the greedy token choice (token_ops.cpp: sampling/greedy.py) and a bfloat16 projection
 of a few rows (linear_ops.cpp: linear_choice.py), sharing the helpers of cpu_ops.h.
 
 They are compiled for this CPU (-march=native, or TEXTGEN_CPU_ARCH) with torch's extension builder (a C++ compiler
@@ -147,14 +147,3 @@ def ops_for(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether tensors of `dtype` on `device` go to the ops: float32 and bfloat16 on a CPU, where they build,
     unless switched off."""
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and switched_on() and kernel_available()
-
-
-def greedy_pick_for(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a greedy batch's logits of `dtype` on `device` go to textgen::greedy_pick: as `ops_for`, and the op
-    compiled for the vector path torch's own log_softmax takes at run time, whose bits it reproduces."""
-    return ops_for(dtype, device) and _same_vectors_as_torch()
-
-
-@functools.cache
-def _same_vectors_as_torch() -> bool:
-    return bool(torch.ops.textgen.greedy_pick_capability() == torch.backends.cpu.get_cpu_capability())

@@ -20,7 +20,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
 from textgen_server.models.cache_names import cache_keyword
-from textgen_server.models.generations import choose, emit_generations, prompt_logprobs
+from textgen_server.models.generations import emit_generations, prompt_logprobs
 from textgen_server.models.kv_cache import (
     KVCache,
     concatenate_caches,
@@ -29,9 +29,9 @@ from textgen_server.models.kv_cache import (
     spare_columns,
 )
 from textgen_server.models.model import Batch, InvalidRequestError, Model, prepare_row, prepare_rows, rows_to_keep
-from textgen_server.utils.grammar import RowGrammars
-from textgen_server.utils.stopping import StoppingCriteria
-from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
+from textgen_server.sampling.chooser import HeterogeneousNextTokenChooser, choose
+from textgen_server.sampling.grammar import RowGrammars
+from textgen_server.sampling.stopping import StoppingCriteria
 
 if TYPE_CHECKING:
     from typing import Self

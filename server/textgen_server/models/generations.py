@@ -1,24 +1,23 @@
 """From the tokens a step chose to the Generation messages the router receives: one place for both engines.
 
 The padded CausalLM and the paged engine keep their rows differently but the same per-row token state
-(`TokenRows`). After a forward each engine chooses tokens for the rows that emit one this step (`Chosen`);
-`emit_generations` appends them, detokenizes incrementally, applies the stopping criteria and builds this rank's
-Generations.
+(`TokenRows`). After a forward each engine chooses tokens for the rows that emit one this step (`Chosen`, by
+sampling/chooser.py's `choose`); `emit_generations` appends them, detokenizes incrementally, applies the stopping
+criteria and builds this rank's Generations.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from textgen_pb import generate_pb2
 from textgen_server.models.model import Model
-from textgen_server.utils.stopping import StoppingCriteria
-from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
+from textgen_server.sampling.chooser import Chosen, HeterogeneousNextTokenChooser
+from textgen_server.sampling.stopping import StoppingCriteria
 
 
 class TokenRows(Protocol):
@@ -31,58 +30,6 @@ class TokenRows(Protocol):
     stopping_criterias: list[StoppingCriteria]
     top_n_tokens: list[int]
     next_token_chooser: HeterogeneousNextTokenChooser
-
-
-@dataclass
-class Chosen:
-    """The tokens a step chose, k-th entry for the k-th emitting row: its one token, or with speculation its
-    accepted guesses and the token chosen after them, in order; `prompt_logprobs` by row."""
-
-    next_ids: torch.Tensor  # int64 [N]: each emitting row's first token, on the model's device
-    ids: list[list[int]]
-    logprobs: list[list[float]]
-    # Per row, per token: the top-n alternatives; empty when no row asked for top-n tokens.
-    top_ids: list[list[list[int]]] = field(default_factory=list)
-    top_logprobs: list[list[list[float]]] = field(default_factory=list)
-    prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)
-
-    def extend(self, rows: list[int], more: Chosen) -> None:
-        """Append the tokens `more` chose for a later position of some rows: its j-th row is this one's
-        `rows[j]`-th."""
-        for j, k in enumerate(rows):
-            self.ids[k] += more.ids[j]
-            self.logprobs[k] += more.logprobs[j]
-            if more.top_ids:
-                if not self.top_ids:
-                    self.top_ids, self.top_logprobs = [[] for _ in self.ids], [[] for _ in self.ids]
-                self.top_ids[k] += more.top_ids[j]
-                self.top_logprobs[k] += more.top_logprobs[j]
-
-
-def choose(
-    chooser: HeterogeneousNextTokenChooser,
-    last_ids: torch.Tensor,
-    logits: torch.Tensor,
-    top_n_tokens: list[int],
-    *,
-    processed_top_n: bool,
-) -> Chosen:
-    """One token per row of `logits` [B, V] (the rows' last positions), with its logprob and the top-n tokens;
-    one host sync for the ids and logprobs.
-
-    The top-n tokens come from the log_softmax of the scores the chooser chose from (after penalties, grammar,
-    watermark and warpers) when `processed_top_n`, as TGI's FlashCausalLM reports them, so a chosen token has
-    the same logprob in both lists; else from the raw logits, as TGI's CausalLM reports them.
-    """
-    choice = chooser(last_ids, logits)
-    # float64 holds every id exactly
-    ids, values = torch.stack([choice.next_ids.double(), choice.logprobs.double()]).tolist()
-    result = Chosen(choice.next_ids, [[int(i)] for i in ids], [[v] for v in values])
-    if any(top_n_tokens):
-        scores = choice.scores if processed_top_n else logits
-        top_ids, top_logprobs = batch_top_tokens(top_n_tokens, torch.log_softmax(scores.float(), -1))
-        result.top_ids, result.top_logprobs = [[t] for t in top_ids], [[t] for t in top_logprobs]
-    return result
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int]) -> list[float]:

@@ -16,8 +16,8 @@ from transformers import PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
-from textgen_server.utils.grammar import GrammarCompiler
-from textgen_server.utils.tokens import validate_parameters
+from textgen_server.sampling.chooser import validate_parameters
+from textgen_server.sampling.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
     from typing import Self

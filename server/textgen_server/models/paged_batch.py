@@ -32,10 +32,10 @@ from textgen_server.models.model import (
     prepare_rows,
     rows_to_keep,
 )
-from textgen_server.utils.grammar import RowGrammars
+from textgen_server.sampling.chooser import HeterogeneousNextTokenChooser
+from textgen_server.sampling.grammar import RowGrammars
+from textgen_server.sampling.stopping import StoppingCriteria
 from textgen_server.utils.speculate import NGramIndex
-from textgen_server.utils.stopping import StoppingCriteria
-from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
 
 if TYPE_CHECKING:
     from typing import Self

@@ -29,12 +29,12 @@ from textgen_server.config import PagingConfig, ShardConfig
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.paged_attention import row_key_slots
 from textgen_server.models.cuda_graphs import DecodeGraphs
-from textgen_server.models.generations import Chosen, choose, emit_generations, prompt_logprobs
+from textgen_server.models.generations import emit_generations, prompt_logprobs
 from textgen_server.models.kv_pool import KVPool, free_memory, pool_blocks
 from textgen_server.models.model import Model
 from textgen_server.models.paged_batch import PagedBatch
 from textgen_server.models.tp_llama import PagedStep
-from textgen_server.utils.tokens import HeterogeneousNextTokenChooser
+from textgen_server.sampling.chooser import Chosen, HeterogeneousNextTokenChooser, choose
 
 if TYPE_CHECKING:
     from textgen_server.models.tp_llama import TPCausalLM

@@ -4,7 +4,7 @@ Contract with the router (generate.v3): a row is constrained when `NextTokenChoo
 empty; `grammar_type` says what it holds: GRAMMAR_TYPE_JSON a JSON Schema document (JSON text),
 GRAMMAR_TYPE_REGEX a regular expression the whole generated text must match.
 
-Contract with the batch (models/causal_lm.py) and the chooser (utils/tokens.py):
+Contract with the batch (models/causal_lm.py) and the chooser (chooser.py):
 
 - `GrammarCompiler(tokenizer, eos_token_ids)`, one per model, built on the first constrained request.
   `.compile(params)` returns a fresh matcher for the row, or raises ValueError with the reason the grammar

@@ -1,7 +1,7 @@
 """Vectorised logits processors and warpers, one class per TGI parameter.
 
 Each object is built for a set of batch rows and holds one parameter value per row ([R, 1] tensors so that
-they broadcast over the vocabulary). The chooser in `tokens.py` hands each one only the rows that asked for
+they broadcast over the vocabulary). The chooser in `chooser.py` hands each one only the rows that asked for
 it, so a row left at its default value is never touched. Every call is out of place: the caller's logits
 stay untouched (the shard reads the raw logits again for top-n tokens).
 """

@@ -5,7 +5,7 @@ Contract with the batch (models/causal_lm.py):
 - `HeterogeneousNextTokenChooser.from_pb(params, prompt_ids, vocab_size, device, grammars)`: one row per
   request, each with its own NextTokenChooserParameters. `prompt_ids` seed the penalty history; `vocab_size`
   must be the last dimension of the logits the chooser will see; `grammars` holds the matchers of the rows
-  whose grammar the batch compiled (utils/grammar.py), None when no row has one. Invalid values raise
+  whose grammar the batch compiled (grammar.py), None when no row has one. Invalid values raise
   ValueError naming the field; the servicer turns that into INVALID_ARGUMENT.
 - `chooser(last_ids [B] long, scores [B, V] logits of the last position) -> Choice(next_ids [B] long,
   logprobs [B] float32, scores [B, V])`. logprobs[i] is the chosen token's entry of log_softmax of row i's
@@ -17,27 +17,31 @@ Contract with the batch (models/causal_lm.py):
 - `.filter(indices)` keeps the given rows in that order; `concatenate(choosers)` stacks them.
 - `.do_sample[i]` is True when row i samples (its do_sample, or any warper set: TGI's rule); `.seeds[i]` is
   the row's seed, reported in GeneratedText only for sampling rows.
+- `choose(chooser, last_ids, logits, top_n_tokens, processed_top_n=...) -> Chosen`: a step of either engine,
+  the chooser's call with its ids and logprobs as host lists (one sync) and each row's top-n tokens
+  (`batch_top_tokens`); models/generations.py turns a `Chosen` into the Generation messages.
 
 Processing order (TGI's): watermark -> repetition penalty -> frequency penalty -> grammar mask -> temperature ->
 top-k -> top-p -> typical-p -> choice. A processor exists only if some row needs it and sees only those rows.
 Sampling rows draw from their own seeded generator (see `_sample`); the others take the argmax. A batch of
-greedy rows only takes its ids and logprobs from `textgen::greedy_pick` (layers/token_ops.cpp) where the CPU ops
-are built for the vector path torch itself takes: torch's ids and log_softmax bits without the [B, V] matrix.
+greedy rows only takes its ids and logprobs from `textgen::greedy_pick` (greedy.py, layers/token_ops.cpp) where the
+CPU ops are built for the vector path torch itself takes: torch's ids and log_softmax bits without the [B, V] matrix.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from textgen_pb import generate_pb2
-from textgen_server.layers.cpu_ops import greedy_pick_for
-from textgen_server.utils.grammar import RowGrammars
-from textgen_server.utils.logits_process import (
+from textgen_server.sampling.grammar import RowGrammars
+from textgen_server.sampling.greedy import greedy_pick, greedy_pick_for
+from textgen_server.sampling.logits_process import (
     FrequencyPenalty,
     RepetitionPenalty,
     Temperature,
@@ -45,7 +49,7 @@ from textgen_server.utils.logits_process import (
     TopP,
     TypicalP,
 )
-from textgen_server.utils.watermark import Watermark
+from textgen_server.sampling.watermark import Watermark
 
 # Columns of the per-row parameter table; filter and concatenate then move every parameter in one op.
 TEMPERATURE, TOP_K, TOP_P, TYPICAL_P, REPETITION, FREQUENCY, WATERMARK = range(7)
@@ -220,7 +224,7 @@ class HeterogeneousNextTokenChooser:
         """Choose one token per row; see the module docstring for the contract."""
         scores = self.process(last_ids, scores)
         if self._greedy_op(scores):
-            next_ids, logprobs = torch.ops.textgen.greedy_pick(scores.contiguous())
+            next_ids, logprobs = greedy_pick(scores)
         else:
             scores = scores.float()
             # max's indices are argmax's (first maximum; NaN counts as one) from a faster CPU kernel.
@@ -364,3 +368,55 @@ def batch_top_tokens(top_n_tokens: list[int], logprobs: Tensor) -> tuple[list[li
     ids, values = top.indices.tolist(), top.values.tolist()
     kept = counts.tolist()
     return [row[:k] for row, k in zip(ids, kept, strict=True)], [row[:k] for row, k in zip(values, kept, strict=True)]
+
+
+@dataclass
+class Chosen:
+    """The tokens a step chose, k-th entry for the k-th emitting row: its one token, or with speculation its
+    accepted guesses and the token chosen after them, in order; `prompt_logprobs` by row."""
+
+    next_ids: torch.Tensor  # int64 [N]: each emitting row's first token, on the model's device
+    ids: list[list[int]]
+    logprobs: list[list[float]]
+    # Per row, per token: the top-n alternatives; empty when no row asked for top-n tokens.
+    top_ids: list[list[list[int]]] = field(default_factory=list)
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    prompt_logprobs: dict[int, list[float]] = field(default_factory=dict)
+
+    def extend(self, rows: list[int], more: Chosen) -> None:
+        """Append the tokens `more` chose for a later position of some rows: its j-th row is this one's
+        `rows[j]`-th."""
+        for j, k in enumerate(rows):
+            self.ids[k] += more.ids[j]
+            self.logprobs[k] += more.logprobs[j]
+            if more.top_ids:
+                if not self.top_ids:
+                    self.top_ids, self.top_logprobs = [[] for _ in self.ids], [[] for _ in self.ids]
+                self.top_ids[k] += more.top_ids[j]
+                self.top_logprobs[k] += more.top_logprobs[j]
+
+
+def choose(
+    chooser: HeterogeneousNextTokenChooser,
+    last_ids: torch.Tensor,
+    logits: torch.Tensor,
+    top_n_tokens: list[int],
+    *,
+    processed_top_n: bool,
+) -> Chosen:
+    """One token per row of `logits` [B, V] (the rows' last positions), with its logprob and the top-n tokens;
+    one host sync for the ids and logprobs.
+
+    The top-n tokens come from the log_softmax of the scores the chooser chose from (after penalties, grammar,
+    watermark and warpers) when `processed_top_n`, as TGI's FlashCausalLM reports them, so a chosen token has
+    the same logprob in both lists; else from the raw logits, as TGI's CausalLM reports them.
+    """
+    choice = chooser(last_ids, logits)
+    # float64 holds every id exactly
+    ids, values = torch.stack([choice.next_ids.double(), choice.logprobs.double()]).tolist()
+    result = Chosen(choice.next_ids, [[int(i)] for i in ids], [[v] for v in values])
+    if any(top_n_tokens):
+        scores = choice.scores if processed_top_n else logits
+        top_ids, top_logprobs = batch_top_tokens(top_n_tokens, torch.log_softmax(scores.float(), -1))
+        result.top_ids, result.top_logprobs = [[t] for t in top_ids], [[t] for t in top_logprobs]
+    return result

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from textgen_pb import generate_pb2
-from textgen_server.layers.cpu_ops import ENV_SWITCH, greedy_pick_for
-from textgen_server.utils.tokens import HeterogeneousNextTokenChooser, batch_top_tokens
-from textgen_server.utils.watermark import Watermark
+from textgen_server.layers.cpu_ops import ENV_SWITCH
+from textgen_server.sampling.chooser import HeterogeneousNextTokenChooser, batch_top_tokens
+from textgen_server.sampling.greedy import greedy_pick_for
+from textgen_server.sampling.watermark import Watermark
 
 CPU = torch.device("cpu")
 V = 50
