@@ -33,15 +33,20 @@ from textgen_server.layers.cpu_ops import (
 )
 
 HERE = Path(__file__).parent
+# What differs between the two builds: the ops, each against its torch oracle (whole files), and the engines'
+# oracle tests that run them (greedy tokens equal to transformers', padded and paged, float32 and bfloat16, and
+# the greedy op's bits). The engines' other tests run no op the native build's run does not already check.
 AVX2_TESTS = (
     "test_fused_ops.py",
     "test_token_ops.py",
     "test_paged_attention.py",
     "test_decode_attention.py",
     "test_attention_kernels.py",
-    "test_paged_lm.py",
-    "test_causal_lm.py",
-    "test_chooser.py",
+    "test_paged_lm.py::test_uneven_batch_through_filter_and_concatenate_matches_transformers",
+    "test_paged_lm.py::test_bfloat16_matches_transformers_eager",
+    "test_causal_lm.py::test_llama_uneven_batch_matches_transformers",
+    "test_causal_lm.py::test_bfloat16_llama_uneven_batch_matches_transformers_eager",
+    "test_chooser.py::test_greedy_ids_and_logprobs_are_torch_s_bits_with_and_without_the_op",
 )
 AVX2_ENV = {ARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", ENV_SWITCH: "1"}
 # What x86-64-v3 code may use beyond AVX2 and FMA: a CPU (or a VM) without one of them would stop the build's
