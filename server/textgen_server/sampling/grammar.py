@@ -32,7 +32,10 @@ import llguidance
 import llguidance.hf
 import torch
 from llguidance import LLMatcher
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+# The numpy helpers, not llguidance.torch: that module compiles a kernel with torch.compile at import, which
+# imports torch's dynamo and inductor (about 4 s of CPU on every shard start, for a kernel textgen never calls).
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -113,7 +116,8 @@ class RowGrammars:
         )
         # (matcher, its row in the bitmask), the form llguidance's parallel executor takes.
         self._targets = [(m, k) for k, m in enumerate(self._constrained)]
-        self._bitmask = allocate_token_bitmask(len(self._constrained), compiler.vocab_size)
+        self._words = allocate_token_bitmask(len(self._constrained), compiler.vocab_size)
+        self._bitmask = torch.from_numpy(self._words)  # the same memory
 
     @classmethod
     def of(
@@ -126,7 +130,7 @@ class RowGrammars:
 
     def mask(self, scores: Tensor) -> Tensor:
         """`scores` [C, V] of the constrained rows with every token their grammar forbids now at -inf."""
-        fill_next_token_bitmask_par(self.compiler.executor, self._targets, self._bitmask)
+        fill_next_token_bitmask_par(self.compiler.executor, self._targets, self._words)
         mask_bytes = self._bitmask.view(torch.uint8).view(-1).int()
         forbidden = _FORBIDDEN.index_select(0, mask_bytes).view(len(self._constrained), -1)
         width = scores.shape[-1]
