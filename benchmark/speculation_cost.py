@@ -22,7 +22,7 @@ from textgen_benchmark.shard import DTYPES, small_model
 from textgen_benchmark.timing import alternate
 from textgen_pb import generate_pb2
 from textgen_server.config import ServeConfig
-from textgen_server.models import get_model
+from textgen_server.loader import get_model
 from textgen_server.models.paged_batch import PagedBatch
 from textgen_server.models.paged_lm import PagedCausalLM
 

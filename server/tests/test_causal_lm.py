@@ -20,7 +20,7 @@ from shard_helpers import (
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
 from textgen_server.layers.cpu_ops import kernel_available
-from textgen_server.models import get_model
+from textgen_server.loader import get_model
 from textgen_server.models.causal_lm import CausalLM, CausalLMBatch
 
 PROMPTS = ["def foo(x):", "class", "for i in range(10):\n    print(i)", "x = 1"]

@@ -34,7 +34,7 @@ from textgen_server.layers.linear_choice import (
     choose_linear_kernels,
 )
 from textgen_server.layers.tensor_parallel import Linear
-from textgen_server.models import get_model
+from textgen_server.loader import get_model
 
 CPU = torch.device("cpu")
 FP32_PATHS = available_paths(torch.float32, CPU)
@@ -230,7 +230,7 @@ def test_bfloat16_without_native_hardware_is_warned_about(
         pytest.skip("the flags are x86's")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native_bf16)
-    with caplog.at_level(logging.WARNING, logger="textgen_server.models"):
+    with caplog.at_level(logging.WARNING, logger="textgen_server.loader"):
         model = get_model(ServeConfig(str(tiny_llama), dtype=dtype))
     assert model.config.dtype == getattr(torch, dtype)
     lines = [r.getMessage() for r in caplog.records if "without AVX512-BF16 or AMX" in r.getMessage()]

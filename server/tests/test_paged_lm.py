@@ -25,7 +25,7 @@ from shard_helpers import (
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
 from textgen_server.layers.cpu_ops import kernel_available
-from textgen_server.models import get_model
+from textgen_server.loader import get_model
 from textgen_server.models.kv_pool import POOL_TOKENS_ENV, SelfAllocator
 from textgen_server.models.model import InvalidRequestError, InvalidRequestsError
 from textgen_server.models.paged_batch import PagedBatch

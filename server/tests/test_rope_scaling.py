@@ -17,7 +17,8 @@ from shard_helpers import make_batch, make_request
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from textgen_server.config import ServeConfig, UnsupportedConfigError
-from textgen_server.models import get_model, tp_llama
+from textgen_server.loader import get_model
+from textgen_server.models import tp_llama
 from textgen_server.models.causal_lm import CausalLM
 from textgen_server.models.model import Model
 from textgen_server.models.paged_lm import PagedCausalLM

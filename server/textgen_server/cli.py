@@ -80,7 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from textgen_server.hub import ModelNotFoundError
     from textgen_server.interceptor import setup_tracing
-    from textgen_server.models import get_model
+    from textgen_server.loader import get_model
     from textgen_server.servicer import serve
     from textgen_server.utils.memory import keep_freed_memory
 

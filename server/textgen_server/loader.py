@@ -1,0 +1,245 @@
+"""get_model: from the serve options to a loaded `Model` (one shard of it when sharded).
+
+The shard's assembly, one step above `models/` (which holds the engines and networks it assembles, and imports
+nothing back from here): the device and dtype, the refusals of what this shard cannot run, the tokenizer, the
+network, its LoRA adapters, and the engine that serves it, each a function below, called in that order by
+`get_model`.
+
+This module imports torch and transformers at its top: `textgen-server serve` (cli.py) imports it only after
+`ServeConfig.check` passed, so a configuration it cannot honour fails at once, not after those imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+
+from textgen_server.adapters import load_adapters
+from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
+from textgen_server.hub import resolve_model_dir
+from textgen_server.layers.rotary import override_rope_scaling
+from textgen_server.models import tp_llama
+from textgen_server.models.causal_lm import CausalLM
+from textgen_server.models.model import Model
+from textgen_server.models.paged_lm import PagedCausalLM
+from textgen_server.models.tp_llama import TPCausalLM, check_shardable, load_tp_model
+from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
+
+logger = logging.getLogger(__name__)
+
+
+def get_model(serve: ServeConfig) -> Model:
+    """Load `serve.model_id` for this shard; options it cannot honour raise UnsupportedConfigError."""
+    serve.check()
+    dist = initialize_torch_distributed() if serve.sharded else DistInfo(0, 1, None)
+    device = shard_device(dist.rank)
+    dtype = shard_dtype(serve, device)
+    # a local dir, or the snapshot download-weights fetched
+    model_dir = resolve_model_dir(serve.model_id, serve.revision)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=serve.trust_remote_code)
+    refuse_unsupported(serve, config)
+    override_rope(serve, config)
+    tokenizer = load_tokenizer(model_dir, config, serve.trust_remote_code)
+    dist.barrier()
+    module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code)
+    attach_adapters(serve, module, config, dist)
+    dist.barrier()
+    shard = shard_config(serve, model_dir, config, tokenizer, module, dtype, device, dist)
+    return engine(serve, module, shard, tokenizer)
+
+
+# ---- device and dtype ----
+
+
+def shard_device(rank: int) -> torch.device:
+    """cuda:rank where torch sees a GPU, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # cuDNN's attention, SDPA's first choice on Hopper, builds an execution plan for every new shape: each prompt
+    # length, and each decode step's key count outside the CUDA graphs' fixed widths, cost tens of ms on an H100
+    # (benchmark/README.md, "On a GPU"). Flash, memory-efficient and math attention have no such cost.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return torch.device(f"cuda:{rank}")
+
+
+def shard_dtype(serve: ServeConfig, device: torch.device) -> torch.dtype:
+    """--dtype, else TGI's default for the device; a warning where the CPU has no native bfloat16."""
+    # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
+    default_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype: torch.dtype = getattr(torch, serve.dtype) if serve.dtype else default_dtype
+    if device.type == "cpu" and dtype == torch.bfloat16 and not x86_bf16_hardware():
+        logger.warning(
+            "bfloat16 on an x86 CPU without AVX512-BF16 or AMX: no bf16 multiply is native here, and float32 "
+            "decodes batches faster (benchmark/README.md); drop --dtype to run float32"
+        )
+    return dtype
+
+
+def x86_bf16_hardware() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), or is not x86 (where torch's
+    flags below say nothing: an ARM server's BF16 extension is not among them)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+# ---- refusals: what the model's config asks that this shard cannot run ----
+
+
+def refuse_unsupported(serve: ServeConfig, config: PretrainedConfig) -> None:
+    """UnsupportedConfigError for a speculator checkpoint, or --speculate where the padded engine would serve."""
+    if getattr(config, "medusa_num_heads", None) or config.model_type == "mlp_speculator":
+        raise UnsupportedConfigError(
+            f"{serve.model_id} is a speculator (Medusa heads or an MLP speculator), which this shard cannot run; "
+            "serve its base model, with --speculate N for n-gram speculation"
+        )
+    if serve.speculate and not (config.model_type in tp_llama.TP_MODEL_TYPES and serve.use_flash_attention):
+        # TGI's CausalLM never speculates either: only the paged engine verifies several tokens per step.
+        raise UnsupportedConfigError(
+            f"--speculate {serve.speculate} is not supported with the padded CausalLM (model type "
+            f"{config.model_type}{', USE_FLASH_ATTENTION=false' if not serve.use_flash_attention else ''}): "
+            "only the paged engine speculates"
+        )
+
+
+def override_rope(serve: ServeConfig, config: PretrainedConfig) -> None:
+    """Replace the config's RoPE scaling with ROPE_SCALING / ROPE_FACTOR where set; UnsupportedConfigError where
+    the model's rotary embedding cannot take it."""
+    rope = serve.rope()
+    if rope is None:
+        return
+    try:
+        override_rope_scaling(config, *rope)
+    except ValueError as error:
+        raise UnsupportedConfigError(f"ROPE_SCALING={serve.rope_scaling}: {error}") from None
+
+
+# ---- tokenizer ----
+
+
+def load_tokenizer(model_dir: Path, config: PretrainedConfig, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, padding and truncating on the left, with a pad token in every case."""
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_dir, trust_remote_code=trust_remote_code, padding_side="left", truncation_side="left"
+    )
+    if tokenizer.pad_token_id is None:
+        # TGI's fallback order: config pad, config eos, tokenizer eos, then a new [PAD] token.
+        fallback = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        if isinstance(fallback, list):
+            fallback = fallback[0]
+        if fallback is not None:
+            tokenizer.pad_token_id = fallback
+        elif tokenizer.eos_token_id is not None:
+            tokenizer.pad_token_id = tokenizer.eos_token_id
+        else:
+            tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+# ---- module ----
+
+
+def load_module(
+    model_dir: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: DistInfo,
+    trust_remote_code: bool,
+) -> torch.nn.Module:
+    """The network: a forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+    returning .logits and .past_key_values (a DynamicCache), like a transformers causal LM."""
+    # ---- Tensor-parallel dispatch point (models/tp_llama.py plugs in here) ----
+    # Llama-family models take the TP path on one shard too (fused projections, no HF per-call overhead).
+    # The family is read from tp_llama at each call, as check_shardable reads it: one set, narrowed in one place
+    # (test_rope_scaling.py runs a llama as a model outside it).
+    if config.model_type in tp_llama.TP_MODEL_TYPES or dist.world_size > 1:
+        try:
+            # The same check on every rank, before any collective: all ranks stop with the same clear line.
+            check_shardable(config, dist.world_size)
+        except ValueError as error:
+            raise UnsupportedConfigError(f"--sharded over {dist.world_size} shards: {error}") from error
+        return load_tp_model(model_dir, config, dtype, device, dist)
+    # ---- end of the dispatch point ----
+    # `config`, not the directory's: it carries a ROPE_SCALING override.
+    module = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    # transformers types PreTrainedModel.to as its functools.wraps wrapper, which drops the bound `self`
+    return module.to(device).eval()  # type: ignore[arg-type]
+
+
+# ---- adapters ----
+
+
+def attach_adapters(serve: ServeConfig, module: torch.nn.Module, config: PretrainedConfig, dist: DistInfo) -> None:
+    """Load the LoRA adapters of LORA_ADAPTERS onto the network, where any are listed."""
+    adapters = serve.adapters()
+    if adapters:
+        load_adapters(module, adapters, config, dist)
+
+
+# ---- engine ----
+
+
+def shard_config(
+    serve: ServeConfig,
+    model_dir: Path,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    module: torch.nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: DistInfo,
+) -> ShardConfig:
+    """What the loaded shard runs with, as the engine keeps it (`model.config`)."""
+    return ShardConfig(
+        model_id=serve.model_id,
+        dtype=dtype,
+        device=device,
+        vocab_size=config.get_text_config().vocab_size,
+        eos_token_ids=frozenset(eos_token_ids(model_dir, config, tokenizer.eos_token_id)),
+        # What transformers resolved at load time; the tensor-parallel modules use SDPA.
+        attention_impl=getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa",
+        block_size=serve.paging().block_size,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        max_input_tokens=serve.max_input_tokens,
+    )
+
+
+def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int | None) -> set[int]:
+    """Every id that ends a sequence: generation_config's eos list (chat models have several), the
+    config's and the tokenizer's."""
+    ids: set[int] = set()
+    candidates: list[object] = [config.eos_token_id, tokenizer_eos]
+    try:
+        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass  # no generation_config.json: the config's and tokenizer's eos are all there is
+    for candidate in candidates:
+        if isinstance(candidate, int):
+            ids.add(candidate)
+        elif isinstance(candidate, list):
+            ids.update(int(c) for c in candidate)
+    return ids
+
+
+def engine(
+    serve: ServeConfig, module: torch.nn.Module, shard: ShardConfig, tokenizer: PreTrainedTokenizerBase
+) -> Model:
+    """The paged engine for a tensor-parallel network (unless USE_FLASH_ATTENTION=false), else the padded one."""
+    if isinstance(module, TPCausalLM) and serve.use_flash_attention:
+        return PagedCausalLM(module, shard, tokenizer, serve.paging())
+    return CausalLM(module, shard, tokenizer)
