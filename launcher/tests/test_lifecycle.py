@@ -36,10 +36,16 @@ def launch(launcher: Callable[..., LauncherProcess]) -> Iterator[LaunchFactory]:
 
 
 def test_sigterm_lets_the_request_in_flight_finish(launch: LaunchFactory, tiny_llama: Path) -> None:
-    launched = launch(tiny_llama, "--graceful-termination-timeout", "30")
+    # --disable-custom-kernels rides on this launch (one shard start less for the suite): it changes which ops
+    # compute the tokens, not the lifecycle this test follows.
+    launched = launch(tiny_llama, "--graceful-termination-timeout", "30", "--disable-custom-kernels")
     print(f"launch to healthy: {launched.wait_healthy():.1f}s")
     log = launched.log
     assert "Shard 0 ready in" in log and "Starting Webserver" in log
+    # The shard ran none of textgen's kernels: no measured linear choice, no C++ ops' library loaded.
+    assert "[shard 0] CPU linear: F.linear everywhere (DISABLE_CUSTOM_KERNELS)" in log and " rows 1: " not in log
+    (shard,) = launched.shard_pids()
+    assert "textgen_cpu_ops_" not in Path(f"/proc/{shard}/maps").read_text()
     # A second launcher on the same sockets must not take them over.
     second = run_launcher(["--model-id", str(tiny_llama), "--shard-uds-path", launched.uds, "--port", str(free_port())])
     assert second.returncode == 1

@@ -130,7 +130,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
     b.value("--master-port", type=USIZE, default="29500", help="torch.distributed master port")
     b.value("--huggingface-hub-cache", help="Hub cache directory for the download and the shards")
     b.value("--weights-cache-override", help="Directory holding the weights (skips the hub)")
-    b.flag("--disable-custom-kernels", help="Disable custom kernels in the shards")
+    b.flag(
+        "--disable-custom-kernels", help="Shards run torch ops only: no C++ CPU ops, F.linear without a measured choice"
+    )
     b.value("--cuda-memory-fraction", type=float, default="1.0", help="Fraction of device memory to use")
     b.value("--rope-scaling", choices=("linear", "dynamic"), help="RoPE scaling type")
     b.value("--rope-factor", type=float, help="RoPE scaling factor")

@@ -22,7 +22,7 @@ from shard_helpers import HFOracle, make_batch, make_request
 from testing.shards import ShardHandle
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig, UnsupportedConfigError
-from textgen_server.layers import linear_choice
+from textgen_server.layers import cpu_ops, linear_choice, measurements
 from textgen_server.layers.linear_choice import (
     BUCKET_ROWS,
     ENV,
@@ -46,6 +46,14 @@ needs_onednn_bf16 = pytest.mark.skipif(
 )
 ROWS = [0, 1, 2, 8, 9, 64, 65, 300]
 LOGGER = "textgen_server.layers.linear_choice"
+
+
+@pytest.fixture(autouse=True)
+def own_measurements(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test measures into a folder of its own (TEXTGEN_CACHE_DIR, layers/measurements.py): the figures some
+    tests fake, or a shape another test measured, never reach another test or a shard of the session."""
+    monkeypatch.setenv(measurements.ENV, str(tmp_path / "measurements"))
+    return tmp_path / "measurements"
 
 
 def test_buckets_split_at_1_8_and_64_rows() -> None:
@@ -172,6 +180,53 @@ def test_an_unknown_value_is_a_configuration_error(monkeypatch: pytest.MonkeyPat
         choose_linear_kernels(layers_of([(8, 6)], torch.float32))
 
 
+def test_a_later_start_reads_the_times_and_measures_nothing(
+    own_measurements: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The times of each shape are kept per CPU and torch; the next choice of the same shapes (a restarted shard:
+    here the process's cache of the file is dropped) reads them instead of timing every path again."""
+    monkeypatch.delenv(ENV, raising=False)
+    timed: list[tuple[int, ...]] = []
+    real = linear_choice.time_paths
+
+    def counting(weight: torch.Tensor, bias: torch.Tensor | None, paths: list[str]) -> dict[str, list[float]]:
+        timed.append(tuple(weight.shape))
+        return real(weight, bias, paths)
+
+    monkeypatch.setattr(linear_choice, "time_paths", counting)
+    first = layers_of([(96, 256), (40, 24)], torch.float32)
+    choose_linear_kernels(first)
+    assert timed == [(96, 256), (40, 24)] and len(list(own_measurements.glob("cpu-measurements-*.json"))) == 1
+    measurements._measurements_at.cache_clear()
+    again = layers_of([(96, 256), (40, 24), (40, 24)], torch.float32)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        choose_linear_kernels(again)
+    assert len(timed) == 2, timed
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 2 and all("measured at an earlier start" in line for line in lines), lines
+    assert [layer.paths for layer in again[:2]] == [layer.paths for layer in first]
+
+
+def test_another_cpu_or_torch_measures_anew(own_measurements: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here = measurements.cache_file(32 * 2**20)
+    assert here is not None and here.parent == own_measurements
+    assert measurements.cache_file(16 * 2**20) != here
+    monkeypatch.setattr(measurements, "cpu_model_name", lambda: "another CPU")
+    assert measurements.cache_file(32 * 2**20) != here
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert measurements.cache_file(32 * 2**20) != here
+
+
+def test_an_empty_cache_dir_keeps_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(measurements.ENV, "")
+    monkeypatch.chdir(tmp_path)
+    assert measurements.cache_file(32 * 2**20) is None
+    choose_linear_kernels(layers_of([(8, 6)], torch.float32))
+    assert list(tmp_path.iterdir()) == []
+
+
 PROMPTS = ["def foo(x):", "import os\nimport sys\n", "while True:"]
 NEW_TOKENS = 6
 
@@ -210,6 +265,31 @@ def test_a_shard_started_with_each_override_matches_transformers(
     assert greedy_tokens(handle) == [oracle.greedy(p, NEW_TOKENS) for p in PROMPTS]
     log = handle.log_text()
     assert "CPU linear" in log and (forced == "auto" or f"{ENV}={forced}" in log), log
+    # The counterpart of the DISABLE_CUSTOM_KERNELS test below: a shard loads the ops wherever they build.
+    assert cpu_ops_loaded(handle) == cpu_ops.kernel_available()
+
+
+def cpu_ops_loaded(handle: ShardHandle) -> bool:
+    """Whether the shard process has loaded the library of textgen's C++ CPU ops (layers/cpu_ops.py names it
+    textgen_cpu_ops_*): whether any of them could have run there."""
+    maps = Path(f"/proc/{handle.process.pid}/maps")
+    if not maps.exists():
+        pytest.skip("no /proc: the process's loaded libraries cannot be listed here")
+    return "textgen_cpu_ops_" in maps.read_text()
+
+
+def test_a_shard_with_custom_kernels_disabled_runs_torch_ops_only(
+    tiny_llama: Path, start_shard: Callable[..., ShardHandle]
+) -> None:
+    """DISABLE_CUSTOM_KERNELS=True, as textgen-launcher --disable-custom-kernels sets it: the shard never loads the
+    C++ ops (decode attention, fused small ops, greedy pick, gemv), keeps F.linear for every projection without
+    timing any path, and still gives transformers' tokens (bfloat16: the dtype with the most ops)."""
+    handle = start_shard(tiny_llama, env={"DISABLE_CUSTOM_KERNELS": "True"}, extra_args=["--dtype", "bfloat16"])
+    oracle = HFOracle(tiny_llama, "bfloat16", "eager")
+    assert greedy_tokens(handle) == [oracle.greedy(p, NEW_TOKENS) for p in PROMPTS]
+    assert not cpu_ops_loaded(handle)
+    lines = [line for line in handle.log_text().splitlines() if "CPU linear" in line]
+    assert len(lines) == 1 and lines[0].endswith("CPU linear: F.linear everywhere (DISABLE_CUSTOM_KERNELS)"), lines
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,18 @@ def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).lower() in ("1", "true")
 
 
+# TGI's switch for the shard's own kernels; textgen-launcher --disable-custom-kernels sets it to "True".
+DISABLE_CUSTOM_KERNELS = "DISABLE_CUSTOM_KERNELS"
+
+
+def custom_kernels_disabled() -> bool:
+    """Whether DISABLE_CUSTOM_KERNELS is on (read as the shard's other boolean variables: "1" or "true", any
+    case). Then the shard runs none of textgen's own kernels, only torch's ops and `F.linear`: no C++ CPU op
+    (layers/cpu_ops.py `switched_on`: decode attention, fused small ops, greedy pick, gemv) and no measured choice
+    of linear kernels at load (models/tp_llama.py `load_tp_model`), whatever TEXTGEN_CPU_LINEAR asks."""
+    return _env_flag(DISABLE_CUSTOM_KERNELS, "false")
+
+
 def parse_cuda_graphs(value: str | None) -> tuple[int, ...]:
     """The batch sizes of CUDA_GRAPHS (a comma list, as the launcher sets it; zeros dropped, as TGI's launcher
     drops them): none when unset, as TGI's shard. ValueError for anything but non-negative integers."""

@@ -5,7 +5,7 @@ of a few rows (linear_ops.cpp: linear_choice.py), sharing the helpers of cpu_ops
 
 They are compiled for this CPU (-march=native, or TEXTGEN_CPU_ARCH) with torch's extension builder (a C++ compiler
 and ninja; once per machine and target, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or
-with TEXTGEN_CPU_DECODE_KERNEL=0, every caller keeps its torch code.
+with TEXTGEN_CPU_DECODE_KERNEL=0 or DISABLE_CUSTOM_KERNELS, every caller keeps its torch code.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from textgen_server.config import custom_kernels_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +141,9 @@ def _writable(directory: Path) -> Path:
 
 
 def switched_on() -> bool:
-    """False when TEXTGEN_CPU_DECODE_KERNEL=0 turns the ops off."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """False when TEXTGEN_CPU_DECODE_KERNEL=0 or DISABLE_CUSTOM_KERNELS (config.custom_kernels_disabled) turns the
+    ops off; then the library is never even loaded."""
+    return os.environ.get(ENV_SWITCH, "1") != "0" and not custom_kernels_disabled()
 
 
 def ops_for(dtype: torch.dtype, device: torch.device) -> bool:
