@@ -39,9 +39,11 @@ RUN pip install -e . && make proto PYTHON=python3
 # cache is /data/hub, where TGI 2.x and 3.x volumes keep their models. The built CPU ops are kept there too, so a
 # restarted container does not compile them again (their names carry the CPU's flags and the sources' hash: a
 # volume shared by other CPUs or versions holds one build of each). A read-only /data makes the shard build them
-# under /tmp instead (layers/cpu_ops.py).
+# under /tmp instead (layers/cpu_ops.py). So are the CPU kernel timings a shard measures at its first load
+# (layers/measurements.py).
 ENV HF_HOME=/data \
     TORCH_EXTENSIONS_DIR=/data/torch_extensions \
+    TEXTGEN_CACHE_DIR=/data/textgen \
     PORT=80
 VOLUME /data
 EXPOSE 80

@@ -24,7 +24,9 @@ Real launchers (testing.launcher):
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,8 +37,25 @@ from testing.launcher import LauncherProcess
 from testing.models import build_model
 from testing.shards import ShardHandle, spawn_shards
 
+# textgen_server.layers.measurements.ENV, spelt out: importing the shard's layers would import torch in every
+# test process, the router's included.
+MEASUREMENTS_ENV = "TEXTGEN_CACHE_DIR"
+
 if TYPE_CHECKING:  # the client package is imported only by sessions that use it
     from textgen_client import AsyncClient, Client
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One TEXTGEN_CACHE_DIR (layers/measurements.py) for the session's processes, new each session: every shard
+    it starts reads the CPU kernel timings the first one of a shape measured, and no run depends on what an
+    earlier one (or a developer's own shards) left in ~/.cache. pytest-xdist's workers inherit the controller's."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ[MEASUREMENTS_ENV] = tempfile.mkdtemp(prefix="textgen-measurements-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(os.environ.pop(MEASUREMENTS_ENV, ""), ignore_errors=True)
 
 
 def tiny_model_fixture(arch: str) -> Callable[[], Path]:

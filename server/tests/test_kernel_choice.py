@@ -211,11 +211,14 @@ def test_another_cpu_or_torch_measures_anew(own_measurements: Path, monkeypatch:
     here = measurements.cache_file(32 * 2**20)
     assert here is not None and here.parent == own_measurements
     assert measurements.cache_file(16 * 2**20) != here
+    real_name = measurements.cpu_model_name
     monkeypatch.setattr(measurements, "cpu_model_name", lambda: "another CPU")
     assert measurements.cache_file(32 * 2**20) != here
-    monkeypatch.undo()
+    monkeypatch.setattr(measurements, "cpu_model_name", real_name)
+    assert measurements.cache_file(32 * 2**20) == here
     monkeypatch.setattr(torch, "__version__", "9.9.9")
-    assert measurements.cache_file(32 * 2**20) != here
+    other = measurements.cache_file(32 * 2**20)
+    assert other is not None and other.parent == own_measurements and other != here
 
 
 def test_an_empty_cache_dir_keeps_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,8 @@ Which is fastest depends on the CPU (MKL's fp32 kernels are slow on some vendors
 loses to them at one row on others) and on the row count. So the shard does not guess: for each distinct
 (out, in, dtype) shape it times every available path (on one thread, see `time_paths`) at one row count per
 bucket of rows (1, 2-8, 9-64, >64), keeps the fastest per bucket (one main path unless another is clearly
-faster, see `choose`), and each forward call picks its bucket's kernel from its row count.
+faster, see `choose`), and each forward call picks its bucket's kernel from its row count. The times are kept per
+CPU and torch for the next starts (layers/measurements.py), which read them instead of timing again.
 
 `TEXTGEN_CPU_LINEAR` = auto (default) | linear | mkl | onednn | gemv forces one path for every bucket
 (reproducible runs); where the forced path does not exist for a dtype or device, or does not serve a bucket,
@@ -35,16 +36,14 @@ from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from textgen_server.config import UnsupportedConfigError
 from textgen_server.layers import cpu_ops
-
-if TYPE_CHECKING:
-    from textgen_server.layers.tensor_parallel import Linear
+from textgen_server.layers.measurements import Measurements, measurements
 
 logger = logging.getLogger("textgen_server.layers.linear_choice")
 
@@ -73,6 +72,19 @@ EVICT_MAX, EVICT_FALLBACK = 256 * 2**20, 32 * 2**20
 # for every row count >= 2 whatever count it was built for, and fp32-close ones at 1 row; bfloat16 gives
 # F.linear's bits (test_linear.py checks both).
 _PACK_ROWS = 64
+
+
+class Projection(Protocol):
+    """What the choice needs of a projection layer (tensor_parallel.Linear): its shape, weight and bias, and `use`,
+    which gives bucket i the kernel of path i."""
+
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None
+
+    def plain_weight(self) -> torch.Tensor: ...
+
+    def use(self, paths: tuple[str, ...]) -> None: ...
 
 
 def bucket(rows: int) -> int:
@@ -170,7 +182,6 @@ class GemvKernel(Kernel):
     CHUNKS = (512, 1024, 256, 2048, 0)
     # Outputs compared per run length: enough for a wrong length to show dozens of differing ones (benchmark/README.md).
     CHECK_OUTPUTS = 2**19
-    _found: ClassVar[dict[tuple[int, int, bool, int], int | None]] = {}
 
     @staticmethod
     def available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -184,10 +195,17 @@ class GemvKernel(Kernel):
         if weight.dtype == torch.float32:
             self.k_chunk: int | None = self.FLOAT32_RUN
             return
-        key = (self.out_features, self.in_features, bias is not None, torch.get_num_threads())
-        if key not in self._found:
-            self._found[key] = self._matching_chunk(weight, bias)
-        self.k_chunk = self._found[key]
+        # Found once per CPU, torch, shape and thread count (layers/measurements.py): the check runs F.linear and
+        # the kernel on CHECK_OUTPUTS outputs per run length.
+        known = measurements(last_level_cache_bytes())
+        key = (
+            f"gemv run {self.out_features}x{self.in_features} bias {bias is not None} threads {torch.get_num_threads()}"
+        )
+        found = known.get(key)
+        if not isinstance(found, dict):
+            found = {"k_chunk": self._matching_chunk(weight, bias)}
+            known.put(key, found)
+        self.k_chunk = found["k_chunk"]
 
     def _matching_chunk(self, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
         g = torch.Generator(device=weight.device).manual_seed(0)
@@ -308,7 +326,7 @@ def available_memory_bytes() -> int | None:
     return int(line.split()[1]) * 1024
 
 
-def forced_choice(forced: str, paths: list[str], layer: Linear) -> tuple[tuple[str, ...], str]:
+def forced_choice(forced: str, paths: list[str], layer: Projection) -> tuple[tuple[str, ...], str]:
     """The forced path in every bucket it serves for `layer`'s shape, `linear` in the others; and why."""
     if forced not in paths:
         return ("linear",) * len(BUCKET_ROWS), f"{ENV}={forced}: no {forced} path here"
@@ -323,7 +341,7 @@ class Plan(NamedTuple):
     """The kernels one projection shape's layers will use, and the log line's reason."""
 
     shape: str  # for the log line
-    group: list[Linear]
+    group: list[Projection]
     choice: tuple[str, ...]  # a path per bucket
     how: str
     main: str | None = None  # the measured main path; None where forced or the only one
@@ -338,13 +356,14 @@ class Plan(NamedTuple):
         return self if self.main is None else self._replace(choice=(self.main,) * len(BUCKET_ROWS))
 
 
-def choose_linear_kernels(layers: Iterable[Linear]) -> None:
+def choose_linear_kernels(layers: Iterable[Projection]) -> None:
     """Give every layer its kernel per bucket: measured once per distinct (out, in, dtype) shape on the first
     layer of that shape (or forced by TEXTGEN_CPU_LINEAR), one log line per shape. Where the measured choices'
     second layouts would take more than SECOND_LAYOUTS_SHARE of the memory available, every shape keeps its main
     path alone."""
     forced = forced_path()
-    groups: dict[tuple[int, int, torch.dtype, torch.device], list[Linear]] = {}
+    known = measurements(last_level_cache_bytes())
+    groups: dict[tuple[int, int, torch.dtype, torch.device], list[Projection]] = {}
     for layer in layers:
         weight = layer.plain_weight()
         groups.setdefault((layer.out_features, layer.in_features, weight.dtype, weight.device), []).append(layer)
@@ -357,10 +376,9 @@ def choose_linear_kernels(layers: Iterable[Linear]) -> None:
         elif len(paths) == 1:
             plans.append(Plan(shape, group, (paths[0],) * len(BUCKET_ROWS), "the only path here"))
         else:
-            first = group[0]
-            times = time_paths(first.plain_weight(), first.bias, paths)
+            times, when = path_times(group[0], paths, known)
             rows = "/".join(map(str, BUCKET_ROWS))
-            how = f"measured, least ms at {rows} rows: " + ", ".join(
+            how = f"measured{when}, least ms at {rows} rows: " + ", ".join(
                 f"{p} " + "/".join(f"{t * 1e3:.3f}" for t in times[p]) for p in paths
             )
             plans.append(Plan(shape, group, choose(times), how, main_path(times)))
@@ -380,3 +398,17 @@ def choose_linear_kernels(layers: Iterable[Linear]) -> None:
             layer.use(plan.choice)
         by_bucket = ", ".join(f"{name}: {path}" for name, path in zip(BUCKET_NAMES, plan.choice, strict=True))
         logger.info("CPU linear %s, rows %s (%s)", plan.shape, by_bucket, plan.how)
+    known.save()
+
+
+def path_times(layer: Projection, paths: list[str], known: Measurements) -> tuple[dict[str, list[float]], str]:
+    """`time_paths` for `layer`'s shape, from an earlier start's measurement where one timed every path; and
+    how the log line says where the times come from."""
+    weight = layer.plain_weight()
+    key = f"times {layer.out_features}x{layer.in_features} {weight.dtype} bias {layer.bias is not None}"
+    stored = known.get(key)
+    if isinstance(stored, dict) and all(path in stored for path in paths):
+        return {path: stored[path] for path in paths}, " at an earlier start"
+    times = time_paths(weight, layer.bias, paths)
+    known.put(key, times)
+    return times, ""

@@ -1,0 +1,106 @@
+"""What a shard measured of this CPU at load, kept for its next starts: each projection shape's kernel times
+(linear_choice.time_paths) and the bfloat16 `gemv` run length that gives `F.linear`'s bits (linear_choice.GemvKernel).
+
+Measuring is most of a small model's load (every path timed per shape, each call after a read of twice the
+last-level cache), and its result depends only on the CPU and the libraries. So the figures are kept in one JSON
+file per CPU and torch, under TEXTGEN_CACHE_DIR (default ~/.cache/textgen; empty: nothing is kept), named after a
+hash of what changes them: the CPU's model name and feature flags, its last-level cache size, and torch's version
+(with its oneDNN and MKL). Another CPU, a VM that hides flags, or another torch measures anew.
+
+Ranks that load at once may both write: each write merges with the file as it is then and lands whole (a temporary
+file and a rename), so a reader never sees half a file and at worst one start measures a shape again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+from textgen_server.layers.cpu_ops import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+ENV = "TEXTGEN_CACHE_DIR"
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line for line in cpuinfo if line.startswith("model name")).split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def cache_file(last_level_cache: int) -> Path | None:
+    """This CPU's and torch's file under TEXTGEN_CACHE_DIR; None where the variable is set empty."""
+    root = os.environ.get(ENV, str(Path.home() / ".cache" / "textgen"))
+    if not root:
+        return None
+    identity = f"{cpu_model_name()}|{' '.join(sorted(cpu_flags()))}|{last_level_cache}|torch {torch.__version__}"
+    return Path(root) / f"cpu-measurements-{hashlib.sha1(identity.encode()).hexdigest()[:16]}.json"
+
+
+class Measurements:
+    """Figures by key (a shape and what was measured of it), read from `path` and written back by `save`."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.entries: dict[str, object] = self._read()
+        self.added: dict[str, object] = {}
+
+    def _read(self) -> dict[str, object]:
+        if self.path is None:
+            return {}
+        try:
+            entries = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # none yet, or unreadable: measured again and rewritten
+        return entries if isinstance(entries, dict) else {}
+
+    def get(self, key: str) -> object | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, value: object) -> None:
+        self.entries[key] = self.added[key] = value
+
+    def save(self) -> None:
+        """Merge what this process added into the file; a failure to write costs only a later measurement."""
+        if self.path is None or not self.added:
+            return
+        merged = {**self._read(), **self.added}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        except OSError as err:
+            logger.warning("CPU measurements not kept for the next start (%s): %s", self.path, err)
+            return
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump(merged, out, indent=1, sort_keys=True)
+            os.replace(temporary, self.path)
+            self.added = {}
+        except OSError as err:
+            logger.warning("CPU measurements not kept for the next start (%s): %s", self.path, err)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
+
+def measurements(last_level_cache: int) -> Measurements:
+    """The process's one view of this CPU's file under the TEXTGEN_CACHE_DIR now set (read once; `save` writes
+    what was added)."""
+    return _measurements_at(cache_file(last_level_cache))
+
+
+@functools.cache
+def _measurements_at(path: Path | None) -> Measurements:
+    return Measurements(path)
