@@ -78,9 +78,15 @@ class Projection(Protocol):
     """What the choice needs of a projection layer (tensor_parallel.Linear): its shape, weight and bias, and `use`,
     which gives bucket i the kernel of path i."""
 
-    out_features: int
-    in_features: int
-    bias: torch.Tensor | None
+    # Read-only: Linear's are plain attributes, its bias an nn.Parameter.
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
 
     def plain_weight(self) -> torch.Tensor: ...
 
