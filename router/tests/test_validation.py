@@ -4,6 +4,9 @@ then the same rules through the shared router (422 JSON)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -192,6 +195,26 @@ def test_grammar_shape_is_checked_before_support(validator: Validator) -> None:
         pydantic.ValidationError, match="Input should be 'json', 'json_object', 'regex' or 'json_schema'"
     ):
         GrammarParameters(type="xml", value="a")  # type: ignore[arg-type]
+
+
+def test_worker_processes_import_none_of_the_parent_s_main(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spawned worker runs the parent's __main__ before anything else: in the router, textgen_router.main (under
+    `python -m`, as here) or its script, and with them FastAPI and transformers. The tokenization workers start
+    with an empty one and import only what tokenizing needs."""
+    router_main = types.ModuleType("__main__")
+    router_main.__spec__ = importlib.util.find_spec("textgen_router.main")
+    monkeypatch.setitem(sys.modules, "__main__", router_main)
+    limits = Limits(2, 4, 5, MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS)
+    validator = Validator(load_tokenizer(tiny_llama), limits, workers=1)
+    try:
+        assert validator._processes is not None
+        loaded = validator._processes.submit(eval, "sorted(__import__('sys').modules)").result(timeout=60)
+    finally:
+        validator.close()
+    assert "tokenizers" in loaded and "textgen_router.tokenization" in loaded
+    heavy = [name for name in loaded if name.split(".")[0] in ("fastapi", "transformers", "torch", "uvicorn")]
+    heavy += [name for name in loaded if name == "textgen_router.main"]
+    assert heavy == [], heavy
 
 
 def test_tokenization_runs_off_the_event_loop(validator: Validator) -> None:

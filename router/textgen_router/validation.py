@@ -15,10 +15,13 @@ parameters, add_special_tokens=False)` (chat prompts already carry their special
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import random
-from collections.abc import Callable
+import sys
+import types
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -86,6 +89,23 @@ class ServedAdapters:
         return requested
 
 
+@contextlib.contextmanager
+def _bare_main() -> Iterator[None]:
+    """Processes spawned inside run none of the parent's main module.
+
+    A spawned child first imports the parent's `__main__` (the `textgen-router` script, or textgen_router.main
+    under `python -m`), and with it FastAPI, transformers and the whole router: seconds of CPU per worker, spent
+    while the router starts, for a process that needs only `tokenizers` (`tokenization.init_worker`). The child
+    takes its instructions from `sys.modules["__main__"]` when it is started; an empty module there gives it none.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 class Validator:
     """Validates and tokenizes requests; owns the tokenizer and its worker threads and processes."""
 
@@ -119,8 +139,9 @@ class Validator:
             initargs=(self._encoder.to_str(),),
         )
         # Started now rather than by the first long input, which would otherwise wait for the spawn.
-        for _ in range(self._workers):
-            pool.submit(int)
+        with _bare_main():
+            for _ in range(self._workers):
+                pool.submit(int)
         return pool
 
     def close(self) -> None:
