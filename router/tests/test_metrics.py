@@ -1,4 +1,5 @@
-"""The /metrics exposition: TGI's names, labels and buckets, rendered by prometheus_client (metrics module doc)."""
+"""The /metrics exposition: TGI's names, types, labels and buckets as metrics-exporter-prometheus renders them, from
+prometheus_client's metric families (metrics module doc)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.core import Metric
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from textgen_router import metrics
@@ -39,10 +40,9 @@ def test_counters_keep_their_bare_names() -> None:
     metrics.REQUEST_FAILURE.labels("validation").inc()
     metrics.BATCH_CONCAT.labels(reason="backpressure").inc(3)
     out = lines()
-    # Typed untyped: generate_latest would name a counter family tgi_request_count_total.
-    assert "# TYPE tgi_request_count untyped" in out and "tgi_request_count 2.0" in out
-    assert 'tgi_request_failure{err="validation"} 1.0' in out
-    assert 'tgi_batch_concat{reason="backpressure"} 3.0' in out
+    assert "# TYPE tgi_request_count counter" in out and "tgi_request_count 2" in out
+    assert 'tgi_request_failure{err="validation"} 1' in out
+    assert 'tgi_batch_concat{reason="backpressure"} 3' in out
     assert not [line for line in out if "_total" in line or "_created" in line]
 
 
@@ -51,8 +51,8 @@ def test_gauges() -> None:
     metrics.QUEUE_SIZE.dec()
     metrics.BATCH_MAX_TOTAL_TOKENS.set(16000)
     out = lines()
-    assert "# TYPE tgi_queue_size gauge" in out and "tgi_queue_size 3.0" in out
-    assert "tgi_batch_max_total_tokens 16000.0" in out
+    assert "# TYPE tgi_queue_size gauge" in out and "tgi_queue_size 3" in out
+    assert "tgi_batch_max_total_tokens 16000" in out
 
 
 def test_duration_histograms_use_tgi_buckets() -> None:
@@ -60,13 +60,12 @@ def test_duration_histograms_use_tgi_buckets() -> None:
     metrics.BATCH_FORWARD_DURATION.labels("decode").observe(200.0)
     buckets = [line for line in lines() if line.startswith("tgi_batch_forward_duration_bucket")]
     assert len(buckets) == 36  # 35 bounds 0.0001 * 1.5^k, then +Inf
-    # The bound as TGI prints it (a label value we format); labels in generate_latest's order (sorted by name).
-    assert buckets[0] == 'tgi_batch_forward_duration_bucket{le="0.00015000000000000001",method="decode"} 0.0'
-    assert buckets[1].endswith(" 1.0") and buckets[-2].endswith(" 1.0")  # 200 s is past the last bound
-    assert buckets[-1] == 'tgi_batch_forward_duration_bucket{le="+Inf",method="decode"} 2.0'
+    assert buckets[0] == 'tgi_batch_forward_duration_bucket{method="decode",le="0.00015000000000000001"} 0'
+    assert buckets[1].endswith(" 1") and buckets[-2].endswith(" 1")  # 200 s is past the last bound
+    assert buckets[-1] == 'tgi_batch_forward_duration_bucket{method="decode",le="+Inf"} 2'
     assert metrics.DURATION_BUCKETS[-1] == pytest.approx(145.611, rel=1e-4)
     out = lines()
-    assert 'tgi_batch_forward_duration_count{method="decode"} 2.0' in out
+    assert 'tgi_batch_forward_duration_count{method="decode"} 2' in out
     assert 'tgi_batch_forward_duration_sum{method="decode"} 200.0002' in out
 
 
@@ -75,10 +74,9 @@ def test_length_buckets_follow_the_limits() -> None:
     metrics.REQUEST_INPUT_LENGTH.observe(3)
     metrics.REQUEST_GENERATED_TOKENS.observe(10)
     out = lines()
-    assert 'tgi_request_input_length_bucket{le="2"} 0.0' in out
-    assert 'tgi_request_input_length_bucket{le="4"} 1.0' in out
-    assert 'tgi_request_input_length_bucket{le="200"} 1.0' in out
-    assert 'tgi_request_generated_tokens_bucket{le="10"} 1.0' in out
+    assert 'tgi_request_input_length_bucket{le="2"} 0' in out and 'tgi_request_input_length_bucket{le="4"} 1' in out
+    assert 'tgi_request_input_length_bucket{le="200"} 1' in out
+    assert 'tgi_request_generated_tokens_bucket{le="10"} 1' in out
     assert len([line for line in out if line.startswith("tgi_request_generated_tokens_bucket")]) == 101
 
 
@@ -87,9 +85,8 @@ def test_bucketless_histogram_renders_as_summary() -> None:
         metrics.REQUEST_SKIPPED_TOKENS.observe(value)
     out = lines()
     assert "# TYPE tgi_request_skipped_tokens summary" in out
-    assert 'tgi_request_skipped_tokens{quantile="0"} 0.0' in out
-    assert 'tgi_request_skipped_tokens{quantile="1"} 3.0' in out
-    assert "tgi_request_skipped_tokens_sum 4.0" in out and "tgi_request_skipped_tokens_count 4.0" in out
+    assert 'tgi_request_skipped_tokens{quantile="0"} 0' in out and 'tgi_request_skipped_tokens{quantile="1"} 3' in out
+    assert "tgi_request_skipped_tokens_sum 4" in out and "tgi_request_skipped_tokens_count 4" in out
 
 
 def test_label_misuse_is_an_error() -> None:
@@ -99,16 +96,14 @@ def test_label_misuse_is_an_error() -> None:
         metrics.BATCH_CONCAT.labels("a", "b")
 
 
-GOLDEN = Path(__file__).parent / "data" / "metrics_scrape.txt"
-# The same session's scrape as the hand-written exposition printed it before prometheus-client, which is how TGI's
-# exporter prints it: the reference for what changed (test_the_scrape_differs_from_tgis_in_formatting_only).
+# The session's scrape as TGI's exporter prints it, pinned from the hand-written exposition before prometheus-client.
 GOLDEN_TGI = Path(__file__).parent / "data" / "metrics_scrape_tgi.txt"
 
 
 def record_serving_session() -> None:
     """A short serving session that records every series the router records, through the API the router uses.
 
-    Its scrape is pinned in `GOLDEN`; it reaches the formatting edges: integral and non-integral values and
+    Its scrape is pinned in `GOLDEN_TGI`; it reaches the formatting edges: integral and non-integral values and
     bucket bounds (max_input_tokens=64 gives 0.64-step bounds), a value on a bound, one past the last bound, one
     below 1e-4, a large gauge, labelled and unlabelled series, series created in different orders.
     """
@@ -168,21 +163,23 @@ def record_serving_session() -> None:
     m.BATCH_CURRENT_MAX_TOKENS.set(0)
 
 
-def test_golden_scrape_is_unchanged_to_the_byte() -> None:
+def test_golden_scrape_is_tgis_to_the_byte() -> None:
     record_serving_session()
-    assert metrics.render()[0] == GOLDEN.read_bytes()
+    assert metrics.render()[0] == GOLDEN_TGI.read_bytes()
 
 
-def samples(families: list[Metric]) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
-    return [(f.name, f.type, f.documentation, [(s.name, s.labels, s.value) for s in f.samples]) for f in families]
-
-
-def test_the_scrape_parses_back() -> None:
+def test_the_scrape_parses_back_to_the_collectors_families() -> None:
+    """prometheus_client's parser reads the scrape back as the families the collector yields, types included."""
     record_serving_session()
     families = list(text_string_to_metric_families(metrics.render()[0].decode()))
+    assert families == list(metrics.COLLECTOR.collect())
     assert [f.name for f in families] == [m.name for m in metrics._METRICS]  # every metric, in definition order
     by_name = {f.name: f for f in families}
-    assert by_name["tgi_request_count"].type == "unknown" and by_name["tgi_request_count"].samples[0].value == 4
+    requests = by_name["tgi_request_count"]  # the parser's model of a bare counter: samples named <name>_total
+    assert requests.type == "counter" and [(s.name, s.value) for s in requests.samples] == [
+        ("tgi_request_count_total", 4)
+    ]
+    assert by_name["tgi_batch_concat"].type == "counter"
     assert by_name["tgi_batch_max_total_tokens"].samples[0].value == 1_310_720
     forward = by_name["tgi_batch_forward_duration"]
     assert forward.type == "histogram"
@@ -192,13 +189,16 @@ def test_the_scrape_parses_back() -> None:
     assert skipped.type == "summary" and [s.value for s in skipped.samples][-2:] == [6, 5]
 
 
-def test_the_scrape_differs_from_tgis_in_formatting_only() -> None:
-    """Read by prometheus_client's parser, the scrape holds TGI's series and values; only counters' type differs."""
-    ours = samples(list(text_string_to_metric_families(GOLDEN.read_text())))
-    tgi = []
-    for name, kind, documentation, series in samples(list(text_string_to_metric_families(GOLDEN_TGI.read_text()))):
-        if kind == "counter":  # the parser names a bare counter's samples <name>_total; we serve them untyped
-            kind, series = "unknown", [(sample.removesuffix("_total"), labels, v) for sample, labels, v in series]
-        tgi.append((name, kind, documentation, series))
-    assert ours == tgi
-    assert GOLDEN.read_bytes() != GOLDEN_TGI.read_bytes()  # "4.0" for "4", sorted labels (metrics module doc)
+def test_the_collector_serves_any_registry() -> None:
+    metrics.REQUEST_COUNT.inc()
+    metrics.BATCH_FORWARD_DURATION.labels("decode").observe(0.01)
+    registry = CollectorRegistry()
+    registry.register(metrics.COLLECTOR)
+    families = list(registry.collect())
+    assert [(f.name, f.type) for f in families] == [
+        ("tgi_request_count", "counter"),
+        ("tgi_batch_forward_duration", "histogram"),
+    ]
+    assert registry.get_sample_value("tgi_request_count_total") == 1
+    assert registry.get_sample_value("tgi_batch_forward_duration_count", {"method": "decode"}) == 1
+    assert metrics.tgi_text(families) == metrics.render()[0]

@@ -1,22 +1,16 @@
-"""The router's Prometheus metrics, named, typed and bucketed as TGI's (`tgi_*`), served through prometheus-client.
+"""The router's Prometheus metrics, named, typed and bucketed as TGI's (`tgi_*`), scraped as TGI's bytes.
 
-Counter and gauge values live in prometheus_client's per-series store (`values.MutexValue`; histograms keep
-plain numbers, see `_HistogramChild`). The scrape is `exposition.generate_latest` over a `CollectorRegistry`
-holding one collector, which turns our metrics into `*MetricFamily` objects whose samples carry TGI's names.
+The data model is prometheus-client's: counter and gauge values live in its per-series store
+(`values.MutexValue`; histograms keep plain numbers, see `_HistogramChild`), and `COLLECTOR`, registered in
+`REGISTRY` (a `CollectorRegistry`; it can join any other registry too), turns our metrics into `*MetricFamily`
+objects. Only the text is ours: `tgi_text` prints those families as TGI's exporter does (its docstring says
+why `generate_latest` cannot).
 
-TGI renders through `metrics-exporter-prometheus`. What we keep of it: no `_total` suffix and no `_created`
-series on counters, histograms without configured buckets rendered as summaries (quantiles over recent
-values), a series shown only once it has been recorded, TGI's series order (`_sum` before `_count`), TGI's
-bucket bounds and quantiles printed as Rust prints floats (`le="2"`, `le="0.00015000000000000001"`: label
-values are strings we format). What generate_latest cannot print as TGI does, so the scrape differs from TGI's
-(and from this module's earlier hand-written text) in formatting only, the same series and values for any
-Prometheus parser:
-- counters are typed `untyped`: generate_latest names a `counter` family `<name>_total` in its HELP/TYPE lines,
-  and dashboards query TGI's counters by their bare names;
-- sample values go through `float()` and `repr` (`utils.floatToGoString`): `4.0` where TGI prints `4`, and
-  Go's exponent form from 1e6 on (`1.31072e+06`);
-- labels are sorted by name: `{le="..",method="decode"}` where TGI appends `le` last.
-router/tests/data holds one session's scrape both ways (metrics_scrape.txt, metrics_scrape_tgi.txt).
+TGI renders through `metrics-exporter-prometheus`. What we keep of it: counters under their bare names (no
+`_total`, no `_created` series), histograms without configured buckets rendered as summaries (quantiles over
+recent values), a series shown only once it has been recorded, TGI's series order (`_sum` before `_count`),
+numbers as Rust prints floats (`4`, `le="0.00015000000000000001"`), `le` / `quantile` after the other labels.
+router/tests/data/metrics_scrape_tgi.txt pins one serving session's scrape.
 
 Who records what (so nothing is counted twice):
 - inference side (queue, batching loop, Infer): tgi_queue_size, tgi_batch_*, tgi_request_failure with
@@ -32,18 +26,17 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
+    CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
-    UnknownMetricFamily,
 )
-from prometheus_client.exposition import generate_latest
 from prometheus_client.values import MutexValue
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
@@ -68,11 +61,14 @@ def length_buckets(max_tokens: int) -> list[float]:
     return [(max_tokens / 100.0) * (x + 1) for x in range(100)]
 
 
-def _label_float(value: float) -> str:
-    # A bound or quantile as the `le` / `quantile` label value, as Rust's float Display prints it (integral values
-    # without ".0"): a label value is a string, so generate_latest prints it as given.
+def _fmt(value: float) -> str:
+    # A sample value, bucket bound or quantile as TGI prints it: integral values without ".0", no exponent from 1e6.
+    if isinstance(value, int):  # bucket counts, most of a scrape
+        return str(value)
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
+    if math.isnan(value):
+        return "NaN"
     if value == int(value) and abs(value) < 1e15:
         return str(int(value))
     return repr(value)
@@ -94,7 +90,7 @@ class _Value(MutexValue):
         super().inc(-amount)
 
 
-_QUANTILE_LABELS = tuple(_label_float(q) for q in SUMMARY_QUANTILES)
+_QUANTILE_LABELS = tuple(_fmt(q) for q in SUMMARY_QUANTILES)
 _Child = TypeVar("_Child")
 
 
@@ -110,7 +106,7 @@ class _Metric(Generic[_Child]):
 
     def labels(self, *values: str, **kwargs: str) -> _Child:
         """The series for these label values, created (and from then on rendered) on first use."""
-        key = tuple(values) if values else tuple(kwargs[n] for n in self.labelnames)
+        key = tuple(kwargs[n] for n in self.labelnames) if kwargs else values
         if len(key) != len(self.labelnames):
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
         child = self._children.get(key)
@@ -139,9 +135,9 @@ class _Metric(Generic[_Child]):
 
 
 class Counter(_Metric[_Value]):
-    """Monotonic counter; rendered under its bare name, like TGI's (no `_total`), typed `untyped` (module doc)."""
+    """Monotonic counter: a `CounterMetricFamily` (samples `<name>_total`), printed under its bare name like TGI's."""
 
-    _family_type: type[UnknownMetricFamily | GaugeMetricFamily] = UnknownMetricFamily
+    _family_type: type[CounterMetricFamily | GaugeMetricFamily] = CounterMetricFamily
 
     def _new_child(self) -> _Value:
         return _Value()
@@ -204,7 +200,7 @@ class Histogram(_Metric[_HistogramChild]):
     def set_buckets(self, buckets: Sequence[float]) -> None:
         """Replace the buckets (TGI sizes length buckets from the limits known after warmup); resets series."""
         self.buckets = list(buckets)
-        self._le = [_label_float(b) for b in self.buckets] + ["+Inf"]
+        self._le = [_fmt(b) for b in self.buckets] + ["+Inf"]
         self.clear()
 
     def _new_child(self) -> _HistogramChild:
@@ -280,10 +276,33 @@ class _TgiCollector:
                 yield family
 
 
+def tgi_text(families: Iterable[Metric]) -> bytes:
+    """The families in TGI's text format (metrics-exporter-prometheus), what `GET /metrics` serves.
+
+    Not `exposition.generate_latest` (checked with prometheus-client 0.26.0), whose text differs from TGI's:
+    - it names a `counter` family `<name>_total` in its HELP/TYPE lines (and prints the samples under their
+      `_total` names), where TGI has `# TYPE tgi_request_count counter` and `tgi_request_count 4`;
+    - it prints every value through `utils.floatToGoString`: `4.0` for `4`, `1.31072e+06` for `1310720`;
+    - it sorts labels by name (`{le="..",method=".."}`); TGI puts `le` / `quantile` last, the order our families'
+      samples hold them in.
+    Label values and HELP text are ours (no quotes, backslashes or newlines), so nothing is escaped.
+    """
+    out = []
+    for family in families:
+        name, counter = family.name, family.type == "counter"
+        out.append(f"# HELP {name} {family.documentation}\n# TYPE {name} {family.type}\n")
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            series = (name if counter else sample.name) + (f"{{{labels}}}" if labels else "")
+            out.append(f"{series} {_fmt(sample.value)}\n")
+    return "".join(out).encode()
+
+
 _METRICS: list[_Metric[Any]] = []
+COLLECTOR = _TgiCollector()
 # Our own registry, not prometheus_client's global one: that one also exports process and GC metrics TGI has not.
 REGISTRY = CollectorRegistry()
-REGISTRY.register(_TgiCollector())
+REGISTRY.register(COLLECTOR)
 DURATION_BUCKETS = _duration_buckets()
 # Placeholder until `configure_length_buckets` runs after warmup: TGI's default limits (1024 / 2048).
 _DEFAULT_INPUT, _DEFAULT_TOTAL = 1024, 2048
@@ -291,7 +310,7 @@ _DEFAULT_INPUT, _DEFAULT_TOTAL = 1024, 2048
 
 def render() -> tuple[bytes, str]:
     """The text exposition of every recorded series and its content type, for `GET /metrics`."""
-    return generate_latest(REGISTRY), CONTENT_TYPE
+    return tgi_text(REGISTRY.collect()), CONTENT_TYPE
 
 
 def configure_length_buckets(max_input_tokens: int, max_total_tokens: int) -> None:
