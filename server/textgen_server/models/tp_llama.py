@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 
 from textgen_server.config import DISABLE_CUSTOM_KERNELS, custom_kernels_disabled
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
@@ -331,17 +332,6 @@ class Attention(nn.Module):
         return out
 
 
-def activation(name: str) -> nn.Module:
-    """The MLP's activation: SiLU (the Llama family's) as torch's module, any other name from transformers' table.
-    Importing that table imports transformers' model loading and torch.distributed.tensor, about 2 s of CPU that a
-    SiLU model's every start would pay."""
-    if name == "silu":
-        return nn.SiLU()
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
-
-
 class MLP(nn.Module):
     """act(gate) * up in one fused column matmul, then a row-parallel down projection."""
 
@@ -351,7 +341,7 @@ class MLP(nn.Module):
             weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=f"{prefix}.gate_proj.bias" in weights
         )
         self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", f"{prefix}.down_proj.bias" in weights, dist)
-        self.act = activation(config.hidden_act)
+        self.act = ACT2FN[config.hidden_act]
         # textgen::silu_mul (fused_ops.cpp): silu(gate) * up in one op, the same bits.
         self.fused_silu = config.hidden_act == "silu" and ops_for(weights.dtype, weights.device)
 
