@@ -6,7 +6,7 @@ MODEL_ARCH ?= llama
 MODEL_SIZE ?= tiny
 PORT ?= 3000
 
-.PHONY: install proto run test lint bench demo-model
+.PHONY: install proto run test test-fast lint bench demo-model
 
 # torch first and pinned: the CPU wheel; an unpinned torch pulls several GB of CUDA packages.
 install:
@@ -33,6 +33,10 @@ run: proto demo-model
 
 test: proto
 	$(PYTHON) -m pytest -q
+
+# The edit-test loop: every test that starts no process (a test is skipped where it would start one); CI runs `test`.
+test-fast: proto
+	$(PYTHON) -m pytest -q --no-processes
 
 # Formatting, lint (pyflakes, bugbear, import order, complexity) and types; configured in pyproject.toml.
 lint: proto

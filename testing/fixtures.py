@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -45,7 +46,42 @@ if TYPE_CHECKING:  # the client package is imported only by sessions that use it
     from textgen_client import AsyncClient, Client
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--no-processes",
+        action="store_true",
+        help="skip each test at the moment it would start a process (`make test-fast`, the edit-test loop)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _use_session_measurements()
+
+
+def _refuse_processes(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+    pytest.skip("starts a process: `make test` runs it, `make test-fast` does not")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With --no-processes, a test (its fixtures included) that starts a process is skipped at that moment.
+
+    Every process a test starts (a shard, a router, a launcher, a script, a compiler) goes through
+    subprocess.Popen: refused there, whatever helper or fixture asked, so no list of slow tests needs keeping.
+    Skipped is no Exception: no `except Exception` on the way swallows it. Only while tests run: plugins may start
+    processes while pytest sets up."""
+    if not item.config.getoption("no_processes"):
+        yield
+        return
+    popen_init = subprocess.Popen.__init__
+    subprocess.Popen.__init__ = _refuse_processes  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
+
+
+def _use_session_measurements() -> None:
     """One TEXTGEN_CACHE_DIR (layers/measurements.py) for the session's processes, new each session: every shard
     it starts reads the CPU kernel timings the first one of a shape measured, and no run depends on what an
     earlier one (or a developer's own shards) left in ~/.cache. pytest-xdist's workers inherit the controller's."""
