@@ -237,9 +237,10 @@ def big_router(tiny_llama: Path) -> Iterator[RouterProcess]:
 
 
 def test_big_inputs_do_not_stall_other_requests(big_router: RouterProcess) -> None:
-    # ~1.9 MB of text (~1M tokens): before, each of these held the event loop for seconds (tokenizing with the
-    # GIL held, then building the /tokenize body): /health took 3-5 s and the router's RSS grew by 300+ MiB.
-    prompt = "hello world, " * 146_000
+    # ~0.95 MB of text (~500k tokens): before, each of these held the event loop for seconds (tokenizing with the
+    # GIL held, then building the /tokenize body): at twice this size /health took 3-5 s and the router's RSS
+    # grew by 300+ MiB.
+    prompt = "hello world, " * 73_000
     process = psutil.Process(big_router.process.pid)  # type: ignore[union-attr]
     rss_before = process.memory_info().rss
     big: list[int] = []
