@@ -31,8 +31,12 @@ $(MODEL_DIR)/config.json:
 run: proto demo-model
 	textgen-launcher --model-id $(MODEL_DIR) --port $(PORT) --hostname 127.0.0.1
 
+# Two workers (pytest-xdist), a test module on one worker at a time so that its module-scoped processes serve it
+# whole: on 2 cores the suite is bound by process starts and model steps, which a second worker overlaps.
+TEST_WORKERS ?= 2
+
 test: proto
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 # The edit-test loop: every test that starts no process (a test is skipped where it would start one); CI runs `test`.
 test-fast: proto
