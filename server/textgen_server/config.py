@@ -48,7 +48,7 @@ def custom_kernels_disabled() -> bool:
     """Whether DISABLE_CUSTOM_KERNELS is on (read as the shard's other boolean variables: "1" or "true", any
     case). Then the shard runs none of textgen's own kernels, only torch's ops and `F.linear`: no C++ CPU op
     (layers/cpu_ops.py `switched_on`: decode attention, fused small ops, greedy pick, gemv) and no measured choice
-    of linear kernels at load (models/tp_llama.py `load_tp_model`), whatever TEXTGEN_CPU_LINEAR asks."""
+    of linear kernels at load (layers/linear_choice.py `choose_linear_kernels`), whatever TEXTGEN_CPU_LINEAR asks."""
     return _env_flag(DISABLE_CUSTOM_KERNELS, "false")
 
 

@@ -41,7 +41,7 @@ from typing import ClassVar, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from textgen_server.config import UnsupportedConfigError
+from textgen_server.config import DISABLE_CUSTOM_KERNELS, UnsupportedConfigError, custom_kernels_disabled
 from textgen_server.layers import cpu_ops
 from textgen_server.layers.measurements import Measurements, measurements
 
@@ -367,6 +367,10 @@ def choose_linear_kernels(layers: Iterable[Projection]) -> None:
     layer of that shape (or forced by TEXTGEN_CPU_LINEAR), one log line per shape. Where the measured choices'
     second layouts would take more than SECOND_LAYOUTS_SHARE of the memory available, every shape keeps its main
     path alone."""
+    if custom_kernels_disabled():
+        # Every layer keeps the F.linear it was built with: no timing at load, no other layout.
+        logger.info("CPU linear: F.linear everywhere (%s)", DISABLE_CUSTOM_KERNELS)
+        return
     forced = forced_path()
     known = measurements(last_level_cache_bytes())
     groups: dict[tuple[int, int, torch.dtype, torch.device], list[Projection]] = {}

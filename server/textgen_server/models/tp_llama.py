@@ -9,7 +9,6 @@ past_key_values: KVCache | None, use_cache=True)` returns `.logits` [B,S,V] over
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,6 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from textgen_server.config import DISABLE_CUSTOM_KERNELS, custom_kernels_disabled
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.cpu_ops import ops_for
 from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
@@ -40,8 +38,6 @@ from textgen_server.models.kv_cache import KVCache, PaddedKVCache
 from textgen_server.models.kv_pool import KVPool, PoolShape
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
-
-logger = logging.getLogger(__name__)
 
 TP_MODEL_TYPES: set[str] = {"llama", "mistral", "qwen2"}
 
@@ -528,10 +524,7 @@ def load_tp_model(
     aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
     weights = Weights.from_dir(Path(model_dir), device, dtype, dist.rank, dist.world_size, aliases)
     model = TPCausalLM(config, weights, dist, device).eval()
-    if device.type == "cpu" and custom_kernels_disabled():
-        # Every Linear keeps the F.linear it was built with: no timing at load, no other layout.
-        logger.info("CPU linear: F.linear everywhere (%s)", DISABLE_CUSTOM_KERNELS)
-    elif device.type == "cpu":
+    if device.type == "cpu":
         # Once per shard start: the kernels this CPU runs fastest, measured on the loaded weights.
         choose_linear_kernels(m for m in model.modules() if isinstance(m, Linear))
     return model
