@@ -42,6 +42,11 @@ def test_sigterm_lets_the_request_in_flight_finish(launch: LaunchFactory, tiny_l
     print(f"launch to healthy: {launched.wait_healthy():.1f}s")
     log = launched.log
     assert "Shard 0 ready in" in log and "Starting Webserver" in log
+    assert log.index("Shard 0 ready in") < log.index("Starting Webserver")
+    # The router was started with the shard, not once it was ready: its imports and tokenizer overlap the load.
+    router, shard = (next(p for p in launched.known if name in " ".join(p.cmdline())) for name in ("router", "serve"))
+    ready_s = float(log.split("Shard 0 ready in ")[1].split("s")[0])
+    assert router.create_time() - shard.create_time() < ready_s / 2, (router.create_time(), shard.create_time())
     # The shard ran none of textgen's kernels: no measured linear choice, no C++ ops' library loaded.
     assert "[shard 0] CPU linear: F.linear everywhere (DISABLE_CUSTOM_KERNELS)" in log and " rows 1: " not in log
     (shard,) = launched.shard_pids()

@@ -36,17 +36,27 @@ def _die_with_parent() -> None:
 
 
 class Child:
-    """One running child. `on_stdout` gets each stdout line; stderr is kept (last lines) and optionally echoed."""
+    """One running child. `on_stdout` gets each stdout line; stderr is kept (last lines) and optionally echoed.
+
+    With `stdin_pipe`, the launcher keeps the write end of the child's stdin (`send_line`); otherwise the child's
+    stdin is /dev/null.
+    """
 
     def __init__(
-        self, name: str, cmd: Sequence[str], env: dict[str, str], on_stdout: Callable[[str], None], echo_stderr: bool
+        self,
+        name: str,
+        cmd: Sequence[str],
+        env: dict[str, str],
+        on_stdout: Callable[[str], None],
+        echo_stderr: bool,
+        stdin_pipe: bool = False,
     ) -> None:
         self.name = name
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.process = subprocess.Popen(
             list(cmd),
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -85,6 +95,16 @@ class Child:
 
     def poll(self) -> int | None:
         return self.process.poll()
+
+    def send_line(self, line: str) -> None:
+        """Writes one line to the child's stdin (a `stdin_pipe` child) and closes it: a child that reads stdin
+        to its end learns that nothing more comes."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.write(line + "\n")
+            self.process.stdin.close()
+        except BrokenPipeError:  # the child already exited; its exit is what the caller's monitor reports
+            pass
 
     def drain(self, timeout: float = 5.0) -> None:
         """Waits for the output threads to reach end of stream (after the process exited)."""

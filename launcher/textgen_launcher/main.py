@@ -24,7 +24,7 @@ from textgen_launcher.download import download_all
 from textgen_launcher.env_info import runtime_env
 from textgen_launcher.errors import LauncherError, ShardFailed, WebserverFailed
 from textgen_launcher.ports import check_port_free
-from textgen_launcher.router import spawn_router
+from textgen_launcher.router import open_router, spawn_router
 from textgen_launcher.shards import Shard, spawn_shards, wait_ready
 from textgen_launcher.validate import Settings, validate
 
@@ -112,8 +112,11 @@ def serve(args: argparse.Namespace, level: str, stop: StopFlag) -> int:
     failure: LauncherError | None = None
     try:
         shards = spawn_shards(args, settings, level)
-        if wait_ready(shards, stop.running):  # raises ShardCannotStart if a shard dies first
-            router = spawn_router(args, settings)
+        # Started now, it imports and loads the tokenizer (seconds of CPU) while the shards load.
+        router = spawn_router(args, settings)
+        # raises ShardCannotStart if a shard dies first, WebserverFailed if the router does
+        if wait_ready(shards, stop.running, router):
+            open_router(router)
             failure = _monitor(shards, router, stop)
     finally:
         if router is not None:

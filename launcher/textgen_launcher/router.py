@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from textgen_common import router_gate
 from textgen_launcher.children import Child
 from textgen_launcher.devices import nvidia_smi
 from textgen_launcher.environment import router_env
@@ -72,17 +73,21 @@ def _echo(line: str) -> None:
 
 
 def spawn_router(args: argparse.Namespace, settings: Settings) -> Child:
+    """The router, started behind the gate (textgen_common.router_gate): it loads its tokenizer while the shards
+    load and connects once `open_router` is called."""
     cards = nvidia_smi("gpu_name")
-    logger.info("Starting Webserver")
+    env = router_env(args, settings.num_shard, cards[0] if cards else None)
+    env[router_gate.GATE_ENV] = "1"
+    logger.debug("Loading the webserver's tokenizer while the shards start")
     try:
-        return Child(
-            "webserver",
-            router_command(args, settings),
-            router_env(args, settings.num_shard, cards[0] if cards else None),
-            _echo,
-            echo_stderr=True,
-        )
+        return Child("webserver", router_command(args, settings), env, _echo, echo_stderr=True, stdin_pipe=True)
     except FileNotFoundError:
         logger.error("%s not found in PATH", ROUTER_BIN)
         logger.error("Please install it with `make install`")
         raise WebserverCannotStart() from None
+
+
+def open_router(router: Child) -> None:
+    """Every shard is ready: the router may connect to them (TGI starts its webserver at this point)."""
+    logger.info("Starting Webserver")
+    router.send_line(router_gate.READY)

@@ -14,7 +14,7 @@ import grpc
 from textgen_launcher.children import Child, stop_all
 from textgen_launcher.download import SERVER_BIN
 from textgen_launcher.environment import shard_env
-from textgen_launcher.errors import ArgumentValidation, ShardCannotStart
+from textgen_launcher.errors import ArgumentValidation, ShardCannotStart, WebserverFailed
 from textgen_launcher.forward import LineForwarder
 from textgen_launcher.validate import Settings
 from textgen_pb import generate_pb2, generate_pb2_grpc
@@ -115,10 +115,11 @@ def spawn_shards(args: argparse.Namespace, settings: Settings, log_level: str) -
     return shards
 
 
-def wait_ready(shards: list[Shard], running: Callable[[], bool]) -> bool:
+def wait_ready(shards: list[Shard], running: Callable[[], bool], router: Child) -> bool:
     """Blocks until every shard answers Health; False if a stop signal came first.
 
-    A shard that exits before it is ready raises ShardCannotStart (the caller stops the others).
+    A shard that exits before it is ready raises ShardCannotStart, and the router (started meanwhile, behind its
+    gate) exiting raises WebserverFailed: the caller stops the others.
     """
     start = time.monotonic()
     pending = {s.rank: s for s in shards}
@@ -126,6 +127,9 @@ def wait_ready(shards: list[Shard], running: Callable[[], bool]) -> bool:
     while pending:
         if not running():
             return False
+        if router.poll() is not None:
+            logger.error("Webserver Crashed")
+            raise WebserverFailed()
         for rank, shard in list(pending.items()):
             if shard.child.poll() is not None:
                 logger.error("Shard %d failed to start", rank)

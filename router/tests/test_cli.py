@@ -16,6 +16,7 @@ import pytest
 from router_fixtures import RouterProcess
 
 from testing.shards import ShardProcess
+from textgen_common import router_gate
 from textgen_common.addresses import listen_address
 from textgen_common.ports import free_port
 from textgen_router.args import parse_args
@@ -117,6 +118,14 @@ def test_startup_failures_exit_1_with_tgi_messages() -> None:
         "socket": subprocess.Popen(
             [*router, "--master-shard-uds-path", f"/tmp/tg-missing-{os.getpid()}-0"], stderr=subprocess.PIPE, env=env
         ),
+        # Behind the launcher's gate, a closed stdin (the launcher gone before its shards were ready): the router
+        # leaves without trying the socket, which would have failed with "Unable to connect".
+        "gate": subprocess.Popen(
+            [*router, "--master-shard-uds-path", f"/tmp/tg-missing-{os.getpid()}-0"],
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**env, router_gate.GATE_ENV: "1"},
+        ),
     }
     results = {}
     for name, proc in runs.items():
@@ -129,6 +138,7 @@ def test_startup_failures_exit_1_with_tgi_messages() -> None:
     assert results["batch"] == (1, "Error: Argument validation error: `max_batch_size` must be > 0\n")
     code, err = results["socket"]
     assert code == 1 and err.startswith("Error: Unable to connect to the Python model shards: ")
+    assert results["gate"] == (1, "Error: the launcher stopped before the shards were ready\n")
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from textgen_common import router_gate
 from textgen_common.addresses import listen_address
 from textgen_common.logs import setup_logging
 from textgen_common.lora_adapters import parse_lora_adapters
@@ -158,6 +159,9 @@ async def start(args: Namespace) -> Router:
     # The tokenizer loads in a thread while the shards warm up (other processes: the cores really overlap).
     # Awaited only after the backend, so a backend failure is still the error reported, as in TGI.
     loading = _in_daemon_thread(_load_text, args)
+    if router_gate.gated() and not await _in_daemon_thread(lambda _: router_gate.wait_until_open(), args):
+        loading.cancel()
+        raise StartFailed("the launcher stopped before the shards were ready")
     try:
         backend = await connect_backend(args.master_shard_uds_path, RouterConfig.from_args(args))
     except BaseException as err:
