@@ -24,3 +24,34 @@ def build_model(arch: str, size: str = "tiny") -> Path:
     key = f"{arch}-{size}-v{builder.BUILDER_VERSION}-py{py}-torch{torch.__version__.split('+')[0]}"
     # The builder reuses a matching build and writes through a temporary directory plus rename.
     return builder.build_test_model(MODEL_CACHE_ROOT / key, arch=arch, size=size)
+
+
+def build_quantized_model(method: str, bits: int = 4, desc_act: bool = False, sym: bool = True) -> Path:
+    """The tiny llama quantized by `textgen_server.quant_builder` (group size 32), cached beside it.
+
+    method "gptq" (bits 4 or 8, optional act order / asymmetric zeros) or "awq" (4-bit). Keyed by the float
+    model's cache key plus the quantization arguments and QUANT_BUILDER_VERSION.
+    """
+    from textgen_server import quant_builder
+
+    base = build_model("llama")
+    options = f"{method}-b{bits}-g32" + ("-act" if desc_act else "") + ("" if sym else "-asym")
+    key = f"{base.name}-{options}-q{quant_builder.QUANT_BUILDER_VERSION}"
+    return quant_builder.quantize_model_dir(
+        base, MODEL_CACHE_ROOT / key, method, bits=bits, group_size=32, desc_act=desc_act, sym=sym
+    )
+
+
+def build_dequantized_oracle(qdir: Path) -> Path:
+    """The float32 checkpoint `testing.dequantize` makes of the quantized model `qdir`, cached beside the others.
+
+    Keyed by `qdir`'s name plus a hash of its full path, so two quantized models of one name never share a build.
+    """
+    import hashlib
+
+    from testing import dequantize
+
+    qdir = Path(qdir)
+    digest = hashlib.sha256(str(qdir.resolve()).encode()).hexdigest()[:8]
+    key = f"{qdir.name}-{digest}-dequant-v{dequantize.ORACLE_VERSION}"
+    return dequantize.dequantize_model_dir(qdir, MODEL_CACHE_ROOT / key)
