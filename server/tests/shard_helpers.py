@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from operator import methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from textgen_pb import generate_pb2 as pb
 
 if TYPE_CHECKING:
+    from testing.shards import ShardHandle
     from textgen_server.models.model import Batch, Model
 
 
@@ -176,3 +179,29 @@ def check_top_n_distribution(model: Model, oracle: HFOracle, *, processed: bool)
             assert list(top.logprobs) == pytest.approx(expected.values.tolist(), abs=1e-4), generation.request_id
             if processed and token in top.ids:  # one distribution: the same number in both lists
                 assert top.logprobs[list(top.ids).index(token)] == pytest.approx(logprob, abs=1e-6)
+
+
+def generate_on_ranks(
+    handle: ShardHandle,
+    batch_requests: list[pb.Request],
+) -> tuple[dict[int, list[int]], list[set[int]]]:
+    """Prefill then decode to the end on every rank of `handle` at once, as the router's ShardedClient does.
+
+    Returns each request's tokens and, per rank, which request ids that rank reported.
+    """
+    ranks = range(len(handle.processes))
+    stubs = [handle.stub(rank) for rank in ranks]
+    tokens: dict[int, list[int]] = {r.id: [] for r in batch_requests}
+    reported: list[set[int]] = [set() for _ in ranks]
+    batch = make_batch(0, batch_requests)
+    with ThreadPoolExecutor(len(stubs)) as pool:
+        replies = list(pool.map(methodcaller("Prefill", pb.PrefillRequest(batch=batch), timeout=60), stubs))
+        while True:
+            for rank, reply in enumerate(replies):
+                for g in reply.generations:
+                    tokens[g.request_id].extend(g.tokens.ids)
+                    reported[rank].add(g.request_id)
+            if not replies[-1].HasField("batch"):
+                return tokens, reported
+            decode = pb.DecodeRequest(batches=[replies[-1].batch])
+            replies = list(pool.map(methodcaller("Decode", decode, timeout=60), stubs))

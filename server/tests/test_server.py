@@ -428,7 +428,10 @@ def test_startup_error_is_one_json_line_with_json_output(tiny_llama: Path) -> No
     assert result.returncode == 1
     (line,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert line["level"] == "ERROR" and line["target"] == "textgen_server.cli"
-    assert line["message"] == "--quantize awq is not supported: this shard runs transformers models unquantized"
+    assert line["message"] == (
+        "--quantize awq needs a checkpoint quantized with awq (a quantization_config in config.json): textgen does "
+        "not quantize float weights at load"
+    )
 
 
 def test_sigterm_stops_cleanly_and_removes_socket(shard) -> None:

@@ -12,13 +12,11 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from operator import methodcaller
 from pathlib import Path
 
 import grpc
 import pytest
-from shard_helpers import HFOracle, chooser, make_batch, make_request
+from shard_helpers import HFOracle, chooser, generate_on_ranks, make_batch, make_request
 
 from testing.shards import ShardHandle, ShardProcess
 from textgen_pb import generate_pb2
@@ -41,32 +39,6 @@ def requests(sample: bool = False) -> list[generate_pb2.Request]:
     ]
 
 
-def generate(
-    handle: ShardHandle,
-    batch_requests: list[generate_pb2.Request],
-) -> tuple[dict[int, list[int]], list[set[int]]]:
-    """Prefill then decode to the end on every rank at once, as the router's ShardedClient does.
-
-    Returns each request's tokens and, per rank, which request ids that rank reported.
-    """
-    ranks = range(len(handle.processes))
-    stubs = [handle.stub(rank) for rank in ranks]
-    tokens: dict[int, list[int]] = {r.id: [] for r in batch_requests}
-    reported: list[set[int]] = [set() for _ in ranks]
-    batch = make_batch(0, batch_requests)
-    with ThreadPoolExecutor(len(stubs)) as pool:
-        replies = list(pool.map(methodcaller("Prefill", generate_pb2.PrefillRequest(batch=batch), timeout=60), stubs))
-        while True:
-            for rank, reply in enumerate(replies):
-                for g in reply.generations:
-                    tokens[g.request_id].extend(g.tokens.ids)
-                    reported[rank].add(g.request_id)
-            if not replies[-1].HasField("batch"):
-                return tokens, reported
-            decode = generate_pb2.DecodeRequest(batches=[replies[-1].batch])
-            replies = list(pool.map(methodcaller("Decode", decode, timeout=60), stubs))
-
-
 @pytest.fixture(scope="module")
 def one_shard(tiny_llama: Path) -> Iterator[ShardHandle]:
     with ShardProcess(tiny_llama) as handle:
@@ -82,8 +54,8 @@ def two_shards(tiny_llama: Path) -> Iterator[ShardHandle]:
 def test_two_shards_equal_one_shard_and_transformers(
     llama_oracle: HFOracle, one_shard: ShardHandle, two_shards: ShardHandle
 ) -> None:
-    tokens_1, _ = generate(one_shard, requests())
-    tokens_2, reported = generate(two_shards, requests())
+    tokens_1, _ = generate_on_ranks(one_shard, requests())
+    tokens_2, reported = generate_on_ranks(two_shards, requests())
     assert tokens_1 == {i: llama_oracle.greedy(text, MAX_NEW_TOKENS) for i, text in enumerate(PROMPTS)}
     assert tokens_2 == tokens_1
     # Each rank reports only its requests (the paged engine's rule: id % world_size == rank): nothing is
@@ -93,10 +65,10 @@ def test_two_shards_equal_one_shard_and_transformers(
 
 
 def test_seeded_sampling_is_the_same_on_one_and_two_shards(one_shard: ShardHandle, two_shards: ShardHandle) -> None:
-    sampled_1, _ = generate(one_shard, requests(sample=True))
-    sampled_2, _ = generate(two_shards, requests(sample=True))
+    sampled_1, _ = generate_on_ranks(one_shard, requests(sample=True))
+    sampled_2, _ = generate_on_ranks(two_shards, requests(sample=True))
     assert sampled_1 == sampled_2
-    greedy, _ = generate(one_shard, requests())
+    greedy, _ = generate_on_ranks(one_shard, requests())
     assert sampled_1 != greedy  # the requests really sampled
 
 
@@ -144,7 +116,7 @@ def test_two_speculating_ranks_emit_what_one_plain_rank_emits(cycling_llama: Pat
         ShardProcess(cycling_llama, num_shard=2, extra_args=["--speculate", "3"]) as two,
     ):
         for sample in (False, True):
-            wanted, _ = generate(one, requests(sample))
-            got, reported = generate(two, requests(sample))
+            wanted, _ = generate_on_ranks(one, requests(sample))
+            got, reported = generate_on_ranks(two, requests(sample))
             assert got == wanted
             assert reported == [{0, 2}, {1}]

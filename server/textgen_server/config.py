@@ -153,10 +153,6 @@ class ServeConfig:
             raise UnsupportedConfigError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} is not supported: the KV cache uses the model dtype"
             )
-        if self.quantize:
-            raise UnsupportedConfigError(
-                f"--quantize {self.quantize} is not supported: this shard runs transformers models unquantized"
-            )
         if self.speculate is not None and self.speculate < 0:
             raise UnsupportedConfigError(f"--speculate {self.speculate} is not supported: expected a count >= 0")
         if self.attention not in ATTENTIONS:

@@ -11,6 +11,7 @@ This module imports torch and transformers at its top: `textgen-server serve` (c
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 from pathlib import Path
@@ -28,6 +29,7 @@ from transformers import (
 from textgen_server.adapters import load_adapters
 from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
 from textgen_server.hub import resolve_model_dir
+from textgen_server.layers.quantization import QuantConfig, read_quant_config
 from textgen_server.layers.rotary import override_rope_scaling
 from textgen_server.models import tp_llama
 from textgen_server.models.causal_lm import CausalLM
@@ -44,15 +46,16 @@ def get_model(serve: ServeConfig) -> Model:
     serve.check()
     dist = initialize_torch_distributed() if serve.sharded else DistInfo(0, 1, None)
     device = shard_device(dist.rank)
-    dtype = shard_dtype(serve, device)
     # a local dir, or the snapshot download-weights fetched
     model_dir = resolve_model_dir(serve.model_id, serve.revision)
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=serve.trust_remote_code)
     refuse_unsupported(serve, config)
+    quant = quantization(serve, model_dir, config)
+    dtype = shard_dtype(serve, device, quant)
     override_rope(serve, config)
     tokenizer = load_tokenizer(model_dir, config, serve.trust_remote_code)
     dist.barrier()
-    module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code)
+    module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code, quant)
     attach_adapters(serve, module, config, dist)
     dist.barrier()
     shard = shard_config(serve, model_dir, config, tokenizer, module, dtype, device, dist)
@@ -73,12 +76,13 @@ def shard_device(rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}")
 
 
-def shard_dtype(serve: ServeConfig, device: torch.device) -> torch.dtype:
+def shard_dtype(serve: ServeConfig, device: torch.device, quant: QuantConfig | None = None) -> torch.dtype:
     """--dtype, else TGI's default for the device; a warning where the CPU has no native bfloat16."""
-    # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there).
-    default_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there), bf16 for quantized
+    # weights on a CPU (TGI's IPEX path; here the int4 kernel's fast path, layers/int4_linear.py).
+    default_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16 if quant else torch.float32
     dtype: torch.dtype = getattr(torch, serve.dtype) if serve.dtype else default_dtype
-    if device.type == "cpu" and dtype == torch.bfloat16 and not x86_bf16_hardware():
+    if device.type == "cpu" and dtype == torch.bfloat16 and not quant and not x86_bf16_hardware():
         logger.warning(
             "bfloat16 on an x86 CPU without AVX512-BF16 or AMX: no bf16 multiply is native here, and float32 "
             "decodes batches faster (benchmark/README.md); drop --dtype to run float32"
@@ -125,6 +129,20 @@ def override_rope(serve: ServeConfig, config: PretrainedConfig) -> None:
         raise UnsupportedConfigError(f"ROPE_SCALING={serve.rope_scaling}: {error}") from None
 
 
+def quantization(serve: ServeConfig, model_dir: Path, config: PretrainedConfig) -> QuantConfig | None:
+    """The checkpoint's quantization (--quantize, or what its config says); UnsupportedConfigError where this
+    shard cannot serve it. Quantized weights are read by the paged engine's models only."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    quant = read_quant_config(model_dir, raw, serve.quantize)
+    if quant is not None and not (config.model_type in tp_llama.TP_MODEL_TYPES and serve.use_flash_attention):
+        raise UnsupportedConfigError(
+            f"{quant.method} weights are not supported with the padded CausalLM (model type {config.model_type}"
+            f"{', USE_FLASH_ATTENTION=false' if not serve.use_flash_attention else ''}): only the paged engine's "
+            "models read quantized checkpoints"
+        )
+    return quant
+
+
 # ---- tokenizer ----
 
 
@@ -157,6 +175,7 @@ def load_module(
     device: torch.device,
     dist: DistInfo,
     trust_remote_code: bool,
+    quant: QuantConfig | None = None,
 ) -> torch.nn.Module:
     """The network: a forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
     returning .logits and .past_key_values (a DynamicCache), like a transformers causal LM."""
@@ -170,7 +189,7 @@ def load_module(
             check_shardable(config, dist.world_size)
         except ValueError as error:
             raise UnsupportedConfigError(f"--sharded over {dist.world_size} shards: {error}") from error
-        return load_tp_model(model_dir, config, dtype, device, dist)
+        return load_tp_model(model_dir, config, dtype, device, dist, quant)
     # ---- end of the dispatch point ----
     # `config`, not the directory's: it carries a ROPE_SCALING override.
     module = AutoModelForCausalLM.from_pretrained(

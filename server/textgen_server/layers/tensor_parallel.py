@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from textgen_server.layers.linear_choice import BUCKET_ROWS, KERNELS, PlainKernel, bucket
+from textgen_server.layers.int4_linear import Int4Kernel, why_not
+from textgen_server.layers.linear_choice import BUCKET_ROWS, KERNELS, Kernel, PlainKernel, bucket
 from textgen_server.layers.lora import AdapterSegments, LoraProjection, add_lora
+from textgen_server.layers.quantization import QuantizedWeight, load_quantized
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 
@@ -30,12 +32,24 @@ class Linear(nn.Module):
     projection; `forward(x, segments)` adds each one to the rows `segments` gives it (layers/lora.py).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)
         self.lora: dict[int, LoraProjection] = {}
+        # A quantized weight stays packed where the int4 kernel computes it (for every row count: it is the only
+        # path that reads 4 bits a weight); elsewhere it is dequantized and measured like any float weight.
+        self.int4: Int4Kernel | None = None
+        self.dequantized: str | None = None  # why a quantized weight was dequantized at load
+        if isinstance(weight, QuantizedWeight):
+            self.dequantized = why_not(weight)
+            if self.dequantized is None:
+                self.weight: nn.Parameter | None = None
+                self.int4 = Int4Kernel(weight, self.bias)
+                self.kernels: tuple[Kernel, ...] = (self.int4,) * len(BUCKET_ROWS)
+                return
+            weight = weight.dequantize()
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.use((PlainKernel.path,) * len(BUCKET_ROWS))
 
     def plain_weight(self) -> torch.Tensor:
@@ -74,7 +88,13 @@ class ColumnParallelLinear(Linear):
         Each rank concatenates its own block of every projection, so the fused output is
         [q_local | k_local | v_local] and splits back with plain `torch.split`.
         """
-        weight = weights.get_multi_sharded([f"{p}.weight" for p in prefixes], dim=0)
+        quant = weights.quant
+        if quant is not None and quant.quantizes(prefixes[0]):
+            weight: torch.Tensor | QuantizedWeight = QuantizedWeight.cat_rows(
+                [_rank_block(weights, load_quantized(weights, p, quant), dim=0) for p in prefixes]
+            )
+        else:
+            weight = weights.get_multi_sharded([f"{p}.weight" for p in prefixes], dim=0)
         b = weights.get_multi_sharded([f"{p}.bias" for p in prefixes], dim=0) if bias else None
         return cls(weight, b)
 
@@ -82,13 +102,18 @@ class ColumnParallelLinear(Linear):
 class RowParallelLinear(Linear):
     """y = sum over ranks of x_local @ W_local^T, + b once; W_local holds this rank's input-feature columns."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dist: DistInfo) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, dist: DistInfo) -> None:
         super().__init__(weight, bias)
         self.dist = dist
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, bias: bool, dist: DistInfo) -> RowParallelLinear:
-        weight = weights.get_sharded(f"{prefix}.weight", dim=1)
+        if weights.quant is not None and weights.quant.quantizes(prefix):
+            weight: torch.Tensor | QuantizedWeight = _rank_block(
+                weights, load_quantized(weights, prefix, weights.quant), dim=1
+            )
+        else:
+            weight = weights.get_sharded(f"{prefix}.weight", dim=1)
         # The bias must be added once, not world_size times: only rank 0 holds it.
         b = weights.get_tensor(f"{prefix}.bias") if bias and dist.rank == 0 else None
         return cls(weight, b, dist)
@@ -96,6 +121,16 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor, segments: AdapterSegments | None = None) -> torch.Tensor:
         # A LoRA delta of this rank's input columns is a partial sum too: the one all_reduce adds them up.
         return self.dist.all_reduce(super().forward(x, segments))
+
+
+def _rank_block(weights: Weights, weight: QuantizedWeight, dim: int) -> QuantizedWeight:
+    """This rank's equal block of a quantized weight's output (dim 0) or input (dim 1) features."""
+    size = weight.shape[dim]
+    if size % weights.world_size != 0:
+        raise ValueError(f"a quantized weight of shape {weight.shape} cannot be split in {weights.world_size} on {dim}")
+    block = size // weights.world_size
+    start, stop = weights.rank * block, (weights.rank + 1) * block
+    return weight.rows(start, stop) if dim == 0 else weight.cols(start, stop)
 
 
 class VocabParallelEmbedding(nn.Module):

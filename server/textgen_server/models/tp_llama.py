@@ -9,6 +9,8 @@ past_key_values: KVCache | None, use_cache=True)` returns `.logits` [B,S,V] over
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from textgen_server.layers.linear_choice import choose_linear_kernels
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.paged_attention import paged_attention, write_kv
+from textgen_server.layers.quantization import QuantConfig
 from textgen_server.layers.rotary import RotaryEmbedding, head_size, rotate_heads_
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -38,6 +41,8 @@ from textgen_server.models.kv_cache import KVCache, PaddedKVCache
 from textgen_server.models.kv_pool import KVPool, PoolShape
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
+
+logger = logging.getLogger(__name__)
 
 TP_MODEL_TYPES: set[str] = {"llama", "mistral", "qwen2"}
 
@@ -517,14 +522,39 @@ class TPCausalLM(nn.Module):
 
 
 def load_tp_model(
-    model_dir: Path, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, dist: DistInfo
+    model_dir: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: DistInfo,
+    quant: QuantConfig | None = None,
 ) -> TPCausalLM:
-    """This rank's share of a Llama-family model; ValueError if the architecture or sizes cannot be split."""
+    """This rank's share of a Llama-family model; ValueError if the architecture or sizes cannot be split.
+
+    `quant`: the checkpoint's projections are stored quantized (layers/quantization.py)."""
     check_shardable(config, dist.world_size)
     aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
-    weights = Weights.from_dir(Path(model_dir), device, dtype, dist.rank, dist.world_size, aliases)
+    weights = Weights.from_dir(Path(model_dir), device, dtype, dist.rank, dist.world_size, aliases, quant)
     model = TPCausalLM(config, weights, dist, device).eval()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if quant is not None:
+        _log_quantized(quant, linears)
     if device.type == "cpu":
-        # Once per shard start: the kernels this CPU runs fastest, measured on the loaded weights.
-        choose_linear_kernels(m for m in model.modules() if isinstance(m, Linear))
+        # Once per shard start: the kernels this CPU runs fastest, measured on the loaded weights (a packed int4
+        # weight has the one kernel that reads it).
+        choose_linear_kernels(m for m in linears if m.int4 is None)
     return model
+
+
+def _log_quantized(quant: QuantConfig, linears: list[Linear]) -> None:
+    packed = sum(m.int4 is not None for m in linears)
+    reasons = Counter(m.dequantized for m in linears if m.dequantized is not None)
+    logger.info(
+        "%s %d-bit (groups of %d%s): %d projections on the int4 kernel%s",
+        quant.method.upper(),
+        quant.bits,
+        quant.group_size,
+        ", act-order" if quant.desc_act else "",
+        packed,
+        "".join(f"; {n} dequantized at load for {why}" for why, n in reasons.items()),
+    )

@@ -8,10 +8,13 @@ replicated tensors: norms, row-parallel biases).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # layers/quantization imports config; weights stays a leaf module
+    from textgen_server.layers.quantization import QuantConfig
 
 
 class Weights:
@@ -32,6 +35,7 @@ class Weights:
         rank: int = 0,
         world_size: int = 1,
         aliases: dict[str, list[str]] | None = None,
+        quant: QuantConfig | None = None,
     ) -> None:
         if not files:
             raise ValueError("no .safetensors weight files given")
@@ -40,6 +44,7 @@ class Weights:
         self.rank = rank
         self.world_size = world_size
         self.aliases = aliases or {}
+        self.quant = quant  # the checkpoint's projections are stored quantized (layers/quantization.py)
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._routing: dict[str, int] = {}
         for i, handle in enumerate(self._handles):
@@ -58,12 +63,13 @@ class Weights:
         rank: int = 0,
         world_size: int = 1,
         aliases: dict[str, list[str]] | None = None,
+        quant: QuantConfig | None = None,
     ) -> Weights:
         """All safetensors files directly inside `model_dir`, in name order."""
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise ValueError(f"no .safetensors weight files in {model_dir}")
-        return cls(files, device, dtype, rank, world_size, aliases)
+        return cls(files, device, dtype, rank, world_size, aliases, quant)
 
     def names(self) -> list[str]:
         """Every stored tensor name."""

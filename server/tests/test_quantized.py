@@ -1,0 +1,188 @@
+"""GPTQ and AWQ checkpoints (`--quantize gptq | awq`): what is read, what is refused, and the tokens served.
+
+The oracle is transformers on the checkpoint dequantized by `testing.dequantize` (its own unpacking of the
+published layouts, checked against hand-packed words in test_quant_builder.py), never by textgen's code. float32
+shards dequantize at load and must give the oracle's logits; bfloat16 shards run the int4 kernel on the packed
+weights and must stay within a stated distance of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from shard_helpers import HFOracle, generate_on_ranks, make_request
+from transformers import AutoConfig
+
+from testing.models import build_dequantized_oracle, build_quantized_model
+from testing.shards import ShardProcess
+from textgen_server.config import ServeConfig, UnsupportedConfigError
+from textgen_server.layers.int4_linear import Int4Kernel, why_not
+from textgen_server.layers.quantization import REFUSED, QuantizedWeight, read_quant_config
+from textgen_server.layers.tensor_parallel import Linear
+from textgen_server.loader import get_model
+from textgen_server.models.tp_llama import load_tp_model
+from textgen_server.utils.dist import DistInfo
+
+VARIANTS = {
+    "gptq-4bit": {"method": "gptq"},
+    "gptq-4bit-asym": {"method": "gptq", "sym": False},
+    "gptq-4bit-act-order": {"method": "gptq", "desc_act": True},
+    "gptq-8bit": {"method": "gptq", "bits": 8},
+    "awq-4bit": {"method": "awq"},
+}
+PROMPT = [1, 5, 9, 100, 200, 300, 7, 42]
+# bfloat16 activations against the float32 oracle: the tiny model's float weights in bfloat16 are 0.13-0.16 apart
+# (max over positions and vocabulary of |log-softmax difference|); the int4 kernel's bf16 scales add a little.
+BF16_LOGPROB_TOLERANCE = 0.3
+
+
+def _config_dir(tmp_path: Path, quantization: dict[str, object] | None, **files: dict[str, object]) -> Path:
+    tmp_path.mkdir(exist_ok=True)
+    config: dict[str, object] = {"model_type": "llama"}
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    return tmp_path
+
+
+def _read(model_dir: Path, requested: str | None) -> object:
+    return read_quant_config(model_dir, json.loads((model_dir / "config.json").read_text()), requested)
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_quantizations_not_served_on_a_cpu_are_refused_naming_them(flag: str, tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedConfigError, match=re.escape(f"--quantize {flag} is not supported: {REFUSED[flag]}")):
+        _read(_config_dir(tmp_path, None), flag)
+
+
+@pytest.mark.parametrize(
+    "quantization, requested, message",
+    [
+        (None, "gptq", "--quantize gptq needs a checkpoint quantized with gptq"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 32}, "awq", "--quantize awq was given for a checkpoint"),
+        ({"quant_method": "compressed-tensors"}, None, r"the checkpoint's quantization \(compressed-tensors\)"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, None, "AWQ checkpoint"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 32}, None, "GPTQ checkpoint"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, None, "GPTQ"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": -1}, None, "group_size -1 is not supported"),
+    ],
+)
+def test_checkpoints_textgen_cannot_read_are_refused(
+    quantization: dict[str, object] | None, requested: str | None, message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(UnsupportedConfigError, match=message):
+        _read(_config_dir(tmp_path, quantization), requested)
+
+
+def test_the_quantization_is_read_from_the_config_or_the_files_beside_it(tmp_path: Path) -> None:
+    assert _read(_config_dir(tmp_path / "f", None), None) is None  # a float checkpoint served as is
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False}
+    read = _read(_config_dir(tmp_path / "c", gptq), "gptq")
+    assert (read.method, read.bits, read.group_size, read.desc_act, read.sym) == ("gptq", 4, 128, True, False)
+    old = _config_dir(tmp_path / "o", None, quantize_config={"bits": 8, "group_size": 64})  # AutoGPTQ's own file
+    assert (_read(old, None).method, _read(old, None).bits) == ("gptq", 8)
+    awq = _config_dir(tmp_path / "a", None, quant_config={"w_bit": 4, "q_group_size": 64, "zero_point": True})
+    assert (_read(awq, None).method, _read(awq, None).group_size) == ("awq", 64)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def quantized(request: pytest.FixtureRequest) -> tuple[str, Path, Path]:
+    """(the variant's name, the quantized tiny llama, its dequantized float32 oracle)."""
+    qdir = build_quantized_model(**VARIANTS[request.param])
+    return request.param, qdir, build_dequantized_oracle(qdir)
+
+
+def _logits(model_dir: Path, dtype: torch.dtype) -> tuple[torch.Tensor, list[Linear]]:
+    quant = read_quant_config(model_dir, json.loads((model_dir / "config.json").read_text()), None)
+    config = AutoConfig.from_pretrained(model_dir)
+    model = load_tp_model(model_dir, config, dtype, torch.device("cpu"), DistInfo(0, 1, None), quant)
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        out = model(ids, torch.ones_like(ids), torch.arange(len(PROMPT))[None], model.new_cache())
+    return out.logits[0].float(), [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def test_float32_shards_compute_the_dequantized_checkpoint(quantized: tuple[str, Path, Path]) -> None:
+    _, qdir, oracle = quantized
+    want = HFOracle(oracle).model(torch.tensor([PROMPT])).logits[0].float().detach()
+    got, linears = _logits(qdir, torch.float32)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    assert all(m.int4 is None and m.dequantized and "float32" in m.dequantized for m in linears[:-1])  # not lm_head
+
+
+def test_bfloat16_shards_keep_4_bit_weights_packed(quantized: tuple[str, Path, Path]) -> None:
+    variant, qdir, oracle = quantized
+    want = torch.log_softmax(HFOracle(oracle).model(torch.tensor([PROMPT])).logits[0].float().detach(), -1)
+    got, linears = _logits(qdir, torch.bfloat16)
+    assert (torch.log_softmax(got, -1) - want).abs().max() < BF16_LOGPROB_TOLERANCE
+    projections = linears[:-1]  # the LM head stays a float weight
+    if VARIANTS[variant].get("bits", 4) == 4:
+        assert all(m.int4 is not None and m.weight is None for m in projections)
+    else:
+        assert all(m.int4 is None and m.dequantized == "8-bit weights" for m in projections)
+
+
+def _weight(n: int, k: int, group: int, act_order: bool, dtype: torch.dtype) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(n * k + group)
+    g_idx = torch.arange(k) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    return QuantizedWeight(
+        torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+        torch.randint(0, 16, (n, k // group), generator=gen).to(dtype),
+        (torch.rand(n, k // group, generator=gen) / 50 + 0.001).to(dtype),
+        g_idx,
+        4,
+        group,
+    )
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_int4_kernel_computes_the_dequantized_product(act_order: bool) -> None:
+    weight = _weight(48, 128, 32, act_order, torch.bfloat16)
+    bias = torch.randn(48, dtype=torch.bfloat16)
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    want = x.float() @ weight.dequantize().float().t() + bias.float()
+    got = Int4Kernel(weight, bias)(x)
+    assert got.shape == (3, 5, 48) and got.dtype == torch.bfloat16
+    # bf16 output and bf16 scale/offset products: a few bf16 ulps of the outputs' size
+    assert (got.float() - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_weights_the_int4_kernel_cannot_read_say_why() -> None:
+    assert (
+        why_not(_weight(48, 128, 32, False, torch.float32))
+        == "torch.float32 activations (the kernel runs bfloat16 only at speed)"
+    )
+    assert why_not(_weight(40, 128, 32, False, torch.bfloat16)) == "shape 40x128 with groups of 32"
+    eight = _weight(48, 128, 32, False, torch.bfloat16)
+    eight.bits = 8
+    assert why_not(eight) == "8-bit weights"
+    uneven = _weight(48, 128, 32, True, torch.bfloat16).cols(0, 64)  # a rank's half of scattered groups
+    assert why_not(uneven) == "act-order groups of unequal sizes in this shard's input features"
+
+
+def test_a_quantized_checkpoint_is_detected_and_served_in_bfloat16(caplog: pytest.LogCaptureFixture) -> None:
+    qdir = build_quantized_model("gptq")
+    with caplog.at_level(logging.INFO):
+        model = get_model(ServeConfig(model_id=str(qdir)))  # no --quantize: the config says it
+    assert model.config.dtype == torch.bfloat16  # TGI's CPU default for quantized weights
+    assert any("GPTQ 4-bit (groups of 32): 8 projections on the int4 kernel" in m for m in caplog.messages)
+
+
+def test_one_and_two_quantized_shards_generate_the_oracles_greedy_tokens() -> None:
+    qdir = build_quantized_model("gptq", desc_act=True)
+    oracle = HFOracle(build_dequantized_oracle(qdir))
+    prompts = ["def fill(self, text):", "The quick brown"]
+    requests = [make_request(i, text, 8, ignore_eos=False) for i, text in enumerate(prompts)]
+    want = {i: oracle.greedy(text, 8) for i, text in enumerate(prompts)}
+    for ranks in (1, 2):
+        with ShardProcess(qdir, num_shard=ranks, extra_args=["--dtype", "float32"]) as handle:
+            assert generate_on_ranks(handle, requests)[0] == want, f"{ranks} shard(s)"

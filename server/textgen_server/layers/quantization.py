@@ -1,0 +1,212 @@
+"""Pre-quantized checkpoints (`--quantize gptq | awq`): their config, and their packed weights as integers.
+
+A checkpoint says how it was quantized in config.json's `quantization_config` (or, for older GPTQ exports, a
+`quantize_config.json` / `quant_config.json` beside it), as TGI reads it. The two layouts served, per projection
+`<prefix>` with W of shape [N out, K in] and groups of G input features:
+- GPTQ v1 (AutoGPTQ, optimum): `qweight` int32 [K*bits/32, N] packed along K (word i holds rows k = i*(32/bits)+j
+  at bit offset bits*j), `qzeros` int32 [K/G, N*bits/32] packed along N the same way and storing zero - 1,
+  `scales` [K/G, N], `g_idx` int32 [K] (the group of each input feature: with act-order, `desc_act`, not k // G).
+- AWQ GEMM (AutoAWQ): `qweight` int32 [K, N/8] packed along N with the 8 columns of a word interleaved
+  (column n0 + AWQ_ORDER[j] in nibble j), `qzeros` the same way, holding the zero itself, `scales` [K/G, N].
+Both dequantize as W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]. `QuantizedWeight` holds that form
+unpacked (one byte per weight), which tensor parallelism slices and the kernels (layers/int4_linear.py) repack.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from textgen_server.config import UnsupportedConfigError
+
+# TGI's --quantize values; the ones a CPU shard serves, and what it says for the others.
+SERVED = ("gptq", "awq")
+REFUSED = {
+    "bitsandbytes": "bitsandbytes' kernels need a CUDA GPU",
+    "bitsandbytes-nf4": "bitsandbytes' kernels need a CUDA GPU",
+    "bitsandbytes-fp4": "bitsandbytes' kernels need a CUDA GPU",
+    "marlin": "Marlin's kernels need a CUDA GPU; serve the GPTQ checkpoint with --quantize gptq",
+    "exl2": "exllama's kernels need a CUDA GPU; a GPTQ export of the model serves with --quantize gptq",
+    "eetq": "not served yet by textgen (int8 quantization at load); serve a GPTQ or AWQ checkpoint",
+    "fp8": "not served yet by textgen on CPU; serve a GPTQ or AWQ checkpoint",
+    "compressed-tensors": "not served yet by textgen; serve a GPTQ or AWQ checkpoint",
+}
+# AutoAWQ's GEMM packing: nibble j of a word holds column AWQ_ORDER[j] of its 8 columns.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a checkpoint's projections are quantized (the fields TGI reads from `quantization_config`)."""
+
+    method: str  # "gptq" | "awq"
+    bits: int
+    group_size: int
+    desc_act: bool = False
+    sym: bool = True
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def quantizes(self, prefix: str) -> bool:
+        """Whether the projection at `prefix` is stored quantized (not named in `modules_to_not_convert`)."""
+        return not any(name in prefix for name in self.modules_to_not_convert)
+
+
+def _raw_quant_config(model_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    if isinstance(config.get("quantization_config"), dict):
+        return dict(config["quantization_config"])
+    for name in ("quantize_config.json", "quant_config.json"):  # AutoGPTQ's and AutoAWQ's own files
+        path = model_dir / name
+        if path.is_file():
+            raw: dict[str, Any] = json.loads(path.read_text())
+            raw.setdefault("quant_method", "awq" if name == "quant_config.json" else "gptq")
+            return raw
+    return None
+
+
+def read_quant_config(model_dir: Path, config: dict[str, Any], requested: str | None) -> QuantConfig | None:
+    """The checkpoint's quantization as served, or None for a float checkpoint served as is.
+
+    `requested` is `--quantize` (the launcher passes what it detected); UnsupportedConfigError for a method this
+    shard does not serve, a flag that contradicts the checkpoint, or a layout it cannot read.
+    """
+    if requested is not None and requested not in SERVED:
+        reason = REFUSED.get(requested, "not a quantization textgen knows")
+        raise UnsupportedConfigError(f"--quantize {requested} is not supported: {reason}")
+    raw = _raw_quant_config(model_dir, config)
+    method = str(raw.get("quant_method", "")).lower() if raw else None
+    if method == "compressed-tensors" or (method and method not in SERVED):
+        reason = REFUSED.get(method, "not a quantization textgen serves")
+        raise UnsupportedConfigError(f"the checkpoint's quantization ({method}) is not supported: {reason}")
+    if requested is None and method is None:
+        return None
+    if method is None or raw is None:
+        raise UnsupportedConfigError(
+            f"--quantize {requested} needs a checkpoint quantized with {requested} (a quantization_config in "
+            "config.json): textgen does not quantize float weights at load"
+        )
+    if requested is not None and requested != method:
+        raise UnsupportedConfigError(f"--quantize {requested} was given for a checkpoint quantized with {method}")
+    bits, group = int(raw.get("bits", raw.get("w_bit", 0))), int(raw.get("group_size", raw.get("q_group_size", 0)))
+    if method == "awq":
+        version = str(raw.get("version", "gemm")).lower()
+        if version != "gemm" or bits != 4 or not raw.get("zero_point", True):
+            raise UnsupportedConfigError(
+                f"AWQ checkpoint (version {version}, {bits} bits, zero_point {raw.get('zero_point')}) is not "
+                "supported: textgen serves AWQ's 4-bit GEMM layout with zero points"
+            )
+    else:
+        fmt = str(raw.get("checkpoint_format", "gptq"))
+        if fmt != "gptq" or bits not in (4, 8):
+            raise UnsupportedConfigError(
+                f"GPTQ checkpoint ({bits} bits, checkpoint_format {fmt}) is not supported: textgen serves 4- and "
+                "8-bit GPTQ in the gptq (v1) format"
+            )
+    if group <= 0:
+        raise UnsupportedConfigError(
+            f"{method} checkpoint with group_size {group} is not supported: textgen serves grouped quantization"
+        )
+    return QuantConfig(
+        method=method,
+        bits=bits,
+        group_size=group,
+        desc_act=bool(raw.get("desc_act", False)),
+        sym=bool(raw.get("sym", True)),
+        modules_to_not_convert=tuple(raw.get("modules_to_not_convert") or ()),
+    )
+
+
+@dataclass
+class QuantizedWeight:
+    """One projection's weight as integers: W[n, k] = (q[n, k] - zeros[n, g_idx[k]]) * scales[n, g_idx[k]].
+
+    `q` uint8 [N, K]; `zeros` and `scales` [N, groups] (zeros as small integers in the scales' dtype); `g_idx`
+    int64 [K]. Slicing rows (output features) or columns (input features) keeps every group a column uses.
+    """
+
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.q[start:stop], self.zeros[start:stop], self.scales[start:stop], self.g_idx, self.bits, self.group_size
+        )
+
+    def cols(self, start: int, stop: int) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.q[:, start:stop], self.zeros, self.scales, self.g_idx[start:stop], self.bits, self.group_size
+        )
+
+    @staticmethod
+    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Projections of one input stacked on their outputs (q/k/v, gate/up): one matmul.
+
+        Their input features must share one grouping: the same g_idx (always so without act-order).
+        """
+        first = parts[0]
+        if any(not torch.equal(p.g_idx, first.g_idx) or p.group_size != first.group_size for p in parts):
+            raise UnsupportedConfigError(
+                "projections of one input quantized with different act-order groupings (g_idx) are not supported"
+            )
+        return QuantizedWeight(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.zeros for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            first.g_idx,
+            first.bits,
+            first.group_size,
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """W in the scales' dtype, computed in float32."""
+        groups = self.g_idx
+        w = (self.q.float() - self.zeros.float()[:, groups]) * self.scales.float()[:, groups]
+        return w.to(self.scales.dtype)
+
+
+def _unpack(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 words -> the unsigned `bits`-bit values they hold, laid out along `dim` (value j of a word at
+    position word * per_word + order[j], `order` the identity by default)."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    # Shifting a negative int32 right fills with ones: the mask keeps only the field's bits.
+    fields = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., per_word], field j of each word
+    if order is not None:
+        fields = fields[..., torch.tensor(order).argsort()]  # position p holds the field whose order is p
+    fields = fields.movedim(-1, dim + 1) if dim == 0 else fields
+    shape = list(words.shape)
+    shape[dim] *= per_word
+    return fields.reshape(shape).to(torch.uint8)
+
+
+def load_quantized(weights: Any, prefix: str, qc: QuantConfig) -> QuantizedWeight:
+    """The projection at `prefix` of a GPTQ or AWQ checkpoint (`weights`: utils.weights.Weights), unpacked."""
+    scales = weights.get_tensor(f"{prefix}.scales").t().contiguous()  # [N, groups]
+    if qc.method == "gptq":
+        q = _unpack(weights.get_tensor(f"{prefix}.qweight"), qc.bits, dim=0).t().contiguous()  # [N, K]
+        zeros = _unpack(weights.get_tensor(f"{prefix}.qzeros"), qc.bits, dim=1).t().to(scales.dtype) + 1
+        g_idx = weights.get_tensor(f"{prefix}.g_idx").long() if f"{prefix}.g_idx" in weights else None
+    else:
+        q = _unpack(weights.get_tensor(f"{prefix}.qweight"), 4, dim=1, order=AWQ_ORDER).t().contiguous()
+        zeros = _unpack(weights.get_tensor(f"{prefix}.qzeros"), 4, dim=1, order=AWQ_ORDER).t().to(scales.dtype)
+        g_idx = None
+    n, k = q.shape
+    if g_idx is None:
+        g_idx = torch.arange(k) // qc.group_size
+    if scales.shape[0] != n or zeros.shape != scales.shape or g_idx.shape[0] != k:
+        raise ValueError(
+            f"{prefix}: inconsistent {qc.method} tensors (q {tuple(q.shape)}, scales {tuple(scales.shape)}, "
+            f"zeros {tuple(zeros.shape)}, g_idx {tuple(g_idx.shape)})"
+        )
+    return QuantizedWeight(q, zeros, scales, g_idx, qc.bits, qc.group_size)
