@@ -5,6 +5,9 @@ misunderstanding in the packer would otherwise be mirrored here and cancel out. 
 a vectorised shift table and a mask, where the packer ORs field by field, and AWQ's column order is taken from
 the slot each column lives in (the inverse of the packer's table).
 
+``int8_per_channel_model_dir(src, out)`` is the oracle of `--quantize eetq` (quantized at load from a float
+checkpoint): the float weights rounded to symmetric per-channel int8 and back, in float64.
+
 ``dequantize_model_dir(src, out) -> Path`` writes ``out`` through a temporary directory plus rename and returns at
 once when ``out`` already holds the dequantization of the same ``src`` (``dequant-stamp.json``).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -119,7 +123,35 @@ def dequantize_model_dir(src: str | Path, out: str | Path) -> Path:
     for file_name in files:
         tensors.update(load_file(str(src / file_name)))
     weights = dequantize_tensors(tensors, qconfig)
+    return _publish_float32(src, out, config, weights, stamp)
 
+
+# eetq quantizes these projections of a float checkpoint (TGI keeps the LM head and the embeddings float).
+PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def int8_per_channel_model_dir(src: str | Path, out: str | Path) -> Path:
+    """The float checkpoint `src` as `--quantize eetq` means it, in float32: every decoder projection's weight w
+    replaced by round(w / s) * s with s = max |w| / 127 per output feature (symmetric int8, one scale a row)."""
+    src, out = Path(src), Path(out)
+    stamp = {"oracle_version": ORACLE_VERSION, "source": str(src.resolve()), "scheme": "int8-per-channel"}
+    if _is_built(out, stamp):
+        return out
+    config = json.loads((src / "config.json").read_text())
+    weights = {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        w = tensor.double()  # the oracle's own arithmetic: float64, rounded once at the end
+        if PROJECTION.search(name):
+            step = w.abs().amax(dim=1, keepdim=True) / 127
+            w = torch.round(w / step) * step
+        weights[name] = w.float()
+    return _publish_float32(src, out, config, weights, stamp)
+
+
+def _publish_float32(
+    src: Path, out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], stamp: dict[str, Any]
+) -> Path:
+    """Write `weights` and `config` (as float32) with `src`'s other files to `out`, through a temporary directory."""
     tmp = out.with_name(f"{out.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

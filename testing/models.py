@@ -55,3 +55,12 @@ def build_dequantized_oracle(qdir: Path) -> Path:
     digest = hashlib.sha256(str(qdir.resolve()).encode()).hexdigest()[:8]
     key = f"{qdir.name}-{digest}-dequant-v{dequantize.ORACLE_VERSION}"
     return dequantize.dequantize_model_dir(qdir, MODEL_CACHE_ROOT / key)
+
+
+def build_int8_oracle(model_dir: Path) -> Path:
+    """The float32 checkpoint `testing.dequantize` makes of `--quantize eetq` on the float model `model_dir`."""
+    from testing import dequantize
+
+    key = f"{Path(model_dir).name}-int8-per-channel-v{dequantize.ORACLE_VERSION}"
+    return dequantize.int8_per_channel_model_dir(model_dir, MODEL_CACHE_ROOT / key)
+

@@ -18,10 +18,10 @@ import torch
 from shard_helpers import HFOracle, generate_on_ranks, make_request
 from transformers import AutoConfig
 
-from testing.models import build_dequantized_oracle, build_quantized_model
+from testing.models import build_dequantized_oracle, build_int8_oracle, build_quantized_model
 from testing.shards import ShardProcess
 from textgen_server.config import ServeConfig, UnsupportedConfigError
-from textgen_server.layers.int4_linear import Int4Kernel, why_not
+from textgen_server.layers.quant_kernels import Int4Kernel, Int8Kernel, packed_kernel
 from textgen_server.layers.quantization import REFUSED, QuantizedWeight, read_quant_config
 from textgen_server.layers.tensor_parallel import Linear
 from textgen_server.loader import get_model
@@ -71,12 +71,17 @@ def test_quantizations_not_served_on_a_cpu_are_refused_naming_them(flag: str, tm
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, None, "AWQ checkpoint"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 32}, None, "GPTQ checkpoint"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, None, "GPTQ"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": -1}, None, "group_size -1 is not supported"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 0}, None, "group_size 0 is not supported"),
+        (None, "eetq", None),  # quantized at load from a float checkpoint: accepted
+        ({"quant_method": "awq", "bits": 4, "group_size": 32}, "eetq", "quantizes float weights at load; this"),
     ],
 )
-def test_checkpoints_textgen_cannot_read_are_refused(
-    quantization: dict[str, object] | None, requested: str | None, message: str, tmp_path: Path
+def test_checkpoints_and_flags_are_checked_against_each_other(
+    quantization: dict[str, object] | None, requested: str | None, message: str | None, tmp_path: Path
 ) -> None:
+    if message is None:
+        assert _read(_config_dir(tmp_path, quantization), requested) is not None
+        return
     with pytest.raises(UnsupportedConfigError, match=message):
         _read(_config_dir(tmp_path, quantization), requested)
 
@@ -99,8 +104,8 @@ def quantized(request: pytest.FixtureRequest) -> tuple[str, Path, Path]:
     return request.param, qdir, build_dequantized_oracle(qdir)
 
 
-def _logits(model_dir: Path, dtype: torch.dtype) -> tuple[torch.Tensor, list[Linear]]:
-    quant = read_quant_config(model_dir, json.loads((model_dir / "config.json").read_text()), None)
+def _logits(model_dir: Path, dtype: torch.dtype, requested: str | None = None) -> tuple[torch.Tensor, list[Linear]]:
+    quant = read_quant_config(model_dir, json.loads((model_dir / "config.json").read_text()), requested)
     config = AutoConfig.from_pretrained(model_dir)
     model = load_tp_model(model_dir, config, dtype, torch.device("cpu"), DistInfo(0, 1, None), quant)
     ids = torch.tensor([PROMPT])
@@ -110,11 +115,15 @@ def _logits(model_dir: Path, dtype: torch.dtype) -> tuple[torch.Tensor, list[Lin
 
 
 def test_float32_shards_compute_the_dequantized_checkpoint(quantized: tuple[str, Path, Path]) -> None:
-    _, qdir, oracle = quantized
+    variant, qdir, oracle = quantized
     want = HFOracle(oracle).model(torch.tensor([PROMPT])).logits[0].float().detach()
     got, linears = _logits(qdir, torch.float32)
     assert torch.allclose(got, want, atol=1e-4, rtol=0)
-    assert all(m.int4 is None and m.dequantized and "float32" in m.dequantized for m in linears[:-1])  # not lm_head
+    projections = linears[:-1]  # the LM head stays a float weight
+    if VARIANTS[variant].get("bits", 4) == 4:
+        assert all(m.packed is None and m.dequantized and "float32 activations" in m.dequantized for m in projections)
+    else:  # grouped 8-bit: no packed kernel takes groups of 8-bit weights
+        assert all(m.packed is None and m.dequantized and "8-bit groups" in m.dequantized for m in projections)
 
 
 def test_bfloat16_shards_keep_4_bit_weights_packed(quantized: tuple[str, Path, Path]) -> None:
@@ -124,9 +133,9 @@ def test_bfloat16_shards_keep_4_bit_weights_packed(quantized: tuple[str, Path, P
     assert (torch.log_softmax(got, -1) - want).abs().max() < BF16_LOGPROB_TOLERANCE
     projections = linears[:-1]  # the LM head stays a float weight
     if VARIANTS[variant].get("bits", 4) == 4:
-        assert all(m.int4 is not None and m.weight is None for m in projections)
+        assert all(isinstance(m.packed, Int4Kernel) and m.weight is None for m in projections)
     else:
-        assert all(m.int4 is None and m.dequantized == "8-bit weights" for m in projections)
+        assert all(m.packed is None and m.dequantized and "8-bit groups" in m.dequantized for m in projections)
 
 
 def _weight(n: int, k: int, group: int, act_order: bool, dtype: torch.dtype) -> QuantizedWeight:
@@ -156,17 +165,37 @@ def test_the_int4_kernel_computes_the_dequantized_product(act_order: bool) -> No
     assert (got.float() - want).abs().max() < 0.02 * want.abs().max()
 
 
-def test_weights_the_int4_kernel_cannot_read_say_why() -> None:
-    assert (
-        why_not(_weight(48, 128, 32, False, torch.float32))
-        == "torch.float32 activations (the kernel runs bfloat16 only at speed)"
+def test_weights_no_packed_kernel_reads_say_why() -> None:
+    def why(weight: QuantizedWeight) -> object:
+        kernel = packed_kernel(weight, None)
+        return kernel if isinstance(kernel, str) else type(kernel).__name__
+
+    assert why(_weight(48, 128, 32, False, torch.float32)) == (
+        "torch.float32 activations (the int4 kernel runs bfloat16 only at speed)"
     )
-    assert why_not(_weight(40, 128, 32, False, torch.bfloat16)) == "shape 40x128 with groups of 32"
-    eight = _weight(48, 128, 32, False, torch.bfloat16)
-    eight.bits = 8
-    assert why_not(eight) == "8-bit weights"
+    assert why(_weight(40, 128, 32, False, torch.bfloat16)) == "shape 40x128 with groups of 32"
     uneven = _weight(48, 128, 32, True, torch.bfloat16).cols(0, 64)  # a rank's half of scattered groups
-    assert why_not(uneven) == "act-order groups of unequal sizes in this shard's input features"
+    assert why(uneven) == "act-order groups of unequal sizes in this shard's input features"
+    assert why(_weight(48, 256, 256, False, torch.bfloat16).cols(0, 128)) == "Int4Kernel"  # per channel, split
+    eight = QuantizedWeight.per_channel_int8(torch.randn(48, 128))
+    assert why(eight) == "Int8Kernel"
+    grouped = _weight(48, 128, 32, False, torch.float32)
+    grouped.bits = 8
+    assert why(grouped) == "8-bit groups (the int8 kernel takes one scale per output feature)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_kernel_computes_the_per_channel_product(dtype: torch.dtype) -> None:
+    float_weight = torch.randn(48, 128).to(dtype).float()
+    weight = QuantizedWeight.per_channel_int8(float_weight.to(dtype))
+    dequantized = weight.dequantize().float()
+    # Within half a step of each row's scale (round to nearest), plus the rounding of the product to `dtype`.
+    rounding = float_weight.abs() * torch.finfo(dtype).eps
+    assert ((dequantized - float_weight).abs() <= weight.scales.float() / 2 + rounding).all()
+    x = torch.randn(2, 3, 128, dtype=dtype)
+    got = Int8Kernel(weight, None)(x)
+    want = x.float() @ dequantized.t()
+    assert got.shape == (2, 3, 48) and (got.float() - want).abs().max() < 0.02 * want.abs().max()
 
 
 def test_a_quantized_checkpoint_is_detected_and_served_in_bfloat16(caplog: pytest.LogCaptureFixture) -> None:
@@ -177,12 +206,31 @@ def test_a_quantized_checkpoint_is_detected_and_served_in_bfloat16(caplog: pytes
     assert any("GPTQ 4-bit (groups of 32): 8 projections on the int4 kernel" in m for m in caplog.messages)
 
 
-def test_one_and_two_quantized_shards_generate_the_oracles_greedy_tokens() -> None:
-    qdir = build_quantized_model("gptq", desc_act=True)
-    oracle = HFOracle(build_dequantized_oracle(qdir))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eetq_quantizes_the_projections_to_int8_at_load(tiny_llama: Path, dtype: torch.dtype) -> None:
+    ids = torch.tensor([PROMPT])
+    want = HFOracle(build_int8_oracle(tiny_llama)).model(ids).logits[0].float().detach()
+    got, linears = _logits(tiny_llama, dtype, "eetq")
+    assert all(isinstance(m.packed, Int8Kernel) and m.weight is None for m in linears[:-1])
+    assert linears[-1].packed is None  # the LM head stays float, as in TGI
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    else:
+        logprobs = torch.log_softmax(got, -1) - torch.log_softmax(want, -1)
+        assert logprobs.abs().max() < BF16_LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("scheme", ["gptq-act-order", "eetq"])
+def test_one_and_two_quantized_shards_generate_the_oracles_greedy_tokens(scheme: str, tiny_llama: Path) -> None:
+    if scheme == "eetq":
+        model_dir, oracle_dir, flags = tiny_llama, build_int8_oracle(tiny_llama), ["--quantize", "eetq"]
+    else:
+        model_dir = build_quantized_model("gptq", desc_act=True)
+        oracle_dir, flags = build_dequantized_oracle(model_dir), []  # detected from the checkpoint's config
+    oracle = HFOracle(oracle_dir)
     prompts = ["def fill(self, text):", "The quick brown"]
     requests = [make_request(i, text, 8, ignore_eos=False) for i, text in enumerate(prompts)]
     want = {i: oracle.greedy(text, 8) for i, text in enumerate(prompts)}
     for ranks in (1, 2):
-        with ShardProcess(qdir, num_shard=ranks, extra_args=["--dtype", "float32"]) as handle:
+        with ShardProcess(model_dir, num_shard=ranks, extra_args=["--dtype", "float32", *flags]) as handle:
             assert generate_on_ranks(handle, requests)[0] == want, f"{ranks} shard(s)"

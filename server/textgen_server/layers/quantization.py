@@ -1,4 +1,4 @@
-"""Pre-quantized checkpoints (`--quantize gptq | awq`): their config, and their packed weights as integers.
+"""Quantized weights (`--quantize gptq | awq | eetq`): the checkpoint's config, and its weights as integers.
 
 A checkpoint says how it was quantized in config.json's `quantization_config` (or, for older GPTQ exports, a
 `quantize_config.json` / `quant_config.json` beside it), as TGI reads it. The two layouts served, per projection
@@ -9,7 +9,10 @@ A checkpoint says how it was quantized in config.json's `quantization_config` (o
 - AWQ GEMM (AutoAWQ): `qweight` int32 [K, N/8] packed along N with the 8 columns of a word interleaved
   (column n0 + AWQ_ORDER[j] in nibble j), `qzeros` the same way, holding the zero itself, `scales` [K/G, N].
 Both dequantize as W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]. `QuantizedWeight` holds that form
-unpacked (one byte per weight), which tensor parallelism slices and the kernels (layers/int4_linear.py) repack.
+unpacked (one byte per weight), which tensor parallelism slices and the kernels (layers/quant_kernels.py) repack.
+`eetq` (TGI's int8 weight-only quantization at load) makes that form from a float checkpoint: symmetric int8, one
+scale per output feature, computed over the whole row before tensor parallelism splits it (so any shard count
+computes with the same integers).
 """
 
 from __future__ import annotations
@@ -24,15 +27,16 @@ import torch
 from textgen_server.config import UnsupportedConfigError
 
 # TGI's --quantize values; the ones a CPU shard serves, and what it says for the others.
-SERVED = ("gptq", "awq")
+SERVED = ("gptq", "awq", "eetq")
+QUANTIZED_AT_LOAD = ("eetq",)
 REFUSED = {
     "bitsandbytes": "bitsandbytes' kernels need a CUDA GPU",
     "bitsandbytes-nf4": "bitsandbytes' kernels need a CUDA GPU",
     "bitsandbytes-fp4": "bitsandbytes' kernels need a CUDA GPU",
     "marlin": "Marlin's kernels need a CUDA GPU; serve the GPTQ checkpoint with --quantize gptq",
     "exl2": "exllama's kernels need a CUDA GPU; a GPTQ export of the model serves with --quantize gptq",
-    "eetq": "not served yet by textgen (int8 quantization at load); serve a GPTQ or AWQ checkpoint",
-    "fp8": "not served yet by textgen on CPU; serve a GPTQ or AWQ checkpoint",
+    "fp8": "torch has no fp8 matmul on a CPU, so fp8 weights would run no faster than bfloat16; use --quantize eetq "
+    "(int8) or a GPTQ or AWQ checkpoint",
     "compressed-tensors": "not served yet by textgen; serve a GPTQ or AWQ checkpoint",
 }
 # AutoAWQ's GEMM packing: nibble j of a word holds column AWQ_ORDER[j] of its 8 columns.
@@ -43,9 +47,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 class QuantConfig:
     """How a checkpoint's projections are quantized (the fields TGI reads from `quantization_config`)."""
 
-    method: str  # "gptq" | "awq"
+    method: str  # "gptq" | "awq" | "eetq"
     bits: int
-    group_size: int
+    group_size: int  # -1: one group per output feature (per channel)
     desc_act: bool = False
     sym: bool = True
     modules_to_not_convert: tuple[str, ...] = ()
@@ -83,6 +87,13 @@ def read_quant_config(model_dir: Path, config: dict[str, Any], requested: str | 
         raise UnsupportedConfigError(f"the checkpoint's quantization ({method}) is not supported: {reason}")
     if requested is None and method is None:
         return None
+    if requested in QUANTIZED_AT_LOAD:
+        if method is not None:
+            raise UnsupportedConfigError(
+                f"--quantize {requested} quantizes float weights at load; this checkpoint is already quantized with "
+                f"{method} (drop --quantize, or give --quantize {method})"
+            )
+        return QuantConfig(method=requested, bits=8, group_size=-1)
     if method is None or raw is None:
         raise UnsupportedConfigError(
             f"--quantize {requested} needs a checkpoint quantized with {requested} (a quantization_config in "
@@ -105,9 +116,10 @@ def read_quant_config(model_dir: Path, config: dict[str, Any], requested: str | 
                 f"GPTQ checkpoint ({bits} bits, checkpoint_format {fmt}) is not supported: textgen serves 4- and "
                 "8-bit GPTQ in the gptq (v1) format"
             )
-    if group <= 0:
+    if group == 0 or group < -1:
         raise UnsupportedConfigError(
-            f"{method} checkpoint with group_size {group} is not supported: textgen serves grouped quantization"
+            f"{method} checkpoint with group_size {group} is not supported: expected a group size, or -1 (one "
+            "group per output feature)"
         )
     return QuantConfig(
         method=method,
@@ -124,7 +136,8 @@ class QuantizedWeight:
     """One projection's weight as integers: W[n, k] = (q[n, k] - zeros[n, g_idx[k]]) * scales[n, g_idx[k]].
 
     `q` uint8 [N, K]; `zeros` and `scales` [N, groups] (zeros as small integers in the scales' dtype); `g_idx`
-    int64 [K]. Slicing rows (output features) or columns (input features) keeps every group a column uses.
+    int64 [K]; `group_size` the features of a group (K for one group per output feature). Slicing rows (output
+    features) or columns (input features) keeps every group a column uses.
     """
 
     q: torch.Tensor
@@ -144,9 +157,9 @@ class QuantizedWeight:
         )
 
     def cols(self, start: int, stop: int) -> QuantizedWeight:
-        return QuantizedWeight(
-            self.q[:, start:stop], self.zeros, self.scales, self.g_idx[start:stop], self.bits, self.group_size
-        )
+        # A per-channel weight's one group spans whatever columns this part keeps.
+        group = min(self.group_size, stop - start)
+        return QuantizedWeight(self.q[:, start:stop], self.zeros, self.scales, self.g_idx[start:stop], self.bits, group)
 
     @staticmethod
     def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -166,6 +179,23 @@ class QuantizedWeight:
             first.g_idx,
             first.bits,
             first.group_size,
+        )
+
+    @staticmethod
+    def per_channel_int8(weight: torch.Tensor) -> QuantizedWeight:
+        """`weight` [N, K] quantized as eetq does: symmetric int8 (stored + 128), one scale = max |w| / 127 per
+        output feature, rounded to nearest; computed in float32, the scales kept in `weight`'s dtype."""
+        w = weight.float()
+        scales = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        scales = scales.to(weight.dtype)  # the integers are rounded against the scale the kernel will use
+        ints = torch.round(w / scales.float()).clamp(-127, 127)
+        return QuantizedWeight(
+            (ints + 128).to(torch.uint8),
+            torch.full_like(scales, 128),
+            scales,
+            torch.zeros(w.shape[1], dtype=torch.long),
+            8,
+            w.shape[1],
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -191,7 +221,10 @@ def _unpack(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | N
 
 
 def load_quantized(weights: Any, prefix: str, qc: QuantConfig) -> QuantizedWeight:
-    """The projection at `prefix` of a GPTQ or AWQ checkpoint (`weights`: utils.weights.Weights), unpacked."""
+    """The projection at `prefix` (`weights`: utils.weights.Weights) as integers: unpacked from a GPTQ or AWQ
+    checkpoint, or quantized from the float weight (eetq)."""
+    if qc.method == "eetq":
+        return QuantizedWeight.per_channel_int8(weights.get_tensor(f"{prefix}.weight"))
     scales = weights.get_tensor(f"{prefix}.scales").t().contiguous()  # [N, groups]
     if qc.method == "gptq":
         q = _unpack(weights.get_tensor(f"{prefix}.qweight"), qc.bits, dim=0).t().contiguous()  # [N, K]
@@ -203,10 +236,10 @@ def load_quantized(weights: Any, prefix: str, qc: QuantConfig) -> QuantizedWeigh
         g_idx = None
     n, k = q.shape
     if g_idx is None:
-        g_idx = torch.arange(k) // qc.group_size
+        g_idx = torch.arange(k) // (k if qc.group_size == -1 else qc.group_size)
     if scales.shape[0] != n or zeros.shape != scales.shape or g_idx.shape[0] != k:
         raise ValueError(
             f"{prefix}: inconsistent {qc.method} tensors (q {tuple(q.shape)}, scales {tuple(scales.shape)}, "
             f"zeros {tuple(zeros.shape)}, g_idx {tuple(g_idx.shape)})"
         )
-    return QuantizedWeight(q, zeros, scales, g_idx, qc.bits, qc.group_size)
+    return QuantizedWeight(q, zeros, scales, g_idx, qc.bits, k if qc.group_size == -1 else qc.group_size)

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from textgen_server.layers.int4_linear import Int4Kernel, why_not
 from textgen_server.layers.linear_choice import BUCKET_ROWS, KERNELS, Kernel, PlainKernel, bucket
 from textgen_server.layers.lora import AdapterSegments, LoraProjection, add_lora
+from textgen_server.layers.quant_kernels import packed_kernel
 from textgen_server.layers.quantization import QuantizedWeight, load_quantized
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
@@ -37,17 +37,18 @@ class Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.lora: dict[int, LoraProjection] = {}
-        # A quantized weight stays packed where the int4 kernel computes it (for every row count: it is the only
-        # path that reads 4 bits a weight); elsewhere it is dequantized and measured like any float weight.
-        self.int4: Int4Kernel | None = None
+        # A quantized weight stays packed where a packed kernel computes it (for every row count: only it reads
+        # the weight's few bits); elsewhere it is dequantized and measured like any float weight.
+        self.packed: Kernel | None = None
         self.dequantized: str | None = None  # why a quantized weight was dequantized at load
         if isinstance(weight, QuantizedWeight):
-            self.dequantized = why_not(weight)
-            if self.dequantized is None:
+            kernel = packed_kernel(weight, self.bias)
+            if isinstance(kernel, Kernel):
                 self.weight: nn.Parameter | None = None
-                self.int4 = Int4Kernel(weight, self.bias)
-                self.kernels: tuple[Kernel, ...] = (self.int4,) * len(BUCKET_ROWS)
+                self.packed = kernel
+                self.kernels: tuple[Kernel, ...] = (kernel,) * len(BUCKET_ROWS)
                 return
+            self.dequantized = kernel
             weight = weight.dequantize()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.use((PlainKernel.path,) * len(BUCKET_ROWS))

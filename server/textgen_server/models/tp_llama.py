@@ -542,19 +542,19 @@ def load_tp_model(
     if device.type == "cpu":
         # Once per shard start: the kernels this CPU runs fastest, measured on the loaded weights (a packed int4
         # weight has the one kernel that reads it).
-        choose_linear_kernels(m for m in linears if m.int4 is None)
+        choose_linear_kernels(m for m in linears if m.packed is None)
     return model
 
 
 def _log_quantized(quant: QuantConfig, linears: list[Linear]) -> None:
-    packed = sum(m.int4 is not None for m in linears)
+    packed = Counter(m.packed.path for m in linears if m.packed is not None)
     reasons = Counter(m.dequantized for m in linears if m.dequantized is not None)
     logger.info(
-        "%s %d-bit (groups of %d%s): %d projections on the int4 kernel%s",
+        "%s %d-bit (%s%s): %s%s",
         quant.method.upper(),
         quant.bits,
-        quant.group_size,
+        f"groups of {quant.group_size}" if quant.group_size > 0 else "per channel",
         ", act-order" if quant.desc_act else "",
-        packed,
+        ", ".join(f"{n} projections on the {path} kernel" for path, n in packed.items()) or "no packed kernel",
         "".join(f"; {n} dequantized at load for {why}" for why, n in reasons.items()),
     )

@@ -1,0 +1,141 @@
+"""The CPU kernels that compute y = x @ W^T + b on quantized weights kept packed, and which one a weight gets.
+
+- `Int4Kernel`: torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) reads 4 bits a weight and dequantizes in
+  registers, W = (q - 8) * scale + offset per group of 32-256 consecutive input features: a checkpoint's
+  (q - zero) * scale is fed as scale and offset = (8 - zero) * scale, and a checkpoint group of G features is fed
+  as G / g kernel groups of g features with the same scale. Act-order checkpoints (GPTQ `desc_act`), whose groups
+  are scattered over the input features, are served by permuting the input features once at load (the groups
+  become consecutive) and the activations' columns the same way at each call. bfloat16 activations only: its
+  float32 path is a scalar fallback, 6x slower than F.linear on the dequantized weight at one row on a 2-core Zen 3
+  (benchmark/README.md, "Quantized models").
+- `Int8Kernel`: torch's `_weight_int8pack_mm`, int8 weights with one scale per output feature (symmetric,
+  per-channel: eetq, and 8-bit checkpoints quantized that way), float32 or bfloat16 activations.
+
+`packed_kernel(weight)` gives the kernel that serves a weight, or the reason none does (the weight is then
+dequantized at load and served like a float one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from textgen_server.layers.linear_choice import Kernel
+from textgen_server.layers.quantization import QuantizedWeight
+
+INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
+# The int4 kernel's K tiling, as torch's int4 weight-only quantization (torchao) packs for CPUs.
+INNER_K_TILES = 2
+
+
+def packed_kernel(weight: QuantizedWeight, bias: torch.Tensor | None) -> Kernel | str:
+    """The kernel that computes `weight` packed, or why none does."""
+    if weight.q.device.type != "cpu":
+        return f"a {weight.q.device.type} device (the packed kernels are torch's CPU ones)"
+    if weight.bits == 8:
+        reason = Int8Kernel.why_not(weight)
+        return Int8Kernel(weight, bias) if reason is None else reason
+    reason = Int4Kernel.why_not(weight)
+    return Int4Kernel(weight, bias) if reason is None else reason
+
+
+def _consecutive_groups(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the input-feature order that makes every group G consecutive features, each block's group id), or None."""
+    order = torch.argsort(weight.g_idx, stable=True)
+    blocks = weight.g_idx[order].view(-1, weight.group_size)
+    if not bool((blocks == blocks[:, :1]).all()) or blocks[:, 0].unique().numel() != blocks.shape[0]:
+        return None
+    return order, blocks[:, 0]
+
+
+class Int4Kernel(Kernel):
+    """The packed 4-bit weight and its per-group scale and offset."""
+
+    path = "int4"
+
+    @staticmethod
+    def available(dtype: torch.dtype, device: torch.device) -> bool:
+        return dtype == torch.bfloat16 and device.type == "cpu"
+
+    @staticmethod
+    def why_not(weight: QuantizedWeight) -> str | None:
+        """Why the int4 kernel cannot compute this weight, or None when it can."""
+        n, k = weight.shape
+        if weight.bits != 4:
+            return f"{weight.bits}-bit weights"
+        if weight.scales.dtype != torch.bfloat16:
+            return f"{weight.scales.dtype} activations (the int4 kernel runs bfloat16 only at speed)"
+        if k % weight.group_size or n % 16 or not any(weight.group_size % g == 0 for g in INT4_GROUP_SIZES):
+            return f"shape {n}x{k} with groups of {weight.group_size}"
+        if _consecutive_groups(weight) is None:
+            return "act-order groups of unequal sizes in this shard's input features"
+        return None
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        reason = self.why_not(weight)
+        if reason is not None:
+            raise ValueError(f"the int4 kernel cannot serve this weight: {reason}")
+        consecutive = _consecutive_groups(weight)
+        assert consecutive is not None
+        order, groups = consecutive
+        self.order = None if bool((order == torch.arange(order.numel())).all()) else order
+        q = weight.q if self.order is None else weight.q[:, order]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
+        super().__init__(packed, bias)
+        self.packed = packed
+        self.group_size = next(g for g in INT4_GROUP_SIZES if weight.group_size % g == 0)
+        repeat = weight.group_size // self.group_size
+        scales, zeros = weight.scales.float()[:, groups], weight.zeros.float()[:, groups]
+        # [kernel groups, N, 2]: the scale and the offset of each kernel group and output feature
+        pairs = torch.stack([scales, (8 - zeros) * scales], dim=-1).repeat_interleave(repeat, dim=1)
+        self.scales_offsets = pairs.transpose(0, 1).contiguous().to(weight.scales.dtype)
+        self.in_features = weight.shape[1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.order is not None:
+            rows = rows[:, self.order]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.contiguous(), self.packed, self.group_size, self.scales_offsets
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Int8Kernel(Kernel):
+    """int8 weights [N, K] and one scale per output feature."""
+
+    path = "int8"
+
+    @staticmethod
+    def available(dtype: torch.dtype, device: torch.device) -> bool:
+        return dtype in (torch.float32, torch.bfloat16) and device.type == "cpu"
+
+    @staticmethod
+    def why_not(weight: QuantizedWeight) -> str | None:
+        """Why the int8 kernel cannot compute this weight, or None when it can."""
+        if weight.bits != 8:
+            return f"{weight.bits}-bit weights"
+        if weight.scales.dtype not in (torch.float32, torch.bfloat16):
+            return f"{weight.scales.dtype} activations"
+        if bool((weight.g_idx != weight.g_idx[0]).any()):
+            return "8-bit groups (the int8 kernel takes one scale per output feature)"
+        if bool((weight.zeros != 128).any()):
+            return "8-bit zero points (the int8 kernel is symmetric)"
+        return None
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        reason = self.why_not(weight)
+        if reason is not None:
+            raise ValueError(f"the int8 kernel cannot serve this weight: {reason}")
+        ints = (weight.q.to(torch.int16) - 128).to(torch.int8).contiguous()
+        super().__init__(ints, bias)
+        self.ints = ints
+        self.scales = weight.scales[:, int(weight.g_idx[0])].contiguous()
+        self.in_features = weight.shape[1]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.ints, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
