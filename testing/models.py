@@ -64,3 +64,15 @@ def build_int8_oracle(model_dir: Path) -> Path:
     key = f"{Path(model_dir).name}-int8-per-channel-v{dequantize.ORACLE_VERSION}"
     return dequantize.int8_per_channel_model_dir(model_dir, MODEL_CACHE_ROOT / key)
 
+
+def build_ct_model(scheme: str) -> Path:
+    """The tiny llama as a compressed-tensors checkpoint (`textgen_server.ct_builder`), cached beside it.
+
+    scheme: one of ct_builder.SCHEMES ("w4a16", "w4a16-asym", "w8a16", "w8a8"). Keyed by the float model's cache key
+    plus the scheme and CT_BUILDER_VERSION (the build's stamp also names the compressed-tensors version).
+    """
+    from textgen_server import ct_builder
+
+    base = build_model("llama")
+    key = f"{base.name}-ct-{scheme}-c{ct_builder.CT_BUILDER_VERSION}"
+    return ct_builder.build_compressed_tensors_model(base, MODEL_CACHE_ROOT / key, scheme)
