@@ -22,7 +22,8 @@ from testing.models import build_dequantized_oracle, build_int8_oracle, build_qu
 from testing.shards import ShardProcess
 from textgen_server.config import ServeConfig, UnsupportedConfigError
 from textgen_server.layers.quant_kernels import Int4Kernel, Int8Kernel, packed_kernel
-from textgen_server.layers.quantization import REFUSED, QuantizedWeight, read_quant_config
+from textgen_server.layers.quantization import REFUSED, read_quant_config
+from textgen_server.layers.quantized_weight import QuantizedWeight
 from textgen_server.layers.tensor_parallel import Linear
 from textgen_server.loader import get_model
 from textgen_server.models.tp_llama import load_tp_model
@@ -234,3 +235,34 @@ def test_one_and_two_quantized_shards_generate_the_oracles_greedy_tokens(scheme:
     for ranks in (1, 2):
         with ShardProcess(model_dir, num_shard=ranks, extra_args=["--dtype", "float32", *flags]) as handle:
             assert generate_on_ranks(handle, requests)[0] == want, f"{ranks} shard(s)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_adapters_run_on_a_quantized_base(tmp_path: Path, dtype: torch.dtype) -> None:
+    """peft on the dequantized oracle with the same adapter file is the reference."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from textgen_common.lora_adapters import parse_lora_adapters
+    from textgen_server.adapters import load_adapters
+    from textgen_server.builder import build_test_adapter
+
+    qdir = build_quantized_model("gptq")
+    oracle_dir = build_dequantized_oracle(qdir)
+    adapter = build_test_adapter(tmp_path / "adapter", oracle_dir, seed=1)
+    ids = torch.tensor([PROMPT, PROMPT])
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(oracle_dir), adapter).eval()
+    with torch.inference_mode():
+        want = torch.log_softmax(reference(ids[:1]).logits[0].float(), -1)
+    config = AutoConfig.from_pretrained(qdir)
+    quant = read_quant_config(qdir, json.loads((qdir / "config.json").read_text()), None)
+    model = load_tp_model(qdir, config, dtype, torch.device("cpu"), DistInfo(0, 1, None), quant)
+    load_adapters(model, parse_lora_adapters(f"one={adapter}"), config, DistInfo(0, 1, None))
+    positions = torch.arange(len(PROMPT))[None].expand(2, -1)
+    with torch.inference_mode():
+        # row 0 on the adapter, row 1 on the base model: the delta reaches only its row
+        out = model(ids, torch.ones_like(ids), positions, model.new_cache(), adapter_indices=[1, 0])
+    got, base = (torch.log_softmax(out.logits[row].float(), -1) for row in (0, 1))
+    tolerance = 1e-4 if dtype == torch.float32 else BF16_LOGPROB_TOLERANCE
+    assert (got - want).abs().max() < tolerance
+    assert (got - base).abs().max() > 10 * tolerance  # the adapter really changed row 0

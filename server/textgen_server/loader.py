@@ -29,7 +29,8 @@ from transformers import (
 from textgen_server.adapters import load_adapters
 from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
 from textgen_server.hub import resolve_model_dir
-from textgen_server.layers.quantization import QuantConfig, read_quant_config
+from textgen_server.layers.quantization import read_quant_config
+from textgen_server.layers.quantized_weight import QuantConfig
 from textgen_server.layers.rotary import override_rope_scaling
 from textgen_server.models import tp_llama
 from textgen_server.models.causal_lm import CausalLM

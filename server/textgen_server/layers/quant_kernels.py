@@ -10,6 +10,8 @@
   (benchmark/README.md, "Quantized models").
 - `Int8Kernel`: torch's `_weight_int8pack_mm`, int8 weights with one scale per output feature (symmetric,
   per-channel: eetq, and 8-bit checkpoints quantized that way), float32 or bfloat16 activations.
+- `Int8DynamicKernel`: the same weights with the activations quantized to int8 per row at each call
+  (compressed-tensors W8A8), an integer product by `torch._int_mm`.
 
 `packed_kernel(weight)` gives the kernel that serves a weight, or the reason none does (the weight is then
 dequantized at load and served like a float one).
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from textgen_server.config import UnsupportedConfigError
 from textgen_server.layers.linear_choice import Kernel
-from textgen_server.layers.quantization import QuantizedWeight
+from textgen_server.layers.quantized_weight import QuantizedWeight
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
 # The int4 kernel's K tiling, as torch's int4 weight-only quantization (torchao) packs for CPUs.
@@ -29,13 +32,18 @@ INNER_K_TILES = 2
 
 def packed_kernel(weight: QuantizedWeight, bias: torch.Tensor | None) -> Kernel | str:
     """The kernel that computes `weight` packed, or why none does."""
-    if weight.q.device.type != "cpu":
-        return f"a {weight.q.device.type} device (the packed kernels are torch's CPU ones)"
-    if weight.bits == 8:
-        reason = Int8Kernel.why_not(weight)
-        return Int8Kernel(weight, bias) if reason is None else reason
-    reason = Int4Kernel.why_not(weight)
-    return Int4Kernel(weight, bias) if reason is None else reason
+    device = weight.q.device.type
+    if weight.dynamic_activations:
+        # Dequantizing would silently drop the checkpoint's activation quantization: no kernel, no start.
+        why = f"a {device} device" if device != "cpu" else Int8Kernel.why_not(weight)
+        if why is not None:
+            raise UnsupportedConfigError(f"W8A8 weights with {why} are not supported")
+        return Int8DynamicKernel(weight, bias)
+    if device != "cpu":
+        return f"a {device} device (the packed kernels are torch's CPU ones)"
+    kernel = Int8Kernel if weight.bits == 8 else Int4Kernel
+    reason = kernel.why_not(weight)
+    return kernel(weight, bias) if reason is None else reason
 
 
 def _consecutive_groups(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -136,6 +144,29 @@ class Int8Kernel(Kernel):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.ints, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Int8DynamicKernel(Int8Kernel):
+    """compressed-tensors W8A8: int8 weights per output feature, and each row of x quantized to int8 at every call
+    as the compressed-tensors package does it (symmetric: scale = max |x_row| / 127.5, round half to even, clamp
+    to [-128, 127]); an int8 x int8 product summed in int32 (`torch._int_mm`), scaled back by both scales."""
+
+    path = "w8a8"
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
+        self.ints_t = self.ints.t().contiguous()  # [K, N], as _int_mm takes its second operand
+        self.scales_f32 = self.scales.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        scale = rows.abs().amax(dim=1, keepdim=True) / 127.5
+        scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+        ints = torch.round(rows / scale).clamp(-128, 127).to(torch.int8)
+        out = (torch._int_mm(ints, self.ints_t).float() * scale * self.scales_f32).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,4 +1,4 @@
-"""Quantized weights (`--quantize gptq | awq | eetq`): the checkpoint's config, and its weights as integers.
+"""Quantized checkpoints (`--quantize gptq | awq | eetq | compressed-tensors`): which one a model is, and reading it.
 
 A checkpoint says how it was quantized in config.json's `quantization_config` (or, for older GPTQ exports, a
 `quantize_config.json` / `quant_config.json` beside it), as TGI reads it. The two layouts served, per projection
@@ -8,26 +8,27 @@ A checkpoint says how it was quantized in config.json's `quantization_config` (o
   `scales` [K/G, N], `g_idx` int32 [K] (the group of each input feature: with act-order, `desc_act`, not k // G).
 - AWQ GEMM (AutoAWQ): `qweight` int32 [K, N/8] packed along N with the 8 columns of a word interleaved
   (column n0 + AWQ_ORDER[j] in nibble j), `qzeros` the same way, holding the zero itself, `scales` [K/G, N].
-Both dequantize as W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]. `QuantizedWeight` holds that form
-unpacked (one byte per weight), which tensor parallelism slices and the kernels (layers/quant_kernels.py) repack.
+Both dequantize as W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)], the form `QuantizedWeight`
+(layers/quantized_weight.py) holds.
 `eetq` (TGI's int8 weight-only quantization at load) makes that form from a float checkpoint: symmetric int8, one
 scale per output feature, computed over the whole row before tensor parallelism splits it (so any shard count
-computes with the same integers).
+computes with the same integers). compressed-tensors checkpoints are read by layers/ct_format.py.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from textgen_server.config import UnsupportedConfigError
+from textgen_server.layers.ct_format import load_ct, read_ct_config
+from textgen_server.layers.quantized_weight import QuantConfig, QuantizedWeight, unpack
 
 # TGI's --quantize values; the ones a CPU shard serves, and what it says for the others.
-SERVED = ("gptq", "awq", "eetq")
+SERVED = ("gptq", "awq", "eetq", "compressed-tensors")
 QUANTIZED_AT_LOAD = ("eetq",)
 REFUSED = {
     "bitsandbytes": "bitsandbytes' kernels need a CUDA GPU",
@@ -37,26 +38,9 @@ REFUSED = {
     "exl2": "exllama's kernels need a CUDA GPU; a GPTQ export of the model serves with --quantize gptq",
     "fp8": "torch has no fp8 matmul on a CPU, so fp8 weights would run no faster than bfloat16; use --quantize eetq "
     "(int8) or a GPTQ or AWQ checkpoint",
-    "compressed-tensors": "not served yet by textgen; serve a GPTQ or AWQ checkpoint",
 }
 # AutoAWQ's GEMM packing: nibble j of a word holds column AWQ_ORDER[j] of its 8 columns.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """How a checkpoint's projections are quantized (the fields TGI reads from `quantization_config`)."""
-
-    method: str  # "gptq" | "awq" | "eetq"
-    bits: int
-    group_size: int  # -1: one group per output feature (per channel)
-    desc_act: bool = False
-    sym: bool = True
-    modules_to_not_convert: tuple[str, ...] = ()
-
-    def quantizes(self, prefix: str) -> bool:
-        """Whether the projection at `prefix` is stored quantized (not named in `modules_to_not_convert`)."""
-        return not any(name in prefix for name in self.modules_to_not_convert)
 
 
 def _raw_quant_config(model_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -82,7 +66,7 @@ def read_quant_config(model_dir: Path, config: dict[str, Any], requested: str | 
         raise UnsupportedConfigError(f"--quantize {requested} is not supported: {reason}")
     raw = _raw_quant_config(model_dir, config)
     method = str(raw.get("quant_method", "")).lower() if raw else None
-    if method == "compressed-tensors" or (method and method not in SERVED):
+    if method and method not in SERVED:
         reason = REFUSED.get(method, "not a quantization textgen serves")
         raise UnsupportedConfigError(f"the checkpoint's quantization ({method}) is not supported: {reason}")
     if requested is None and method is None:
@@ -101,6 +85,12 @@ def read_quant_config(model_dir: Path, config: dict[str, Any], requested: str | 
         )
     if requested is not None and requested != method:
         raise UnsupportedConfigError(f"--quantize {requested} was given for a checkpoint quantized with {method}")
+    if method == "compressed-tensors":
+        return read_ct_config(raw)
+    return _read_gptq_awq(raw, method)
+
+
+def _read_gptq_awq(raw: dict[str, Any], method: str) -> QuantConfig:
     bits, group = int(raw.get("bits", raw.get("w_bit", 0))), int(raw.get("group_size", raw.get("q_group_size", 0)))
     if method == "awq":
         version = str(raw.get("version", "gemm")).lower()
@@ -131,108 +121,21 @@ def read_quant_config(model_dir: Path, config: dict[str, Any], requested: str | 
     )
 
 
-@dataclass
-class QuantizedWeight:
-    """One projection's weight as integers: W[n, k] = (q[n, k] - zeros[n, g_idx[k]]) * scales[n, g_idx[k]].
-
-    `q` uint8 [N, K]; `zeros` and `scales` [N, groups] (zeros as small integers in the scales' dtype); `g_idx`
-    int64 [K]; `group_size` the features of a group (K for one group per output feature). Slicing rows (output
-    features) or columns (input features) keeps every group a column uses.
-    """
-
-    q: torch.Tensor
-    zeros: torch.Tensor
-    scales: torch.Tensor
-    g_idx: torch.Tensor
-    bits: int
-    group_size: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.q.shape[0], self.q.shape[1])
-
-    def rows(self, start: int, stop: int) -> QuantizedWeight:
-        return QuantizedWeight(
-            self.q[start:stop], self.zeros[start:stop], self.scales[start:stop], self.g_idx, self.bits, self.group_size
-        )
-
-    def cols(self, start: int, stop: int) -> QuantizedWeight:
-        # A per-channel weight's one group spans whatever columns this part keeps.
-        group = min(self.group_size, stop - start)
-        return QuantizedWeight(self.q[:, start:stop], self.zeros, self.scales, self.g_idx[start:stop], self.bits, group)
-
-    @staticmethod
-    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Projections of one input stacked on their outputs (q/k/v, gate/up): one matmul.
-
-        Their input features must share one grouping: the same g_idx (always so without act-order).
-        """
-        first = parts[0]
-        if any(not torch.equal(p.g_idx, first.g_idx) or p.group_size != first.group_size for p in parts):
-            raise UnsupportedConfigError(
-                "projections of one input quantized with different act-order groupings (g_idx) are not supported"
-            )
-        return QuantizedWeight(
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.zeros for p in parts]),
-            torch.cat([p.scales for p in parts]),
-            first.g_idx,
-            first.bits,
-            first.group_size,
-        )
-
-    @staticmethod
-    def per_channel_int8(weight: torch.Tensor) -> QuantizedWeight:
-        """`weight` [N, K] quantized as eetq does: symmetric int8 (stored + 128), one scale = max |w| / 127 per
-        output feature, rounded to nearest; computed in float32, the scales kept in `weight`'s dtype."""
-        w = weight.float()
-        scales = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        scales = scales.to(weight.dtype)  # the integers are rounded against the scale the kernel will use
-        ints = torch.round(w / scales.float()).clamp(-127, 127)
-        return QuantizedWeight(
-            (ints + 128).to(torch.uint8),
-            torch.full_like(scales, 128),
-            scales,
-            torch.zeros(w.shape[1], dtype=torch.long),
-            8,
-            w.shape[1],
-        )
-
-    def dequantize(self) -> torch.Tensor:
-        """W in the scales' dtype, computed in float32."""
-        groups = self.g_idx
-        w = (self.q.float() - self.zeros.float()[:, groups]) * self.scales.float()[:, groups]
-        return w.to(self.scales.dtype)
-
-
-def _unpack(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 words -> the unsigned `bits`-bit values they hold, laid out along `dim` (value j of a word at
-    position word * per_word + order[j], `order` the identity by default)."""
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
-    # Shifting a negative int32 right fills with ones: the mask keeps only the field's bits.
-    fields = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., per_word], field j of each word
-    if order is not None:
-        fields = fields[..., torch.tensor(order).argsort()]  # position p holds the field whose order is p
-    fields = fields.movedim(-1, dim + 1) if dim == 0 else fields
-    shape = list(words.shape)
-    shape[dim] *= per_word
-    return fields.reshape(shape).to(torch.uint8)
-
-
 def load_quantized(weights: Any, prefix: str, qc: QuantConfig) -> QuantizedWeight:
     """The projection at `prefix` (`weights`: utils.weights.Weights) as integers: unpacked from a GPTQ or AWQ
     checkpoint, or quantized from the float weight (eetq)."""
     if qc.method == "eetq":
         return QuantizedWeight.per_channel_int8(weights.get_tensor(f"{prefix}.weight"))
+    if qc.method == "compressed-tensors":
+        return load_ct(weights, prefix, qc)
     scales = weights.get_tensor(f"{prefix}.scales").t().contiguous()  # [N, groups]
     if qc.method == "gptq":
-        q = _unpack(weights.get_tensor(f"{prefix}.qweight"), qc.bits, dim=0).t().contiguous()  # [N, K]
-        zeros = _unpack(weights.get_tensor(f"{prefix}.qzeros"), qc.bits, dim=1).t().to(scales.dtype) + 1
+        q = unpack(weights.get_tensor(f"{prefix}.qweight"), qc.bits, dim=0).t().contiguous()  # [N, K]
+        zeros = unpack(weights.get_tensor(f"{prefix}.qzeros"), qc.bits, dim=1).t().to(scales.dtype) + 1
         g_idx = weights.get_tensor(f"{prefix}.g_idx").long() if f"{prefix}.g_idx" in weights else None
     else:
-        q = _unpack(weights.get_tensor(f"{prefix}.qweight"), 4, dim=1, order=AWQ_ORDER).t().contiguous()
-        zeros = _unpack(weights.get_tensor(f"{prefix}.qzeros"), 4, dim=1, order=AWQ_ORDER).t().to(scales.dtype)
+        q = unpack(weights.get_tensor(f"{prefix}.qweight"), 4, dim=1, order=AWQ_ORDER).t().contiguous()
+        zeros = unpack(weights.get_tensor(f"{prefix}.qzeros"), 4, dim=1, order=AWQ_ORDER).t().to(scales.dtype)
         g_idx = None
     n, k = q.shape
     if g_idx is None:

@@ -15,7 +15,8 @@ from torch import nn
 from textgen_server.layers.linear_choice import BUCKET_ROWS, KERNELS, Kernel, PlainKernel, bucket
 from textgen_server.layers.lora import AdapterSegments, LoraProjection, add_lora
 from textgen_server.layers.quant_kernels import packed_kernel
-from textgen_server.layers.quantization import QuantizedWeight, load_quantized
+from textgen_server.layers.quantization import load_quantized
+from textgen_server.layers.quantized_weight import QuantizedWeight
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 

@@ -28,7 +28,7 @@ from textgen_server.layers.linear_choice import choose_linear_kernels
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.paged_attention import paged_attention, write_kv
-from textgen_server.layers.quantization import QuantConfig
+from textgen_server.layers.quantized_weight import QuantConfig
 from textgen_server.layers.rotary import RotaryEmbedding, head_size, rotate_heads_
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-if TYPE_CHECKING:  # layers/quantization imports config; weights stays a leaf module
-    from textgen_server.layers.quantization import QuantConfig
+if TYPE_CHECKING:  # layers/quantized_weight imports config; weights stays a leaf module
+    from textgen_server.layers.quantized_weight import QuantConfig
 
 
 class Weights:
