@@ -68,7 +68,7 @@ def test_quantizations_not_served_on_a_cpu_are_refused_naming_them(flag: str, tm
     [
         (None, "gptq", "--quantize gptq needs a checkpoint quantized with gptq"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 32}, "awq", "--quantize awq was given for a checkpoint"),
-        ({"quant_method": "compressed-tensors"}, None, r"the checkpoint's quantization \(compressed-tensors\)"),
+        ({"quant_method": "bitsandbytes"}, None, r"the checkpoint's quantization \(bitsandbytes\) is not supported"),
         ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, None, "AWQ checkpoint"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 32}, None, "GPTQ checkpoint"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, None, "GPTQ"),
