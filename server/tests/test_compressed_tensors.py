@@ -35,7 +35,7 @@ BF16_LOGPROB_TOLERANCE = {"w4a16": 0.3, "w4a16-asym": 0.3, "w8a16": 0.3, "w8a8":
 KERNELS = {
     "w4a16": {torch.float32: None, torch.bfloat16: Int4Kernel},
     "w4a16-asym": {torch.float32: None, torch.bfloat16: Int4Kernel},
-    "w8a16": {torch.float32: Int8Kernel, torch.bfloat16: Int8Kernel},
+    "w8a16": {torch.float32: None, torch.bfloat16: Int8Kernel},
     "w8a8": {torch.float32: Int8DynamicKernel, torch.bfloat16: Int8DynamicKernel},
 }
 

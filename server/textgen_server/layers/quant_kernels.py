@@ -9,7 +9,8 @@
   float32 path is a scalar fallback, 6x slower than F.linear on the dequantized weight at one row on a 2-core Zen 3
   (benchmark/README.md, "Quantized models").
 - `Int8Kernel`: torch's `_weight_int8pack_mm`, int8 weights with one scale per output feature (symmetric,
-  per-channel: eetq, and 8-bit checkpoints quantized that way), float32 or bfloat16 activations.
+  per-channel: eetq, and 8-bit checkpoints quantized that way), bfloat16 activations (its float32 path, like the
+  int4 kernel's, is a scalar fallback: float32 shards dequantize at load).
 - `Int8DynamicKernel`: the same weights with the activations quantized to int8 per row at each call
   (compressed-tensors W8A8), an integer product by `torch._int_mm`.
 
@@ -35,7 +36,7 @@ def packed_kernel(weight: QuantizedWeight, bias: torch.Tensor | None) -> Kernel 
     device = weight.q.device.type
     if weight.dynamic_activations:
         # Dequantizing would silently drop the checkpoint's activation quantization: no kernel, no start.
-        why = f"a {device} device" if device != "cpu" else Int8Kernel.why_not(weight)
+        why = f"a {device} device" if device != "cpu" else Int8Kernel.why_not(weight, activations_quantized=True)
         if why is not None:
             raise UnsupportedConfigError(f"W8A8 weights with {why} are not supported")
         return Int8DynamicKernel(weight, bias)
@@ -117,15 +118,19 @@ class Int8Kernel(Kernel):
 
     @staticmethod
     def available(dtype: torch.dtype, device: torch.device) -> bool:
-        return dtype in (torch.float32, torch.bfloat16) and device.type == "cpu"
+        return dtype == torch.bfloat16 and device.type == "cpu"
 
     @staticmethod
-    def why_not(weight: QuantizedWeight) -> str | None:
-        """Why the int8 kernel cannot compute this weight, or None when it can."""
+    def why_not(weight: QuantizedWeight, activations_quantized: bool = False) -> str | None:
+        """Why the int8 kernel cannot compute this weight, or None when it can (`activations_quantized`: for
+        Int8DynamicKernel, whose product is integer and so takes float32 and bfloat16 alike)."""
         if weight.bits != 8:
             return f"{weight.bits}-bit weights"
-        if weight.scales.dtype not in (torch.float32, torch.bfloat16):
-            return f"{weight.scales.dtype} activations"
+        dtypes = (torch.float32, torch.bfloat16) if activations_quantized else (torch.bfloat16,)
+        if weight.scales.dtype not in dtypes:
+            # torch's float32 int8 path is a scalar loop: 7-10x slower than F.linear on the float weight at one
+            # row on the 2-core Zen 3 (benchmark/README.md, "Quantized models")
+            return f"{weight.scales.dtype} activations (the int8 kernel runs bfloat16 only at speed)"
         if bool((weight.g_idx != weight.g_idx[0]).any()):
             return "8-bit groups (the int8 kernel takes one scale per output feature)"
         if bool((weight.zeros != 128).any()):
@@ -133,7 +138,7 @@ class Int8Kernel(Kernel):
         return None
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        reason = self.why_not(weight)
+        reason = self.why_not(weight, activations_quantized=isinstance(self, Int8DynamicKernel))
         if reason is not None:
             raise ValueError(f"the int8 kernel cannot serve this weight: {reason}")
         ints = (weight.q.to(torch.int16) - 128).to(torch.int8).contiguous()
