@@ -14,13 +14,19 @@ With `--lora-adapters N` it measures multi-LoRA serving instead: the shard loads
 (rank 8, every q/k/v/o and gate/up/down projection) and the same decode runs once with every row on the base
 model and once with the rows spread over the N adapters in turn (neighbouring rows on different adapters).
 
+With `--quantize gptq | gptq-8 | awq | eetq` it measures quantized weights: the model quantized by
+`textgen_server.quant_builder` (round-to-nearest, `--group-size`, 128 by default; eetq: the float model with
+`--quantize eetq`) in
+a bfloat16 shard, against the float model's float32 and bfloat16 shards, runs alternating, with the quantized
+step's fraction of the bandwidth roofline.
+
 With `--speculate N` it measures n-gram speculation: one shard with `--speculate N` against one without, runs
 alternating, tokens/s per row and the tokens a step emits. On the random model guesses are nearly always refused
 (the cost of guessing); with `--cycling` the model is first made to loop (builder.build_cycling_model), so every
 guess after the first period is confirmed (the gain at best).
 
 Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--threads 2] [--model-dir DIR]
-       [--grammar | --lora-adapters N | --speculate N [--cycling]]
+       [--grammar | --lora-adapters N | --speculate N [--cycling] | --quantize gptq|gptq-8|awq|eetq]
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +49,7 @@ from textgen_benchmark.decode import (
     Step,
     bytes_per_step,
     copy_bandwidth_gbs,
+    kv_bytes_per_step,
     progress,
     shard_steps,
 )
@@ -191,6 +200,78 @@ def speculation_steps(model_dir: Path, batches: list[int], runs: int, threads: i
         )
 
 
+# The decoder projections, which eetq quantizes at load.
+PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def quantized_bytes_per_step(model_dir: Path, batch: int, float_itemsize: int, at_load: bool) -> float:
+    """Bytes one decode step reads of quantized weights: the projections as stored (packed integers, float16
+    scales; the int4 kernel reads the same 4 bits a weight in its own layout) or, quantized at load (`at_load`,
+    eetq), one byte a projection weight; the float tensors at `float_itemsize`, the embedding table only gathered,
+    plus the batch's K and V."""
+    from safetensors import safe_open
+
+    weights = 0
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if "embed_tokens" in name or name.endswith(".g_idx"):
+                continue
+            part = f.get_slice(name)
+            itemsize = {"I32": 4, "F16": 2}.get(part.get_dtype(), float_itemsize)
+            if at_load and PROJECTION.search(name):  # eetq keeps the LM head and the embeddings float, as TGI
+                itemsize = 1
+            weights += math.prod(part.get_shape()) * itemsize
+    return weights + kv_bytes_per_step(model_dir, batch, float_itemsize)
+
+
+def quantized_steps(
+    model_dir: Path, batches: list[int], runs: int, threads: int, method: str, group_size: int = 128
+) -> None:
+    """Decode tokens/s of the model quantized with `method` (a bfloat16 shard, the CPU default for quantized
+    weights) against the same float model in float32 and in bfloat16, one shard at a time, runs alternating."""
+    from textgen_server.quant_builder import QUANT_BUILDER_VERSION, quantize_model_dir
+
+    method, _, bits = method.partition("-")
+    at_load = method == "eetq"
+    qdir = (
+        model_dir
+        if at_load
+        else quantize_model_dir(
+            model_dir,
+            model_dir.with_name(f"{model_dir.name}-{method}{bits or 4}-g{group_size}-q{QUANT_BUILDER_VERSION}"),
+            method,
+            bits=int(bits or 4),
+            group_size=group_size,
+        )
+    )
+    flags = ("--quantize", "eetq") if at_load else ()
+    uds = f"/tmp/textgen-bench-{os.getpid()}"
+    setups = {
+        "float32": (model_dir, "float32", ()),
+        "bfloat16": (model_dir, "bfloat16", ()),
+        method: (qdir, "bfloat16", flags),
+    }
+    results: dict[str, list[dict[int, Step]]] = {name: [] for name in setups}
+    for _ in range(runs):
+        for name, (directory, dtype, extra) in setups.items():
+            proc = start_shard(directory, uds, threads, dtype=dtype, extra_args=extra)
+            try:
+                results[name].append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, directory, batches, 1)))
+            finally:
+                stop(proc)
+    bandwidth = copy_bandwidth_gbs(threads)
+    print(f"quantized: {qdir} {' '.join(flags)}\ncopy bandwidth ({threads} threads): {bandwidth:.1f} GB/s\n")
+    print(f"| batch | float32 tok/s | bfloat16 tok/s | {method} tok/s | vs float32 | vs bfloat16 | {method} roofline |")
+    print("|------:|------:|------:|------:|------:|------:|------:|")
+    for b in batches:
+        wall = {name: statistics.median(r[b].wall for r in results[name]) for name in setups}
+        roofline = quantized_bytes_per_step(qdir, b, 2, at_load) / wall[method] / 1e9 / bandwidth
+        print(
+            f"| {b} | {b / wall['float32']:.1f} | {b / wall['bfloat16']:.1f} | {b / wall[method]:.1f} | "
+            f"{wall['float32'] / wall[method]:.2f} | {wall['bfloat16'] / wall[method]:.2f} | {roofline:.2f} |"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, action="append", help="batch sizes (default 1, 8, 32)")
@@ -208,6 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-adapters", type=int, default=0, metavar="N", help="base vs N adapters mixed")
     parser.add_argument("--speculate", type=int, default=0, metavar="N", help="a shard guessing N tokens vs none")
     parser.add_argument("--cycling", action="store_true", help="with --speculate: the model made to loop")
+    parser.add_argument(
+        "--quantize",
+        choices=("gptq", "gptq-8", "awq", "eetq"),
+        help="the model quantized (round-to-nearest; eetq: at load) against its float shards",
+    )
+    parser.add_argument("--group-size", type=int, default=128, help="with --quantize: the quantization groups")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model_dir = args.model_dir or small_model()
@@ -227,6 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.grammar:
         grammar_steps(model_dir, batches, args.runs, args.threads, args.dtype)
+        return
+    if args.quantize:
+        quantized_steps(model_dir, batches, args.runs, args.threads, args.quantize, args.group_size)
         return
     if args.speculate:
         speculation_steps(model_dir, batches, args.runs, args.threads, args.dtype, args.speculate)

@@ -1,5 +1,5 @@
-"""shard_decode.py --grammar / --speculate and speculation_cost.py as real processes on the tiny model: they run and
-print their figures."""
+"""shard_decode.py --grammar / --speculate / --quantize and speculation_cost.py as real processes on the tiny model:
+they run and print their figures."""
 
 from __future__ import annotations
 
@@ -51,3 +51,18 @@ def test_speculation_cost_times_refused_guesses(tiny_llama: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^\| 2 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$", done.stdout, re.M), done.stdout
+
+
+def test_quantize_option_measures_quantized_against_float_shards(tiny_llama: Path, tmp_path: Path) -> None:
+    model = tmp_path / "llama"  # the quantized build is written beside the model it quantizes
+    model.symlink_to(tiny_llama, target_is_directory=True)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quantize", "gptq", "--group-size", "32", "--model-dir", str(model)]
+        + ["--batch", "1", "--runs", "1", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = r"^\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$"
+    assert re.search(row, done.stdout, re.M), done.stdout

@@ -111,13 +111,18 @@ def bytes_per_step(model_dir: Path, batch: int, itemsize: int = 4, mean_context:
     """Weights read once per step (the embedding table is only gathered) + K and V of the whole batch, at
     `itemsize` bytes per value, over `mean_context` positions per row (default: this module's decode's)."""
     from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "embed_tokens" not in k) * itemsize
+    return weights + kv_bytes_per_step(model_dir, batch, itemsize, mean_context)
+
+
+def kv_bytes_per_step(model_dir: Path, batch: int, itemsize: int, mean_context: float | None = None) -> float:
+    """K and V of the whole batch read by one decode step, over `mean_context` positions per row."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "embed_tokens" not in k) * itemsize
     head_dim = config.hidden_size // config.num_attention_heads
     if mean_context is None:
         mean_context = PROMPT_LEN + NEW_TOKENS / 2
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_context * batch * itemsize
-    return weights + kv
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * mean_context * batch * itemsize
