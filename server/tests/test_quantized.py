@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import HFOracle, generate_on_ranks, make_request
-from transformers import AutoConfig
+from shard_helpers import HFOracle, chooser, generate_on_ranks, make_request
+from transformers import AutoConfig, AutoTokenizer
 
 from testing.models import build_dequantized_oracle, build_int8_oracle, build_quantized_model
 from testing.shards import ShardProcess
+from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig, UnsupportedConfigError
 from textgen_server.layers.quant_kernels import Int4Kernel, Int8Kernel, packed_kernel
 from textgen_server.layers.quantization import REFUSED, read_quant_config
@@ -40,6 +41,7 @@ PROMPT = [1, 5, 9, 100, 200, 300, 7, 42]
 # bfloat16 activations against the float32 oracle: the tiny model's float weights in bfloat16 are 0.13-0.16 apart
 # (max over positions and vocabulary of |log-softmax difference|); the int4 kernel's bf16 scales add a little.
 BF16_LOGPROB_TOLERANCE = 0.3
+PHONE = r"[0-9]{3}-[a-z]{2,4}"
 
 
 def _config_dir(tmp_path: Path, quantization: dict[str, object] | None, **files: dict[str, object]) -> Path:
@@ -273,3 +275,24 @@ def test_lora_adapters_run_on_a_quantized_base(tmp_path: Path, dtype: torch.dtyp
     tolerance = 1e-4 if dtype == torch.float32 else BF16_LOGPROB_TOLERANCE
     assert (got - want).abs().max() < tolerance
     assert (got - base).abs().max() > 10 * tolerance  # the adapter really changed row 0
+
+
+def test_speculation_and_grammars_run_on_quantized_weights() -> None:
+    """The decode features that do not touch the weights work on them: n-gram speculation (verifying several
+    tokens a step through the same projections) emits the plain shard's tokens, and a regex grammar holds."""
+    qdir = build_quantized_model("gptq")
+    prompts = ["def fill(self, text):", "The quick brown fox jumps over the quick brown fox jumps over the"]
+    plain_requests = [make_request(i, text, 10) for i, text in enumerate(prompts)]
+    ruled = make_request(
+        9, "Answer:", 12, ignore_eos=False, params=chooser(grammar=PHONE, grammar_type=pb.GRAMMAR_TYPE_REGEX)
+    )
+    with (
+        ShardProcess(qdir, extra_args=["--dtype", "float32"]) as plain,
+        ShardProcess(qdir, extra_args=["--dtype", "float32", "--speculate", "2"]) as guessing,
+    ):
+        want, _ = generate_on_ranks(plain, plain_requests)
+        got, _ = generate_on_ranks(guessing, plain_requests)
+        assert got == want
+        tokens, _ = generate_on_ranks(guessing, [ruled])
+    text = AutoTokenizer.from_pretrained(qdir).decode(tokens[9], skip_special_tokens=True)
+    assert re.fullmatch(PHONE, text), text
