@@ -42,6 +42,7 @@ AVX2_TESTS = (
     "test_paged_attention.py",
     "test_decode_attention.py",
     "test_attention_kernels.py",
+    "test_int4_gemv.py",
     "test_paged_lm.py::test_uneven_batch_through_filter_and_concatenate_matches_transformers",
     "test_paged_lm.py::test_bfloat16_matches_transformers_eager",
     "test_causal_lm.py::test_llama_uneven_batch_matches_transformers",

@@ -7,7 +7,9 @@
   are scattered over the input features, are served by permuting the input features once at load (the groups
   become consecutive) and the activations' columns the same way at each call. bfloat16 activations only: its
   float32 path is a scalar fallback, 6x slower than F.linear on the dequantized weight at one row on a 2-core Zen 3
-  (benchmark/README.md, "Quantized models").
+  (benchmark/README.md, "Quantized models"). One row (a batch-1 decode step) goes to textgen's own
+  `textgen::int4_gemv` (int4_ops.cpp) on the same packed weight and scales where the CPU ops are on (cpu_ops.py):
+  torch's kernel streams the weight well below the memory's bandwidth there.
 - `Int8Kernel`: torch's `_weight_int8pack_mm`, int8 weights with one scale per output feature (symmetric,
   per-channel: eetq, and 8-bit checkpoints quantized that way), bfloat16 activations (its float32 path, like the
   int4 kernel's, is a scalar fallback: float32 shards dequantize at load).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from textgen_server.config import UnsupportedConfigError
+from textgen_server.layers import cpu_ops
 from textgen_server.layers.linear_choice import Kernel
 from textgen_server.layers.quantized_weight import QuantizedWeight
 
@@ -98,14 +101,19 @@ class Int4Kernel(Kernel):
         pairs = torch.stack([scales, (8 - zeros) * scales], dim=-1).repeat_interleave(repeat, dim=1)
         self.scales_offsets = pairs.transpose(0, 1).contiguous().to(weight.scales.dtype)
         self.in_features = weight.shape[1]
+        # One row by textgen::int4_gemv, which reads the same packed weight and scales (no second copy).
+        self.gemv = cpu_ops.ops_for(weight.scales.dtype, weight.q.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.order is not None:
             rows = rows[:, self.order]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows.contiguous(), self.packed, self.group_size, self.scales_offsets
-        )
+        if self.gemv and rows.shape[0] == 1 and rows.dtype == torch.bfloat16:
+            out = torch.ops.textgen.int4_gemv(rows.contiguous(), self.packed, self.scales_offsets, self.group_size)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows.contiguous(), self.packed, self.group_size, self.scales_offsets
+            )
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,165 @@
+"""textgen::int4_gemv (layers/int4_ops.cpp): one row of a 4-bit projection on torch's own packed weight
+(`_convert_weight_to_int4pack_for_cpu`) and scales, against the float32 product of the row and the dequantized
+weight, and Int4Kernel's use of it for one-row calls only while the CPU ops are switched on.
+
+The op reads whichever packed layout torch writes in the process (its CPU capability: AVX-512, AVX2 or none);
+test_cpu_targets.py reruns this file with torch held to AVX2, and one test here runs torch without vectors.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from textgen_server.config import DISABLE_CUSTOM_KERNELS
+from textgen_server.layers import cpu_ops
+from textgen_server.layers.quant_kernels import Int4Kernel
+from textgen_server.layers.quantized_weight import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(not cpu_ops.kernel_available(), reason="no C++ compiler: torch's kernel only")
+
+HERE = Path(__file__).parent
+
+
+def packed_weight(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(torch's packed weight, scales_offsets bf16 [K/G, N, 2], the weight it stands for in float32 [N, K])."""
+    gen = torch.Generator().manual_seed(seed + n * k + group)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scales = torch.rand(k // group, n, generator=gen) / 50 + 0.001
+    offsets = torch.randn(k // group, n, generator=gen) / 100
+    scales_offsets = torch.stack([scales, offsets], dim=-1).to(torch.bfloat16).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    s = scales_offsets[..., 0].float().t().repeat_interleave(group, dim=1)
+    o = scales_offsets[..., 1].float().t().repeat_interleave(group, dim=1)
+    return packed, scales_offsets, (q.float() - 8) * s + o
+
+
+def assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 outputs of float32 sums: within a bf16 rounding of each output, plus float32 noise of the sums."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    bound = want.abs() * 2.0**-8 + want.abs().max() * 1e-5
+    assert bool(((got.float() - want).abs() <= bound).all()), (got.float() - want).abs().max()
+
+
+SHAPES = [
+    (16, 32, 32),  # one 16-output block
+    (48, 64, 32),  # a full block and a 16-output tail (a 48-output tail with AVX-512)
+    (80, 128, 64),
+    (112, 256, 128),
+    (96, 512, 256),
+    (64, 1024, 32),
+    (768, 2048, 128),
+    (2304, 768, 64),
+    (4096, 768, 128),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "group"), SHAPES)
+def test_one_row_is_the_float_product_of_the_dequantized_weight(n: int, k: int, group: int) -> None:
+    packed, scales_offsets, w = packed_weight(n, k, group)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    got = torch.ops.textgen.int4_gemv(x, packed, scales_offsets, group)
+    assert got.shape == (1, n)
+    assert_near(got, x.float() @ w.t())
+
+
+def test_several_rows_are_computed_one_by_one() -> None:
+    packed, scales_offsets, w = packed_weight(80, 256, 64)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = torch.ops.textgen.int4_gemv(x, packed, scales_offsets, 64)
+    assert_near(got, x.float() @ w.t())
+    assert torch.equal(got[3:4], torch.ops.textgen.int4_gemv(x[3:4], packed, scales_offsets, 64))
+
+
+def test_a_weight_that_does_not_match_is_refused() -> None:
+    packed, scales_offsets, _ = packed_weight(32, 128, 32)
+    x = torch.randn(1, 128).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.textgen.int4_gemv(torch.randn(1, 64).to(torch.bfloat16), packed, scales_offsets, 32)
+    with pytest.raises(RuntimeError, match="scales_offsets"):
+        torch.ops.textgen.int4_gemv(x, packed, scales_offsets, 64)
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.textgen.int4_gemv(x.float(), packed, scales_offsets, 32)
+
+
+def test_torch_s_layout_without_vectors_is_read_too() -> None:
+    """torch without AVX2 packs output pairs into each byte (layout 0, int4_ops.cpp): a process of its own, as
+    torch reads ATEN_CPU_CAPABILITY once."""
+    script = (
+        "import torch, test_int4_gemv as t; from textgen_server.layers import cpu_ops; "
+        "assert cpu_ops.kernel_available(); assert torch.ops.textgen.int4_gemv_layout() == 0\n"
+        "for shape in [(16, 32, 32), (48, 64, 32), (96, 256, 128)]: t.test_one_row_is_the_float_product_of_the_"
+        "dequantized_weight(*shape)\n"
+        "print('ok')"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", cpu_ops.ENV_SWITCH: "1"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split() == ["ok"], run.stderr[-4000:]
+
+
+def int4_weight(n: int, k: int, group: int, act_order: bool) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(n + k + group)
+    g_idx = torch.arange(k) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    return QuantizedWeight(
+        torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+        torch.randint(0, 16, (n, k // group), generator=gen).to(torch.bfloat16),
+        (torch.rand(n, k // group, generator=gen) / 50 + 0.001).to(torch.bfloat16),
+        g_idx,
+        4,
+        group,
+    )
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_kernel_serves_one_row_with_the_op_as_torch_s_kernel_does(
+    act_order: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    weight = int4_weight(96, 512, 128, act_order)
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    kernel = Int4Kernel(weight, bias)
+    assert kernel.gemv
+    x = torch.randn(1, 1, 512, dtype=torch.bfloat16)
+    got = kernel(x)
+    # torch's kernel on the same row, as a 2-row call computes it (its own path: one row goes to the op)
+    torch_s = kernel(torch.cat([x, torch.zeros_like(x)], dim=1))[:, :1]
+    assert got.shape == (1, 1, 96) and got.dtype == torch.bfloat16
+    scale = torch_s.float().abs().max()
+    assert (got.float() - torch_s.float()).abs().max() <= 0.01 * scale
+    want = x.float() @ weight.dequantize().float().t() + bias.float()
+    assert (got.float() - want).abs().max() <= 0.01 * want.abs().max()
+
+
+@pytest.mark.parametrize(("variable", "value"), [(DISABLE_CUSTOM_KERNELS, "True"), (cpu_ops.ENV_SWITCH, "0")])
+def test_with_custom_kernels_off_int4_kernel_never_calls_the_op(
+    variable: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = torch.ops.textgen.int4_gemv
+
+    class Spy:
+        def int4_gemv(self, *args: object) -> torch.Tensor:
+            calls.append(1)
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops, "textgen", Spy())
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    weight = int4_weight(32, 128, 32, False)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    Int4Kernel(weight, None)(x)
+    assert calls == [1]  # the spy sees the op when the kernels are on
+    monkeypatch.setenv(variable, value)
+    kernel = Int4Kernel(weight, None)
+    assert not kernel.gemv
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, kernel.packed, kernel.group_size, kernel.scales_offsets)
+    assert torch.equal(kernel(x), want)
+    assert calls == [1]

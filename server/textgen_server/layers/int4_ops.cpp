@@ -1,0 +1,299 @@
+// One row of a 4-bit projection, y = x @ W^T, for batch-1 decode steps (layers/quant_kernels.py, Int4Kernel): it
+// reads torch's own packed weight and scales, so that no second copy of the weight is kept. At one row the weight
+// streams from memory once for two flops a value; torch's _weight_int4pack_mm_for_cpu reaches well below the read
+// bandwidth there on AVX2 CPUs (about 5 GB/s of packed weight on a 2-core Zen 3 that copies 19 GB/s).
+//
+// textgen::int4_gemv(x [M, K] bf16, packed uint8 [N, K/2], scales_offsets bf16 [K/G, N, 2], group_size G) -> y
+//   bf16 [M, N], row by row (each row streams the whole weight: only M = 1 is what it is for), with
+//   w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / G, as torch's kernel defines it. Computed as
+//   y[n] = sum_g ( scale[g, n] * (sum_{k in g} q[n, k] x[k] - 8 X[g]) + offset[g, n] * X[g] ), X[g] = sum_{k in g}
+//   x[k], every sum in float32 (x read exactly as float32), the result rounded once to bf16. The bits are not
+//   torch's kernel's (it dequantizes each weight to float first): tests/test_int4_gemv.py checks the op against the
+//   float32 product within a tolerance.
+// textgen::int4_gemv_layout() -> int: the packed layout (below) torch uses in this process, 0, 1 or 2.
+//
+// torch's CPU packed layout (_convert_weight_to_int4pack_for_cpu(q [N, K] int32, inner_k_tiles), aten/src/ATen/
+// native/cpu/int4mm_kernel.cpp, weight_to_int4pack_kernel; checked here by packing known patterns): the N outputs
+// are cut into blocks of B outputs (the last one nb = N mod B, a multiple of 16, when B does not divide N); block i
+// starts at byte i * B * K / 2 and holds, for each k in order, a row of nb / 2 bytes. Within a row, by the CPU
+// capability torch dispatched the pack to (its runtime choice: ATEN_CPU_CAPABILITY can lower it):
+//   0 "pairs" (no AVX2, and every partial block): byte j = q[n0 + 2j] | q[n0 + 2j + 1] << 4; B = 32;
+//   1 AVX2, a full block of B = 32: byte j (0..15) = q[n0 + j] | q[n0 + 16 + j] << 4;
+//   2 AVX-512, a full block of B = 64: byte j (0..15) = q[n0 + j] | q[n0 + 32 + j] << 4,
+//                                      byte 16 + j = q[n0 + 16 + j] | q[n0 + 48 + j] << 4.
+// So in layouts 1 and 2 alike, byte j's low nibble is output n0 + j and its high one n0 + nb/2 + j (the row's low
+// nibbles are its first nb/2 outputs in order, the high ones the next nb/2); in layout 0 the low and high nibbles
+// interleave. The op finds which layout torch uses by packing a small probe once (the pack's own result, not a
+// guess from this library's compile flags). A full block of layout 1 or 2 is read 8 bytes at a time, zero-extended
+// to 8 int32 lanes whose low nibbles are 8 consecutive outputs and high nibbles the 8 outputs nb/2 further on;
+// pair rows are first put in output order.
+//
+// Vector path: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs); elsewhere a scalar loop computes the same
+// formula. Threads split the blocks (at::parallel_for), each streaming a contiguous run of the packed weight.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+using namespace textgen_cpu;
+
+// How far ahead of the row being read a block's stream prefetches (software prefetch gained ~5% over the
+// hardware's alone on the 2-core Zen 3).
+constexpr int64_t PREFETCH_BYTES = 512;
+
+enum Layout : int { PAIRS = 0, SPLIT32 = 1, SPLIT64 = 2 };
+
+// Which layout torch's pack writes in this process: a probe of 64 outputs whose q[n, 0] = n / 16 + 1 gives byte 0 =
+// q[0] | q[1] << 4 = 0x11 (pairs), q[0] | q[16] << 4 = 0x21 (AVX2) or q[0] | q[32] << 4 = 0x31 (AVX-512).
+int detect_layout() {
+  at::Tensor q = at::zeros({64, 32}, at::kInt);
+  int32_t* qp = q.data_ptr<int32_t>();
+  for (int64_t n = 0; n < 64; ++n) qp[n * 32] = static_cast<int32_t>(n / 16 + 1);
+  const at::Tensor packed = at::_convert_weight_to_int4pack_for_cpu(q, 2).contiguous();
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == 64 * 16,
+              "int4_gemv: torch's int4 pack changed its output");
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const int layout = p[0] == 0x11 ? PAIRS : p[0] == 0x21 ? SPLIT32 : p[0] == 0x31 ? SPLIT64 : -1;
+  TORCH_CHECK(layout >= 0, "int4_gemv: torch's int4 pack writes an unknown layout (byte ", int(p[0]), ")");
+  return layout;
+}
+
+int64_t layout() {
+  static const int value = detect_layout();
+  return value;
+}
+
+int64_t block_outputs(int lay) { return lay == SPLIT64 ? 64 : 32; }
+
+// Output j (0 .. nb) of a row of nb / 2 bytes as torch packed it.
+inline int nibble(const uint8_t* row, int64_t nb, int64_t j, bool full, int lay) {
+  if (!full || lay == PAIRS) return (row[j / 2] >> (4 * (j & 1))) & 15;
+  const int64_t half = nb / 2;  // layouts 1 and 2 alike: byte j % half, low nibble for the first half
+  return (row[j % half] >> (j < half ? 0 : 4)) & 15;
+}
+
+// Scalar path: block [n0, n0 + nb) of the output, any layout.
+void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uint32_t* so, int64_t n_total,
+                  int64_t n0, int64_t nb, int64_t k, int64_t g, bool full, int lay, float* y) {
+  const int64_t groups = k / g;
+  for (int64_t j = 0; j < nb; ++j) {
+    float total = 0.f;
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      float acc = 0.f;
+      for (int64_t kk = gi * g; kk < (gi + 1) * g; ++kk)
+        acc += float(nibble(w + kk * (nb / 2), nb, j, full, lay)) * x[kk];
+      const uint32_t pair = so[gi * n_total + n0 + j];
+      const float s = bf16_to_float(static_cast<uint16_t>(pair & 0xFFFF));
+      const float o = bf16_to_float(static_cast<uint16_t>(pair >> 16));
+      total += s * (acc - 8.f * xsum[gi]) + o * xsum[gi];
+    }
+    y[j] = total;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// A row's nibbles in output order: V vectors of 16 bytes (16 outputs each), nb = 16 V.
+template <int V>
+inline void row_nibbles(const uint8_t* row, bool split, __m128i (&out)[V]) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  if constexpr (V == 1) {  // 8 bytes: always pairs (a 16-output block)
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row));
+    out[0] = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+  } else if constexpr (V == 3) {  // 24 bytes: pairs (a 48-output tail of an AVX-512 pack)
+    const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+    const __m128i b1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 16));
+    const __m128i lo0 = _mm_and_si128(b0, mask), hi0 = _mm_and_si128(_mm_srli_epi16(b0, 4), mask);
+    out[0] = _mm_unpacklo_epi8(lo0, hi0);
+    out[1] = _mm_unpackhi_epi8(lo0, hi0);
+    out[2] = _mm_unpacklo_epi8(_mm_and_si128(b1, mask), _mm_and_si128(_mm_srli_epi16(b1, 4), mask));
+  } else {
+    static_assert(V == 2 || V == 4);
+    for (int h = 0; h < V / 2; ++h) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * h));
+      const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+      if (split) {  // low nibbles: outputs 16 h .. 16 h + 15; high: the same 8 V outputs further
+        out[h] = lo;
+        out[h + V / 2] = hi;
+      } else {
+        out[2 * h] = _mm_unpacklo_epi8(lo, hi);
+        out[2 * h + 1] = _mm_unpackhi_epi8(lo, hi);
+      }
+    }
+  }
+}
+
+// A full block of layout 1 or 2, rows of R bytes: each 8 bytes zero-extended to 8 int32 lanes straight from memory,
+// whose low nibbles are 8 consecutive outputs and high nibbles the 8 outputs R further on.
+template <int R>
+void block_split(const float* x, const float* xsum, const uint8_t* w, const uint32_t* so, int64_t n_total,
+                 int64_t n0, int64_t k, int64_t g, float* y) {
+  constexpr int C = R / 8, A = 2 * C;  // 8-byte chunks of a row; 8-lane float accumulators
+  __m256 total[A];
+  for (int a = 0; a < A; ++a) total[a] = _mm256_setzero_ps();
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
+    // two sets of accumulators, even and odd k: twice the multiply-adds in flight of one chain's latency
+    __m256 acc[A], odd[A];
+    for (int a = 0; a < A; ++a) acc[a] = odd[a] = _mm256_setzero_ps();
+    const uint8_t* row = w + k0 * R;
+    for (int64_t kk = 0; kk < g; kk += 2, row += 2 * R) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES), _MM_HINT_T0);
+      const __m256 x0 = _mm256_broadcast_ss(x + k0 + kk), x1 = _mm256_broadcast_ss(x + k0 + kk + 1);
+      for (int c = 0; c < C; ++c) {
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c)));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + R + 8 * c)));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), x0, acc[c]);
+        acc[C + c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), x0, acc[C + c]);
+        odd[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), x1, odd[c]);
+        odd[C + c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), x1, odd[C + c]);
+      }
+    }
+    for (int a = 0; a < A; ++a) acc[a] = _mm256_add_ps(acc[a], odd[a]);
+    const __m256 xs = _mm256_set1_ps(xsum[gi]), xs8 = _mm256_set1_ps(8.f * xsum[gi]);
+    const uint32_t* pairs = so + gi * n_total + n0;
+    for (int a = 0; a < A; ++a) {
+      const __m256i sov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * a));
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(sov, 16));
+      const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(sov, high16));
+      total[a] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc[a], xs8), total[a]);
+      total[a] = _mm256_fmadd_ps(o, xs, total[a]);
+    }
+  }
+  for (int a = 0; a < A; ++a) _mm256_storeu_ps(y + 8 * a, total[a]);
+}
+
+// Block [n0, n0 + 16 V) of the output; `split`: the row is layout 1 or 2 (else pairs).
+template <int V>
+void block_avx2(const float* x, const float* xsum, const uint8_t* w, const uint32_t* so, int64_t n_total,
+                int64_t n0, int64_t k, int64_t g, bool split, float* y) {
+  constexpr int A = 2 * V;  // 8-lane float accumulators
+  constexpr int64_t ROW = 8 * V;
+  __m256 total[A];
+  for (int a = 0; a < A; ++a) total[a] = _mm256_setzero_ps();
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
+    __m256 acc[A];
+    for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
+    const uint8_t* row = w + k0 * ROW;
+    for (int64_t kk = 0; kk < g; ++kk, row += ROW) {
+      __m128i nib[V];
+      row_nibbles<V>(row, split, nib);
+      const __m256 xk = _mm256_broadcast_ss(x + k0 + kk);
+      for (int v = 0; v < V; ++v) {
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib[v]));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(nib[v], nib[v])));
+        acc[2 * v] = _mm256_fmadd_ps(q0, xk, acc[2 * v]);
+        acc[2 * v + 1] = _mm256_fmadd_ps(q1, xk, acc[2 * v + 1]);
+      }
+    }
+    const __m256 xs = _mm256_set1_ps(xsum[gi]), xs8 = _mm256_set1_ps(8.f * xsum[gi]);
+    const uint32_t* pairs = so + gi * n_total + n0;
+    for (int a = 0; a < A; ++a) {
+      // (scale, offset) bf16 pairs as uint32: the scale in the low half, the offset in the high one
+      const __m256i sov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * a));
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(sov, 16));
+      const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(sov, high16));
+      total[a] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc[a], xs8), total[a]);
+      total[a] = _mm256_fmadd_ps(o, xs, total[a]);
+    }
+  }
+  for (int a = 0; a < A; ++a) _mm256_storeu_ps(y + 8 * a, total[a]);
+}
+#endif
+
+// One row x (float32 [k]) against the whole packed weight: y float32 [n].
+void row_gemv(const float* x, const float* xsum, const uint8_t* w, const uint32_t* so, int64_t n, int64_t k,
+              int64_t g, int lay, float* y) {
+  const int64_t bn = block_outputs(lay), blocks = (n + bn - 1) / bn;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * bn, nb = std::min(bn, n - n0);
+      const bool full = nb == bn;
+      const uint8_t* wb = w + n0 * k / 2;
+#if defined(__AVX2__) && defined(__FMA__)
+      const bool split = full && lay != PAIRS;
+      switch (nb) {
+        case 16:
+          block_avx2<1>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
+          continue;
+        case 32:
+          if (split)
+            block_split<16>(x, xsum, wb, so, n, n0, k, g, y + n0);
+          else
+            block_avx2<2>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
+          continue;
+        case 48:
+          block_avx2<3>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
+          continue;
+        case 64:
+          if (split)
+            block_split<32>(x, xsum, wb, so, n, n0, k, g, y + n0);
+          else
+            block_avx2<4>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
+          continue;
+        default:
+          break;
+      }
+#endif
+      block_scalar(x, xsum, wb, so, n, n0, nb, k, g, full, lay, y + n0);
+    }
+  });
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_offsets,
+                     int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int4_gemv: x bf16 [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "int4_gemv: a contiguous uint8 [N, K/2] weight from _convert_weight_to_int4pack_for_cpu");
+  const int64_t n = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == k, "int4_gemv: x has ", k, " features, the weight ", packed.size(1) * 2);
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
+              "int4_gemv: groups of 32, 64, 128 or 256");
+  TORCH_CHECK(k % group_size == 0 && n % 16 == 0, "int4_gemv: K a multiple of the group, N of 16");
+  TORCH_CHECK(scales_offsets.scalar_type() == at::kBFloat16 && scales_offsets.is_contiguous() &&
+                  scales_offsets.dim() == 3 && scales_offsets.size(0) == k / group_size &&
+                  scales_offsets.size(1) == n && scales_offsets.size(2) == 2,
+              "int4_gemv: contiguous bf16 scales_offsets [K/G, N, 2]");
+  const int lay = static_cast<int>(layout());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* w = packed.data_ptr<uint8_t>();
+  const auto* so = reinterpret_cast<const uint32_t*>(scales_offsets.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t groups = k / group_size;
+  std::vector<float> xf(k), xsum(groups), yf(n);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      float sum = 0.f;
+      for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk) {
+        xf[kk] = bf16_to_float(xp[r * k + kk]);
+        sum += xf[kk];
+      }
+      xsum[gi] = sum;
+    }
+    row_gemv(xf.data(), xsum.data(), w, so, n, k, group_size, lay, yf.data());
+    for (int64_t j = 0; j < n; ++j) yp[r * n + j] = float_to_bf16(yf[j]);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(textgen, m) {
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_offsets, int group_size) -> Tensor");
+  m.def("int4_gemv_layout() -> int", &layout);
+}
+
+TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
