@@ -317,7 +317,7 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
         raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
     out = Path(out_dir)
     stamp = {"builder_version": BUILDER_VERSION, "arch": arch, "size": size, "seed": seed}
-    if _is_built(out, stamp):
+    if is_built(out, stamp):
         return out
     d = SIZE_DIMS[size]
     # Build beside the target and rename at the end so a crash never leaves a half-written model behind;
@@ -344,25 +344,27 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     model = random_model(arch, config, d.dtype, seed)
     model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
     model.save_pretrained(tmp, safe_serialization=True)
-    return _publish(tmp, out, stamp)
+    return publish(tmp, out, stamp)
 
 
-def _publish(tmp: Path, out: Path, stamp: dict[str, object]) -> Path:
-    """Stamp the build in `tmp` and rename it to `out`, unless a concurrent identical build got there first."""
-    (tmp / STAMP).write_text(json.dumps(stamp))
-    if not _is_built(out, stamp):
+def publish(tmp: Path, out: Path, stamp: dict[str, Any], stamp_name: str = STAMP) -> Path:
+    """Stamp the build in `tmp` (file `stamp_name`) and rename it to `out`, unless a concurrent identical build got
+    there first. The quantized builders (quant_builder.py, ct_builder.py) publish their builds the same way."""
+    (tmp / stamp_name).write_text(json.dumps(stamp))
+    if not is_built(out, stamp, stamp_name):
         shutil.rmtree(out, ignore_errors=True)
         try:
             tmp.rename(out)
         except OSError:
-            if not _is_built(out, stamp):  # lost the race to a concurrent identical build: keep theirs
+            if not is_built(out, stamp, stamp_name):  # lost the race to a concurrent identical build: keep theirs
                 raise
     shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _is_built(out: Path, stamp: dict[str, object]) -> bool:
-    stamp_file = out / STAMP
+def is_built(out: Path, stamp: dict[str, Any], stamp_name: str = STAMP) -> bool:
+    """Whether `out` holds a finished build whose stamp equals `stamp`."""
+    stamp_file = out / stamp_name
     return stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
 
 
@@ -432,7 +434,7 @@ def build_cycling_model(source: str | Path, out_dir: str | Path) -> Path:
 
     out = Path(out_dir)
     stamp = {"cycling_of": str(source), "period": CYCLE_PERIOD, "partial_group": "identity"}
-    if _is_built(out, stamp):
+    if is_built(out, stamp):
         return out
     tmp = out.with_name(f"{out.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -453,4 +455,4 @@ def build_cycling_model(source: str | Path, out_dir: str | Path) -> Path:
     head[successor] = embed
     weights["lm_head.weight"] = head
     save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    return _publish(tmp, out, stamp)
+    return publish(tmp, out, stamp)

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from textgen_server.quant_builder import COPIED_FILES, _is_built, _publish, _read_source_stamp
+from textgen_server.builder import is_built, publish
+from textgen_server.quant_builder import COPIED_FILES, STAMP, _read_source_stamp
 
 # Bumped whenever the bytes written for the same arguments change, so cached builds are not reused.
 CT_BUILDER_VERSION = 1
@@ -72,7 +73,7 @@ def build_compressed_tensors_model(src: str | Path, out: str | Path, scheme: str
         "source_stamp": _read_source_stamp(src),
         "scheme": scheme,
     }
-    if _is_built(out, stamp):
+    if is_built(out, stamp, STAMP):
         return out
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -97,7 +98,7 @@ def build_compressed_tensors_model(src: str | Path, out: str | Path, scheme: str
     for file_name in COPIED_FILES:
         if (src / file_name).is_file():
             shutil.copy2(src / file_name, tmp / file_name)
-    return _publish(tmp, out, stamp)
+    return publish(tmp, out, stamp, STAMP)
 
 
 def quantization_scheme(scheme: str) -> Any:

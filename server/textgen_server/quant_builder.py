@@ -32,6 +32,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from textgen_server import builder
+from textgen_server.builder import is_built, publish
+
 # Bumped whenever the bytes written for the same arguments change, so cached builds are not reused.
 QUANT_BUILDER_VERSION = 2
 
@@ -97,7 +100,7 @@ def quantize_model_dir(
         "sym": sym,
         "seed": seed,
     }
-    if _is_built(out, stamp):
+    if is_built(out, stamp, STAMP):
         return out
 
     weights = _load_weights(src)
@@ -151,7 +154,7 @@ def quantize_model_dir(
         quantize_config = dict(config["quantization_config"], model_name_or_path=None, model_file_base_name="model")
         (tmp / "quantize_config.json").write_text(json.dumps(quantize_config, indent=2) + "\n")
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / "model.safetensors"), {"format": "pt"})
-    return _publish(tmp, out, stamp)
+    return publish(tmp, out, stamp, STAMP)
 
 
 def quantization_config(method: str, bits: int, group_size: int, desc_act: bool, sym: bool) -> dict[str, Any]:
@@ -316,24 +319,5 @@ def _load_weights(src: Path) -> dict[str, torch.Tensor]:
 
 def _read_source_stamp(src: Path) -> Any:
     """The source's own build stamp (textgen_server.builder's), so a rebuilt source invalidates the cache."""
-    stamp = src / ".textgen-build.json"
+    stamp = src / builder.STAMP
     return json.loads(stamp.read_text()) if stamp.is_file() else None
-
-
-def _publish(tmp: Path, out: Path, stamp: dict[str, Any]) -> Path:
-    """Stamp the build in `tmp` and rename it to `out`, unless a concurrent identical build got there first."""
-    (tmp / STAMP).write_text(json.dumps(stamp))
-    if not _is_built(out, stamp):
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not _is_built(out, stamp):
-                raise
-    shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _is_built(out: Path, stamp: dict[str, Any]) -> bool:
-    stamp_file = out / STAMP
-    return stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
