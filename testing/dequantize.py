@@ -1,7 +1,8 @@
 """Test oracle: turns a GPTQ-v1 or AWQ-GEMM checkpoint back into a float32 one that transformers loads.
 
-Written apart from `textgen_server.quant_builder` on purpose (nothing is imported from the server): a layout
-misunderstanding in the packer would otherwise be mirrored here and cancel out. The unpacking reads each field with
+Written apart from `textgen_server.quant_builder` on purpose (none of the server's packing or unpacking is used;
+only the builders' publish-by-rename, `builder.publish`): a layout misunderstanding in the packer would otherwise be
+mirrored here and cancel out. The unpacking reads each field with
 a vectorised shift table and a mask, where the packer ORs field by field, and AWQ's column order is taken from
 the slot each column lives in (the inverse of the packer's table).
 
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from textgen_server.builder import is_built, publish
 
 # Bumped whenever what this oracle writes changes.
 ORACLE_VERSION = 1
@@ -109,7 +112,7 @@ def dequantize_model_dir(src: str | Path, out: str | Path) -> Path:
         "source": str(src.resolve()),
         "source_stamp": json.loads(source_stamp.read_text()) if source_stamp.is_file() else None,
     }
-    if _is_built(out, stamp):
+    if is_built(out, stamp, STAMP):
         return out
     config = json.loads((src / "config.json").read_text())
     qconfig = config.pop("quantization_config", None)
@@ -135,7 +138,7 @@ def int8_per_channel_model_dir(src: str | Path, out: str | Path) -> Path:
     replaced by round(w / s) * s with s = max |w| / 127 per output feature (symmetric int8, one scale a row)."""
     src, out = Path(src), Path(out)
     stamp = {"oracle_version": ORACLE_VERSION, "source": str(src.resolve()), "scheme": "int8-per-channel"}
-    if _is_built(out, stamp):
+    if is_built(out, stamp, STAMP):
         return out
     config = json.loads((src / "config.json").read_text())
     weights = {}
@@ -162,18 +165,4 @@ def _publish_float32(
     config["dtype"] = "float32"
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"), {"format": "pt"})
-    (tmp / STAMP).write_text(json.dumps(stamp))
-    if not _is_built(out, stamp):
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not _is_built(out, stamp):  # a concurrent identical build won the rename: keep it
-                raise
-    shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _is_built(out: Path, stamp: dict[str, Any]) -> bool:
-    stamp_file = out / STAMP
-    return stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp
+    return publish(tmp, out, stamp, STAMP)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from operator import methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from textgen_pb import generate_pb2 as pb
 
 if TYPE_CHECKING:
     from testing.shards import ShardHandle
+    from textgen_server.layers.tensor_parallel import Linear
     from textgen_server.models.model import Batch, Model
 
 
@@ -205,3 +209,24 @@ def generate_on_ranks(
                 return tokens, reported
             decode = pb.DecodeRequest(batches=[replies[-1].batch])
             replies = list(pool.map(methodcaller("Decode", decode, timeout=60), stubs))
+
+
+def quantized_logits(
+    model_dir: Path, dtype: torch.dtype, prompt: list[int], requested: str | None = None
+) -> tuple[torch.Tensor, list[Linear]]:
+    """The float32 logits of `prompt` from the tensor-parallel model of a (quantized) checkpoint loaded in this
+    process on one rank, and its projections (`requested`: --quantize, else what the checkpoint says)."""
+    from transformers import AutoConfig
+
+    from textgen_server.layers.quantization import read_quant_config
+    from textgen_server.layers.tensor_parallel import Linear
+    from textgen_server.models.tp_llama import load_tp_model
+    from textgen_server.utils.dist import DistInfo
+
+    quant = read_quant_config(model_dir, json.loads((model_dir / "config.json").read_text()), requested)
+    config = AutoConfig.from_pretrained(model_dir)
+    model = load_tp_model(model_dir, config, dtype, torch.device("cpu"), DistInfo(0, 1, None), quant)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model(ids, torch.ones_like(ids), torch.arange(len(prompt))[None], model.new_cache())
+    return out.logits[0].float(), [m for m in model.modules() if isinstance(m, Linear)]

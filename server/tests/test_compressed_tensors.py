@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import generate_on_ranks, make_request
-from transformers import AutoConfig, AutoTokenizer
+from shard_helpers import generate_on_ranks, make_request, quantized_logits
+from transformers import AutoTokenizer
 
 from testing.ct_oracle import ct_oracle_model
 from testing.models import build_ct_model
@@ -22,9 +22,6 @@ from textgen_server.config import UnsupportedConfigError
 from textgen_server.layers.quant_kernels import Int4Kernel, Int8DynamicKernel, Int8Kernel
 from textgen_server.layers.quantization import read_quant_config
 from textgen_server.layers.quantized_weight import QuantConfig
-from textgen_server.layers.tensor_parallel import Linear
-from textgen_server.models.tp_llama import load_tp_model
-from textgen_server.utils.dist import DistInfo
 
 PROMPT = [1, 5, 9, 100, 200, 300, 7, 42]
 # bfloat16 activations against the float32 oracle, max |log-softmax difference|: the float model itself in bfloat16
@@ -38,16 +35,6 @@ KERNELS = {
     "w8a16": {torch.float32: None, torch.bfloat16: Int8Kernel},
     "w8a8": {torch.float32: Int8DynamicKernel, torch.bfloat16: Int8DynamicKernel},
 }
-
-
-def _shard_logits(model_dir: Path, dtype: torch.dtype) -> tuple[torch.Tensor, list[Linear]]:
-    quant = read_quant_config(model_dir, json.loads((model_dir / "config.json").read_text()), "compressed-tensors")
-    config = AutoConfig.from_pretrained(model_dir)
-    model = load_tp_model(model_dir, config, dtype, torch.device("cpu"), DistInfo(0, 1, None), quant)
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        out = model(ids, torch.ones_like(ids), torch.arange(len(PROMPT))[None], model.new_cache())
-    return out.logits[0].float(), [m for m in model.modules() if isinstance(m, Linear)]
 
 
 @pytest.fixture(scope="module", params=sorted(KERNELS))
@@ -64,7 +51,7 @@ def test_each_scheme_computes_what_transformers_computes(
     scheme: tuple[str, Path, torch.Tensor], dtype: torch.dtype
 ) -> None:
     name, model_dir, want = scheme
-    got, linears = _shard_logits(model_dir, dtype)
+    got, linears = quantized_logits(model_dir, dtype, PROMPT, "compressed-tensors")
     kernel = KERNELS[name][dtype]
     projections, head = linears[:-1], linears[-1]
     assert head.packed is None and head.dequantized is None  # `ignore: [lm_head]`: a float weight

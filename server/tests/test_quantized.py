@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import HFOracle, chooser, generate_on_ranks, make_request
+from shard_helpers import HFOracle, chooser, generate_on_ranks, make_request, quantized_logits
 from transformers import AutoConfig, AutoTokenizer
 
 from testing.models import build_dequantized_oracle, build_int8_oracle, build_quantized_model
@@ -25,7 +25,6 @@ from textgen_server.config import ServeConfig, UnsupportedConfigError
 from textgen_server.layers.quant_kernels import Int4Kernel, Int8Kernel, packed_kernel
 from textgen_server.layers.quantization import REFUSED, read_quant_config
 from textgen_server.layers.quantized_weight import QuantizedWeight
-from textgen_server.layers.tensor_parallel import Linear
 from textgen_server.loader import get_model
 from textgen_server.models.tp_llama import load_tp_model
 from textgen_server.utils.dist import DistInfo
@@ -107,20 +106,10 @@ def quantized(request: pytest.FixtureRequest) -> tuple[str, Path, Path]:
     return request.param, qdir, build_dequantized_oracle(qdir)
 
 
-def _logits(model_dir: Path, dtype: torch.dtype, requested: str | None = None) -> tuple[torch.Tensor, list[Linear]]:
-    quant = read_quant_config(model_dir, json.loads((model_dir / "config.json").read_text()), requested)
-    config = AutoConfig.from_pretrained(model_dir)
-    model = load_tp_model(model_dir, config, dtype, torch.device("cpu"), DistInfo(0, 1, None), quant)
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        out = model(ids, torch.ones_like(ids), torch.arange(len(PROMPT))[None], model.new_cache())
-    return out.logits[0].float(), [m for m in model.modules() if isinstance(m, Linear)]
-
-
 def test_float32_shards_compute_the_dequantized_checkpoint(quantized: tuple[str, Path, Path]) -> None:
     _, qdir, oracle = quantized
     want = HFOracle(oracle).model(torch.tensor([PROMPT])).logits[0].float().detach()
-    got, linears = _logits(qdir, torch.float32)
+    got, linears = quantized_logits(qdir, torch.float32, PROMPT)
     assert torch.allclose(got, want, atol=1e-4, rtol=0)
     # the packed kernels' float32 paths are slow: float32 shards compute on the weights dequantized at load
     assert all(m.packed is None and m.dequantized and "float32 activations" in m.dequantized for m in linears[:-1])
@@ -129,7 +118,7 @@ def test_float32_shards_compute_the_dequantized_checkpoint(quantized: tuple[str,
 def test_bfloat16_shards_keep_4_bit_weights_packed(quantized: tuple[str, Path, Path]) -> None:
     variant, qdir, oracle = quantized
     want = torch.log_softmax(HFOracle(oracle).model(torch.tensor([PROMPT])).logits[0].float().detach(), -1)
-    got, linears = _logits(qdir, torch.bfloat16)
+    got, linears = quantized_logits(qdir, torch.bfloat16, PROMPT)
     assert (torch.log_softmax(got, -1) - want).abs().max() < BF16_LOGPROB_TOLERANCE
     projections = linears[:-1]  # the LM head stays a float weight
     if VARIANTS[variant].get("bits", 4) == 4:
@@ -217,7 +206,7 @@ def test_a_quantized_checkpoint_is_detected_and_served_in_bfloat16(caplog: pytes
 def test_eetq_quantizes_the_projections_to_int8_at_load(tiny_llama: Path, dtype: torch.dtype) -> None:
     ids = torch.tensor([PROMPT])
     want = HFOracle(build_int8_oracle(tiny_llama)).model(ids).logits[0].float().detach()
-    got, linears = _logits(tiny_llama, dtype, "eetq")
+    got, linears = quantized_logits(tiny_llama, dtype, PROMPT, "eetq")
     if dtype == torch.bfloat16:
         assert all(isinstance(m.packed, Int8Kernel) and m.weight is None for m in linears[:-1])
     else:  # the int8 kernel's float32 path is slow: the same integers, dequantized at load

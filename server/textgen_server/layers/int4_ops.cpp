@@ -130,6 +130,21 @@ inline void row_nibbles(const uint8_t* row, bool split, __m128i (&out)[V]) {
   }
 }
 
+// One group's sums into the outputs: total += scale * (acc - 8 X) + offset * X, for 8 A outputs whose (scale, offset)
+// bf16 pairs are read as uint32 from `pairs` (the scale in the low half, the offset in the high one), X = xsum.
+template <int A>
+inline void add_group(const __m256 (&acc)[A], float xsum, const uint32_t* pairs, __m256 (&total)[A]) {
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256 xs = _mm256_set1_ps(xsum), xs8 = _mm256_set1_ps(8.f * xsum);
+  for (int a = 0; a < A; ++a) {
+    const __m256i sov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * a));
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(sov, 16));
+    const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(sov, high16));
+    total[a] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc[a], xs8), total[a]);
+    total[a] = _mm256_fmadd_ps(o, xs, total[a]);
+  }
+}
+
 // A full block of layout 1 or 2, rows of R bytes: each 8 bytes zero-extended to 8 int32 lanes straight from memory,
 // whose low nibbles are 8 consecutive outputs and high nibbles the 8 outputs R further on.
 template <int R>
@@ -138,7 +153,6 @@ void block_split(const float* x, const float* xsum, const uint8_t* w, const uint
   constexpr int C = R / 8, A = 2 * C;  // 8-byte chunks of a row; 8-lane float accumulators
   __m256 total[A];
   for (int a = 0; a < A; ++a) total[a] = _mm256_setzero_ps();
-  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
     // two sets of accumulators, even and odd k: twice the multiply-adds in flight of one chain's latency
@@ -158,15 +172,7 @@ void block_split(const float* x, const float* xsum, const uint8_t* w, const uint
       }
     }
     for (int a = 0; a < A; ++a) acc[a] = _mm256_add_ps(acc[a], odd[a]);
-    const __m256 xs = _mm256_set1_ps(xsum[gi]), xs8 = _mm256_set1_ps(8.f * xsum[gi]);
-    const uint32_t* pairs = so + gi * n_total + n0;
-    for (int a = 0; a < A; ++a) {
-      const __m256i sov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * a));
-      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(sov, 16));
-      const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(sov, high16));
-      total[a] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc[a], xs8), total[a]);
-      total[a] = _mm256_fmadd_ps(o, xs, total[a]);
-    }
+    add_group<A>(acc, xsum[gi], so + gi * n_total + n0, total);
   }
   for (int a = 0; a < A; ++a) _mm256_storeu_ps(y + 8 * a, total[a]);
 }
@@ -179,7 +185,6 @@ void block_avx2(const float* x, const float* xsum, const uint8_t* w, const uint3
   constexpr int64_t ROW = 8 * V;
   __m256 total[A];
   for (int a = 0; a < A; ++a) total[a] = _mm256_setzero_ps();
-  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
     __m256 acc[A];
     for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
@@ -195,16 +200,7 @@ void block_avx2(const float* x, const float* xsum, const uint8_t* w, const uint3
         acc[2 * v + 1] = _mm256_fmadd_ps(q1, xk, acc[2 * v + 1]);
       }
     }
-    const __m256 xs = _mm256_set1_ps(xsum[gi]), xs8 = _mm256_set1_ps(8.f * xsum[gi]);
-    const uint32_t* pairs = so + gi * n_total + n0;
-    for (int a = 0; a < A; ++a) {
-      // (scale, offset) bf16 pairs as uint32: the scale in the low half, the offset in the high one
-      const __m256i sov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * a));
-      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(sov, 16));
-      const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(sov, high16));
-      total[a] = _mm256_fmadd_ps(s, _mm256_sub_ps(acc[a], xs8), total[a]);
-      total[a] = _mm256_fmadd_ps(o, xs, total[a]);
-    }
+    add_group<A>(acc, xsum[gi], so + gi * n_total + n0, total);
   }
   for (int a = 0; a < A; ++a) _mm256_storeu_ps(y + 8 * a, total[a]);
 }

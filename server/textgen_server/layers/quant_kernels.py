@@ -12,7 +12,7 @@
   torch's kernel streams the weight well below the memory's bandwidth there.
 - `Int8Kernel`: torch's `_weight_int8pack_mm`, int8 weights with one scale per output feature (symmetric,
   per-channel: eetq, and 8-bit checkpoints quantized that way), bfloat16 activations (its float32 path, like the
-  int4 kernel's, is a scalar fallback: float32 shards dequantize at load).
+  int4 kernel's, is a scalar fallback: float32 shards dequantize at load). Both share `PackedKernel`.
 - `Int8DynamicKernel`: the same weights with the activations quantized to int8 per row at each call
   (compressed-tensors W8A8), an integer product by `torch._int_mm`.
 
@@ -21,6 +21,9 @@ dequantized at load and served like a float one).
 """
 
 from __future__ import annotations
+
+from abc import abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -34,18 +37,18 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest fir
 INNER_K_TILES = 2
 
 
-def packed_kernel(weight: QuantizedWeight, bias: torch.Tensor | None) -> Kernel | str:
+def packed_kernel(weight: QuantizedWeight, bias: torch.Tensor | None) -> PackedKernel | str:
     """The kernel that computes `weight` packed, or why none does."""
     device = weight.q.device.type
     if weight.dynamic_activations:
         # Dequantizing would silently drop the checkpoint's activation quantization: no kernel, no start.
-        why = f"a {device} device" if device != "cpu" else Int8Kernel.why_not(weight, activations_quantized=True)
+        why = f"a {device} device" if device != "cpu" else Int8DynamicKernel.why_not(weight)
         if why is not None:
             raise UnsupportedConfigError(f"W8A8 weights with {why} are not supported")
         return Int8DynamicKernel(weight, bias)
     if device != "cpu":
         return f"a {device} device (the packed kernels are torch's CPU ones)"
-    kernel = Int8Kernel if weight.bits == 8 else Int4Kernel
+    kernel: type[Int4Kernel | Int8Kernel] = Int8Kernel if weight.bits == 8 else Int4Kernel
     reason = kernel.why_not(weight)
     return kernel(weight, bias) if reason is None else reason
 
@@ -59,23 +62,52 @@ def _consecutive_groups(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Te
     return order, blocks[:, 0]
 
 
-class Int4Kernel(Kernel):
+class PackedKernel(Kernel):
+    """A kernel on a quantized weight: the rows of x through `product`, the bias added, x's leading shape back."""
+
+    # The activations' dtypes the kernel runs at speed (torch's float32 int4/int8 paths are scalar loops: 6-10x
+    # slower than F.linear on the float weight at one row on the 2-core Zen 3, benchmark/README.md, "Quantized models").
+    activation_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16,)
+
+    def __init__(self, data: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__(data, bias)
+        self.in_features = in_features
+
+    @classmethod
+    def available(cls, dtype: torch.dtype, device: torch.device) -> bool:
+        return device.type == "cpu" and dtype in cls.activation_dtypes
+
+    @classmethod
+    def _dtype_refused(cls, weight: QuantizedWeight) -> str | None:
+        """Why this kernel does not take the weight's activation dtype (its scales'), or None."""
+        if cls.available(weight.scales.dtype, weight.q.device):
+            return None
+        return f"{weight.scales.dtype} activations (the {cls.path} kernel runs bfloat16 only at speed)"
+
+    @abstractmethod
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] @ W^T -> [M, N], without the bias."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.product(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Int4Kernel(PackedKernel):
     """The packed 4-bit weight and its per-group scale and offset."""
 
     path = "int4"
 
-    @staticmethod
-    def available(dtype: torch.dtype, device: torch.device) -> bool:
-        return dtype == torch.bfloat16 and device.type == "cpu"
-
-    @staticmethod
-    def why_not(weight: QuantizedWeight) -> str | None:
+    @classmethod
+    def why_not(cls, weight: QuantizedWeight) -> str | None:
         """Why the int4 kernel cannot compute this weight, or None when it can."""
         n, k = weight.shape
         if weight.bits != 4:
             return f"{weight.bits}-bit weights"
-        if weight.scales.dtype != torch.bfloat16:
-            return f"{weight.scales.dtype} activations (the int4 kernel runs bfloat16 only at speed)"
+        if (refused := cls._dtype_refused(weight)) is not None:
+            return refused
         if k % weight.group_size or n % 16 or not any(weight.group_size % g == 0 for g in INT4_GROUP_SIZES):
             return f"shape {n}x{k} with groups of {weight.group_size}"
         if _consecutive_groups(weight) is None:
@@ -92,7 +124,7 @@ class Int4Kernel(Kernel):
         self.order = None if bool((order == torch.arange(order.numel())).all()) else order
         q = weight.q if self.order is None else weight.q[:, order]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
-        super().__init__(packed, bias)
+        super().__init__(packed, bias, weight.shape[1])
         self.packed = packed
         self.group_size = next(g for g in INT4_GROUP_SIZES if weight.group_size % g == 0)
         repeat = weight.group_size // self.group_size
@@ -100,45 +132,31 @@ class Int4Kernel(Kernel):
         # [kernel groups, N, 2]: the scale and the offset of each kernel group and output feature
         pairs = torch.stack([scales, (8 - zeros) * scales], dim=-1).repeat_interleave(repeat, dim=1)
         self.scales_offsets = pairs.transpose(0, 1).contiguous().to(weight.scales.dtype)
-        self.in_features = weight.shape[1]
         # One row by textgen::int4_gemv, which reads the same packed weight and scales (no second copy).
         self.gemv = cpu_ops.ops_for(weight.scales.dtype, weight.q.device)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.order is not None:
             rows = rows[:, self.order]
-        if self.gemv and rows.shape[0] == 1 and rows.dtype == torch.bfloat16:
-            out = torch.ops.textgen.int4_gemv(rows.contiguous(), self.packed, self.scales_offsets, self.group_size)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows.contiguous(), self.packed, self.group_size, self.scales_offsets
-            )
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+        if self.gemv and rows.shape[0] == 1:
+            return torch.ops.textgen.int4_gemv(rows.contiguous(), self.packed, self.scales_offsets, self.group_size)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.contiguous(), self.packed, self.group_size, self.scales_offsets
+        )
 
 
-class Int8Kernel(Kernel):
+class Int8Kernel(PackedKernel):
     """int8 weights [N, K] and one scale per output feature."""
 
     path = "int8"
 
-    @staticmethod
-    def available(dtype: torch.dtype, device: torch.device) -> bool:
-        return dtype == torch.bfloat16 and device.type == "cpu"
-
-    @staticmethod
-    def why_not(weight: QuantizedWeight, activations_quantized: bool = False) -> str | None:
-        """Why the int8 kernel cannot compute this weight, or None when it can (`activations_quantized`: for
-        Int8DynamicKernel, whose product is integer and so takes float32 and bfloat16 alike)."""
+    @classmethod
+    def why_not(cls, weight: QuantizedWeight) -> str | None:
+        """Why this kernel cannot compute this weight, or None when it can."""
         if weight.bits != 8:
             return f"{weight.bits}-bit weights"
-        dtypes = (torch.float32, torch.bfloat16) if activations_quantized else (torch.bfloat16,)
-        if weight.scales.dtype not in dtypes:
-            # torch's float32 int8 path is a scalar loop: 7-10x slower than F.linear on the float weight at one
-            # row on the 2-core Zen 3 (benchmark/README.md, "Quantized models")
-            return f"{weight.scales.dtype} activations (the int8 kernel runs bfloat16 only at speed)"
+        if (refused := cls._dtype_refused(weight)) is not None:
+            return refused
         if bool((weight.g_idx != weight.g_idx[0]).any()):
             return "8-bit groups (the int8 kernel takes one scale per output feature)"
         if bool((weight.zeros != 128).any()):
@@ -146,20 +164,16 @@ class Int8Kernel(Kernel):
         return None
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        reason = self.why_not(weight, activations_quantized=isinstance(self, Int8DynamicKernel))
+        reason = self.why_not(weight)
         if reason is not None:
-            raise ValueError(f"the int8 kernel cannot serve this weight: {reason}")
+            raise ValueError(f"the {self.path} kernel cannot serve this weight: {reason}")
         ints = (weight.q.to(torch.int16) - 128).to(torch.int8).contiguous()
-        super().__init__(ints, bias)
+        super().__init__(ints, bias, weight.shape[1])
         self.ints = ints
         self.scales = weight.scales[:, int(weight.g_idx[0])].contiguous()
-        self.in_features = weight.shape[1]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.ints, self.scales)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows.contiguous(), self.ints, self.scales)
 
 
 class Int8DynamicKernel(Int8Kernel):
@@ -168,18 +182,18 @@ class Int8DynamicKernel(Int8Kernel):
     to [-128, 127]); an int8 x int8 product summed in int32 (`torch._int_mm`), scaled back by both scales."""
 
     path = "w8a8"
+    # The product is integer: float32 activations run as fast as bfloat16 ones.
+    activation_dtypes = (torch.float32, torch.bfloat16)
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
-        self.ints_t = self.ints.t().contiguous()  # [K, N], as _int_mm takes its second operand
         self.scales_f32 = self.scales.float()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        scale = rows.abs().amax(dim=1, keepdim=True) / 127.5
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        floats = rows.float()
+        scale = floats.abs().amax(dim=1, keepdim=True) / 127.5
         scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
-        ints = torch.round(rows / scale).clamp(-128, 127).to(torch.int8)
-        out = (torch._int_mm(ints, self.ints_t).float() * scale * self.scales_f32).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+        ints = torch.round(floats / scale).clamp(-128, 127).to(torch.int8)
+        # W^T as a view: _int_mm reads the [N, K] weight through it 3x faster than a [K, N] copy (2048x2048, one
+        # row, Zen 3), and no second copy of the weight is kept.
+        return (torch._int_mm(ints, self.ints.t()).float() * scale * self.scales_f32).to(rows.dtype)

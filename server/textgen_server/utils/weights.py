@@ -2,7 +2,9 @@
 
 A shard never reads a whole tensor it does not own: `get_partial_sharded` / `get_sharded` read only this
 rank's block through safetensors' lazy slices, so per-shard memory is weights / world_size (plus the small
-replicated tensors: norms, row-parallel biases).
+replicated tensors: norms, row-parallel biases). Quantized projections are the exception: every rank reads them
+whole and keeps its block once unpacked (layers/tensor_parallel.py `_rank_block`), for an act-order group or an
+eetq row scale spans the whole tensor; what each rank holds after the load is still its share.
 """
 
 from __future__ import annotations
