@@ -84,7 +84,7 @@ def shard_device(rank: int) -> torch.device:
 def shard_dtype(serve: ServeConfig, device: torch.device, quant: QuantConfig | None = None) -> torch.dtype:
     """--dtype, else TGI's default for the device; a warning where the CPU has no native bfloat16."""
     # TGI's defaults: fp16 on GPU, fp32 on plain CPU (half precision matmuls are slow there), bf16 for quantized
-    # weights on a CPU (TGI's IPEX path; here the int4 kernel's fast path, layers/int4_linear.py).
+    # weights on a CPU (TGI's IPEX path; the packed kernels run bfloat16 only at speed, layers/quant_kernels.py).
     default_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16 if quant else torch.float32
     dtype: torch.dtype = getattr(torch, serve.dtype) if serve.dtype else default_dtype
     if device.type == "cpu" and dtype == torch.bfloat16 and not quant and not x86_bf16_hardware():
