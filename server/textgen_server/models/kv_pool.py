@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from textgen_common.free_blocks import FreeBlocks
+from textgen_server.utils import cgroup
 
 # Share of the free memory the pool may take, as TGI's get_free_memory on CPU.
 FREE_MEMORY_SHARE = 0.95
@@ -46,14 +47,19 @@ class PoolShape:
 def free_memory(device: torch.device, world_size: int, wiggle_room: float) -> int:
     """Bytes this shard may give its KV pool: TGI's rule, on a GPU the free device memory less the share of the
     total outside `CUDA_MEMORY_FRACTION` x `wiggle_room` (TGI_WIGGLE_ROOM: the rest is left to the forward's
-    activations and the CUDA graphs captured after the pool); on a CPU 0.95 of the available host memory, shared
-    by the shards of the machine, times `CUDA_MEMORY_FRACTION`."""
+    activations and the CUDA graphs captured after the pool); on a CPU 0.95 of the available host memory (or of
+    what a container's memory limit leaves, when less: utils/cgroup.py), shared by the shards of the machine, times
+    `CUDA_MEMORY_FRACTION`."""
     fraction = float(os.environ.get("CUDA_MEMORY_FRACTION", "1.0"))
     if device.type == "cuda":
         fraction *= wiggle_room
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(free - (1 - fraction) * total))
-    return int(psutil.virtual_memory().available * FREE_MEMORY_SHARE * fraction / world_size)
+    available = psutil.virtual_memory().available
+    limited = cgroup.available()
+    if limited is not None:
+        available = min(available, limited)
+    return int(available * FREE_MEMORY_SHARE * fraction / world_size)
 
 
 def pool_blocks(shape: PoolShape, free_bytes: int) -> int:
