@@ -25,7 +25,14 @@ ENV PATH=/usr/src/.venv/bin:$PATH
 RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
 
 WORKDIR /usr/src/textgen
-COPY pyproject.toml README.md Makefile ./
+# The dependencies' layer depends on pyproject.toml alone, so a build after a source change reinstalls textgen
+# only (seconds) instead of every package.
+COPY pyproject.toml ./
+RUN python3 -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+COPY README.md Makefile ./
 COPY proto proto
 COPY common common
 COPY server server
@@ -33,7 +40,7 @@ COPY router router
 COPY launcher launcher
 COPY benchmark benchmark
 COPY clients clients
-RUN pip install -e . && make proto PYTHON=python3
+RUN pip install --no-deps -e . && make proto PYTHON=python3
 
 # Like TGI's image: the server listens on 80 inside the container, and HF_HOME is the /data volume, so the hub
 # cache is /data/hub, where TGI 2.x and 3.x volumes keep their models. The built CPU ops are kept there too, so a

@@ -6,7 +6,7 @@ MODEL_ARCH ?= llama
 MODEL_SIZE ?= tiny
 PORT ?= 3000
 
-.PHONY: install proto run test test-fast lint bench demo-model
+.PHONY: install proto run test test-fast lint bench demo-model image image-test
 
 # torch first and pinned: the CPU wheel; an unpinned torch pulls several GB of CUDA packages.
 install:
@@ -50,3 +50,14 @@ lint: proto
 
 bench: proto
 	$(PYTHON) benchmark/shard_decode.py
+
+# The container image (deploy/image.py: docker or podman, a local Debian base where no registry answers).
+IMAGE ?= localhost/textgen:latest
+
+image:
+	$(PYTHON) deploy/image.py --tag $(IMAGE)
+
+# The image run as the README says (serve, stream, drain on stop, a second start on the same volume): minutes, so
+# not part of `make test`; run it when the Dockerfile, the image or the launcher changes.
+image-test: image
+	IMAGE=$(IMAGE) $(PYTHON) -m pytest -v -s deploy/image_tests
