@@ -51,11 +51,13 @@ lint: proto
 bench: proto
 	$(PYTHON) benchmark/shard_decode.py
 
-# The container image (deploy/image.py: docker or podman, a local Debian base where no registry answers).
+# The container image (deploy/image.py: docker or podman, a local Debian base where no registry answers); IMAGE_BASE
+# and TORCH_INDEX make the CUDA variant (README).
 IMAGE ?= localhost/textgen:latest
 
 image:
-	$(PYTHON) deploy/image.py --tag $(IMAGE)
+	$(PYTHON) deploy/image.py --tag $(IMAGE) $(if $(IMAGE_BASE),--base $(IMAGE_BASE)) \
+		$(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
 
 # The image run as the README says (serve, stream, drain on stop, a second start on the same volume): minutes, so
 # not part of `make test`; run it when the Dockerfile, the image or the launcher changes.

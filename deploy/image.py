@@ -138,14 +138,18 @@ class PipMirror:
         return "[global]\n" + "".join(f"{name} = {value}\n" for name, value in self.settings.items())
 
 
-def build_command(tool: str, tag: str, base: str, pip: PipMirror | None, conf_path: str | None) -> list[str]:
+def build_command(
+    tool: str, tag: str, base: str, torch_index: str | None, pip: PipMirror | None, conf_path: str | None
+) -> list[str]:
     cmd = [tool, "build", "-t", tag, "--build-arg", f"BASE={base}"]
+    if torch_index:
+        cmd += ["--build-arg", f"TORCH_INDEX={torch_index}"]
     if pip is not None and conf_path is not None:
         # podman mounts volumes into RUN steps (docker has no build volumes: it uses the Dockerfile's indexes)
         cmd += ["--network", "host", *rlimit_flags(tool, base), "-v", f"{conf_path}:/etc/pip.conf:ro"]
         for host, inside in pip.mounts.items():
             cmd += ["-v", f"{host}:{inside or host}:ro"]
-        if "index-url" not in pip.settings:
+        if not torch_index and "index-url" not in pip.settings:
             # torch==2.13.0 from the mounted wheel folders or PyPI, not from torch's own index, which a machine
             # whose pip has a local wheel usually cannot reach
             cmd += ["--build-arg", "TORCH_INDEX=https://pypi.org/simple"]
@@ -156,6 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tag", default=os.environ.get("IMAGE", DEFAULT_TAG))
     parser.add_argument("--base", default=os.environ.get("IMAGE_BASE", DEFAULT_BASE))
+    # the CUDA variant: --base nvidia/cuda:12.8.1-runtime-ubuntu24.04 --torch-index .../whl/cu128 (README)
+    parser.add_argument("--torch-index", default=os.environ.get("TORCH_INDEX"), help="torch's wheel index")
     args = parser.parse_args()
     tool = engine()
     base = pick_base(tool, args.base)
@@ -165,7 +171,7 @@ def main() -> None:
             conf.write(pip.conf())
             conf.flush()
             os.chmod(conf.name, 0o644)
-        cmd = build_command(tool, args.tag, base, pip, conf.name if pip is not None else None)
+        cmd = build_command(tool, args.tag, base, args.torch_index, pip, conf.name if pip is not None else None)
         print(shlex.join(cmd), file=sys.stderr)
         start = time.monotonic()
         subprocess.run(cmd, check=True)
