@@ -34,12 +34,8 @@ needs_gemv = pytest.mark.skipif(
     "gemv" not in available_paths(torch.bfloat16, CPU), reason="no AVX512-BF16 build of the CPU ops here"
 )
 needs_gemv_fp32 = pytest.mark.skipif(
-    "gemv" not in available_paths(torch.float32, CPU), reason="no AVX-512 build of the CPU ops here"
+    "gemv" not in available_paths(torch.float32, CPU), reason="no AVX-512 or AVX2 build of the CPU ops here"
 )
-DTYPES = [
-    pytest.param(torch.float32, marks=needs_gemv_fp32, id="float32"),
-    pytest.param(torch.bfloat16, marks=needs_gemv, id="bfloat16"),
-]
 LOGGER = "textgen_server.layers.linear_choice"
 
 
@@ -66,8 +62,8 @@ def written_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return total.to(x.dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
+# (rows, out_f, in_f, k_chunk, with_bias)
+OP_CASES = pytest.mark.parametrize(
     ("rows", "out_f", "in_f", "k_chunk", "with_bias"),
     [
         (1, 64, 96, 0, False),
@@ -78,9 +74,9 @@ def written_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         (0, 48, 32, 0, True),
     ],
 )
-def test_the_op_sums_as_documented(
-    dtype: torch.dtype, rows: int, out_f: int, in_f: int, k_chunk: int, with_bias: bool
-) -> None:
+
+
+def check_op_sums(dtype: torch.dtype, rows: int, out_f: int, in_f: int, k_chunk: int, with_bias: bool) -> None:
     g = torch.Generator().manual_seed(rows + out_f + in_f)
     weight = torch.randn(out_f, in_f, generator=g).to(dtype)
     bias = torch.randn(out_f, generator=g).to(dtype) if with_bias else None
@@ -89,6 +85,19 @@ def test_the_op_sums_as_documented(
     out = torch.ops.textgen.gemv(x, packed, None if bias is None else bias.float(), out_f, k_chunk)
     assert out.shape == (rows, out_f) and out.dtype == dtype
     assert torch.equal(out, written_out(x, weight, bias, k_chunk))
+
+
+# Two tests, not one per dtype parameter: the AVX2 build (test_cpu_targets.py) runs the float32 one alone.
+@needs_gemv_fp32
+@OP_CASES
+def test_the_float32_op_sums_as_documented(rows: int, out_f: int, in_f: int, k_chunk: int, with_bias: bool) -> None:
+    check_op_sums(torch.float32, rows, out_f, in_f, k_chunk, with_bias)
+
+
+@needs_gemv
+@OP_CASES
+def test_the_bfloat16_op_sums_as_documented(rows: int, out_f: int, in_f: int, k_chunk: int, with_bias: bool) -> None:
+    check_op_sums(torch.bfloat16, rows, out_f, in_f, k_chunk, with_bias)
 
 
 @needs_gemv

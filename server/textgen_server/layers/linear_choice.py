@@ -5,16 +5,17 @@ A projection y = x @ W^T + b has up to four paths on a CPU, each reading W in it
 - `mkl` (float32): MKL's packed GEMM on a weight packed once at load;
 - `onednn` (float32, bfloat16 where the CPU has native bf16 kernels, AMX included): oneDNN's GEMM on a weight
   reordered once at load into its blocked layout;
-- `gemv` (one row; float32 on CPUs with AVX-512, bfloat16 with AVX512-BF16): textgen's own kernel
+- `gemv` (one row; float32 on CPUs with AVX-512 or AVX2 and FMA, bfloat16 with AVX512-BF16): textgen's own kernel
   (layers/linear_ops.cpp), which streams the weight from memory faster than the libraries' at one row on some
   CPUs. In bfloat16 it serves a shape only where it reproduces `F.linear`'s bits there, checked at load (see
   `GemvKernel`).
 Which is fastest depends on the CPU (MKL's fp32 kernels are slow on some vendors' cores, oneDNN's blocked layout
 loses to them at one row on others) and on the row count. So the shard does not guess: for each distinct
-(out, in, dtype) shape it times every available path (on one thread, see `time_paths`) at one row count per
-bucket of rows (1, 2-8, 9-64, >64), keeps the fastest per bucket (one main path unless another is clearly
-faster, see `choose`), and each forward call picks its bucket's kernel from its row count. The times are kept per
-CPU and torch for the next starts (layers/measurements.py), which read them instead of timing again.
+(out, in, dtype) shape it times every available path (one row on the shard's threads, more on one thread: see
+`time_paths`) at one row count per bucket of rows (1, 2-8, 9-64, >64), keeps the fastest per bucket (one main
+path unless another is clearly faster, see `choose`), and each forward call picks its bucket's kernel from its
+row count. The times are kept per CPU, torch and thread count for the next starts (layers/measurements.py), which
+read them instead of timing again.
 
 `TEXTGEN_CPU_LINEAR` = auto (default) | linear | mkl | onednn | gemv forces one path for every bucket
 (reproducible runs); where the forced path does not exist for a dtype or device, or does not serve a bucket,
@@ -171,7 +172,8 @@ class OnednnKernel(Kernel):
 
 
 class GemvKernel(Kernel):
-    """One row by textgen::gemv (layers/linear_ops.cpp) on a weight packed in 16-output blocks.
+    """One row by textgen::gemv (layers/linear_ops.cpp) on a weight packed in blocks of 16 (AVX-512) or 8 (AVX2)
+    outputs.
 
     float32: each output sums its products in order, in runs of FLOAT32_RUN values then added, which keeps it
     within float32's tolerance like the other paths (test_linear.py).
@@ -267,24 +269,28 @@ def last_level_cache_bytes() -> int:
 
 
 def time_paths(weight: torch.Tensor, bias: torch.Tensor | None, paths: list[str]) -> dict[str, list[float]]:
-    """Least seconds of each path at each bucket's row count on one thread, the paths called in turn so that
-    each sees the same machine state, each with its weight out of the caches (EVICT_MAX); infinite where a path
-    does not serve the bucket (`Kernel.serves`).
+    """Least seconds of each path at each bucket's row count, the paths called in turn so that each sees the
+    same machine state, each with its weight out of the caches (EVICT_MAX); infinite where a path does not serve
+    the bucket (`Kernel.serves`).
 
-    One thread, whatever the shard runs with: with several, a call whose sibling thread waits for a core that
-    other work holds takes milliseconds, and on a busy machine every path measured alike, so the choice was
-    noise (benchmark/README.md). What differs between the paths is each core's kernel (ISA, blocking, packing);
-    their order on one thread matched their order on two where we measured. The least, not the median: other
-    load only adds time, and the least run is the one it disturbed least."""
+    The buckets of several rows are timed on one thread, whatever the shard runs with: with several, a call whose
+    sibling thread waits for a core that other work holds takes milliseconds, and on a busy machine every path
+    measured alike, so the choice was noise (benchmark/README.md). What differs between the paths there is each
+    core's kernel (ISA, blocking, packing); their order on one thread matched their order on two where we
+    measured. One row is timed on the shard's threads: it is bound by memory, and a path's speed there is how
+    much of the cores' combined bandwidth it draws, which one thread does not show (on an AVX2 Zen 3, MKL's
+    one-row product ran about as fast on two threads as on one and `gemv` 1.5-1.9x faster on two, while on one
+    they were within 10%; benchmark/README.md, "gemv"). The least, not the median: other load only adds time, and
+    the least run is the one it disturbed least."""
     kernels = [KERNELS[path](weight, bias) for path in paths]
     g = torch.Generator(device=weight.device).manual_seed(0)
     evict = torch.ones(min(2 * last_level_cache_bytes(), EVICT_MAX) // 4)
     least: dict[str, list[float]] = {path: [] for path in paths}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         with torch.inference_mode():
             for index, rows in enumerate(BUCKET_ROWS):
+                torch.set_num_threads(threads if rows == 1 else 1)
                 x = torch.randn(rows, weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
                 serving = [kernel for kernel in kernels if kernel.serves(index)]
                 for kernel in serving:
@@ -415,7 +421,10 @@ def path_times(layer: Projection, paths: list[str], known: Measurements) -> tupl
     """`time_paths` for `layer`'s shape, from an earlier start's measurement where one timed every path; and
     how the log line says where the times come from."""
     weight = layer.plain_weight()
-    key = f"times {layer.out_features}x{layer.in_features} {weight.dtype} bias {layer.bias is not None}"
+    key = (
+        f"times {layer.out_features}x{layer.in_features} {weight.dtype} bias {layer.bias is not None}"
+        f" threads {torch.get_num_threads()}"
+    )
     stored = known.get(key)
     if isinstance(stored, dict) and all(path in stored for path in paths):
         return {path: stored[path] for path in paths}, " at an earlier start"

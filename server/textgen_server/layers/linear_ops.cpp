@@ -1,12 +1,13 @@
-// A projection of one row, y = x @ W^T (+ b), for batch-1 decode steps on CPUs with AVX-512 (layers/
-// linear_choice.py, path `gemv`): float32, and bfloat16 where the CPU has AVX512-BF16. At one row a projection
-// reads its whole weight for two flops a value, so its speed is how fast the weight streams from memory; the
-// GEMM libraries' kernels reach well below the read bandwidth there on some CPUs (benchmark/README.md, "gemv").
-// This one streams several 16-output blocks at once, each a contiguous run of memory, with software prefetch.
+// A projection of one row, y = x @ W^T (+ b), for batch-1 decode steps on x86 CPUs (layers/linear_choice.py,
+// path `gemv`): float32 with AVX-512 or with AVX2 and FMA, and bfloat16 where the CPU has AVX512-BF16. At one row
+// a projection reads its whole weight for two flops a value, so its speed is how fast the weight streams from
+// memory; the GEMM libraries' kernels reach well below the read bandwidth there on some CPUs (benchmark/README.md,
+// "gemv"). This one streams several blocks of outputs at once, each a contiguous run of memory, with software
+// prefetch.
 //
-// textgen::gemv_pack(w [N, K]) -> packed: the weight in blocks of 16 outputs, zero-padded, each block one
-//   contiguous run: bf16 [ceil(N/16), ceil(K/2), 16, 2] (output n's value pair k at [n / 16, k, n % 16, :]),
-//   float32 [ceil(N/16), K, 16].
+// textgen::gemv_pack(w [N, K]) -> packed: the weight in blocks of LANES outputs (16 with AVX-512, 8 with AVX2: one
+//   float32 vector), zero-padded, each block one contiguous run: bf16 [ceil(N/16), ceil(K/2), 16, 2] (output n's
+//   value pair k at [n / 16, k, n % 16, :]), float32 [ceil(N/LANES), K, LANES].
 // textgen::gemv(x [..., K], packed, bias [N] float32 or None, n, k_chunk) -> y [..., N] in x's dtype, row by row
 //   (each row streams the whole weight: at 2+ rows the libraries' kernels, which reuse each loaded weight, win;
 //   the bias is float32 whatever x's dtype, converted once by the caller, not on every call). Each
@@ -16,7 +17,8 @@
 //   - bfloat16: vdpbf16ps a value pair (the pair's odd product added, then its even one, each rounded to
 //     float32), the sum rounded once to bf16. That is how oneDNN's bf16 matmul sums on AVX512-BF16 CPUs
 //     where it splits K into runs of that length, and so F.linear's bits; linear_choice.py checks the bits on
-//     each shape before this kernel may serve, and finds the k_chunk that gives them.
+//     each shape before this kernel may serve, and finds the k_chunk that gives them. (On AVX2 oneDNN's bf16
+//     sums come in another order, which no run length reproduces: no bf16 kernel there.)
 // textgen::gemv_supported(dtype) -> bool: whether the library was built with the instructions `dtype` needs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,19 +30,24 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TEXTGEN_GEMV 1
 #include <immintrin.h>
 #endif
 
 namespace {
 
+#if defined(__AVX512F__)
 constexpr int64_t LANES = 16;  // outputs per block: one float32 vector
+#else
+constexpr int64_t LANES = 8;
+#endif
 constexpr int BLOCKS = 4;      // blocks streamed together (independent accumulators and memory streams)
 // Steps ahead of the current one that each stream prefetches: 1 or 2 KiB, a few cache lines per stream.
 constexpr int64_t PREFETCH_STEPS = 32;
 
 bool supported([[maybe_unused]] c10::ScalarType dtype) {
-#if defined(__AVX512F__)
+#if defined(TEXTGEN_GEMV)
   if (dtype == at::kFloat) return true;
 #endif
 #if defined(__AVX512BF16__)
@@ -112,6 +119,40 @@ void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T
   }
 }
 
+#elif defined(TEXTGEN_GEMV)
+// The AVX2 tile, float32 only: the AVX-512 one's sums with 8-output blocks.
+template <typename T, int B>
+void tile(const T* x, const T* w, int64_t steps, [[maybe_unused]] int64_t k, const float* bias, T* y,
+          int64_t n_valid, int64_t k_chunk) {
+  static_assert(std::is_same_v<T, float>, "AVX2 gemv: float32 only");
+  const int64_t block_stride = steps * LANES;
+  const int64_t run = k_chunk ? k_chunk : steps;
+  __m256 total[B];
+  for (int64_t start = 0; start < steps; start += run) {
+    const int64_t stop = std::min(steps, start + run);
+    __m256 acc[B];
+    for (int b = 0; b < B; ++b) acc[b] = _mm256_setzero_ps();
+    for (int64_t p = start; p < stop; ++p) {
+      const float* at = w + p * LANES;
+      const __m256 xs = _mm256_broadcast_ss(x + p);
+      for (int b = 0; b < B; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * LANES), _MM_HINT_T0);
+        acc[b] = _mm256_fmadd_ps(xs, _mm256_loadu_ps(at + b * block_stride), acc[b]);
+      }
+    }
+    for (int b = 0; b < B; ++b) total[b] = start ? _mm256_add_ps(total[b], acc[b]) : acc[b];
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t valid = std::min(n_valid - b * LANES, LANES);
+    if (valid <= 0) break;
+    alignas(32) float sums[LANES];
+    _mm256_store_ps(sums, total[b]);
+    for (int64_t i = 0; i < valid; ++i) y[b * LANES + i] = bias ? sums[i] + bias[b * LANES + i] : sums[i];
+  }
+}
+#endif
+
+#if defined(TEXTGEN_GEMV)
 // Every row of x [m, k] against the packed weight, the blocks BLOCKS at a time over threads.
 template <typename T>
 void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t steps, const float* bias, T* y,
@@ -158,7 +199,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const std::option
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());
-#if defined(__AVX512F__)
+#if defined(TEXTGEN_GEMV)
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t m = flat.size(0);
   if (dtype == at::kFloat) {
