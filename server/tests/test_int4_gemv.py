@@ -18,7 +18,7 @@ import torch
 
 from textgen_server.config import DISABLE_CUSTOM_KERNELS
 from textgen_server.layers import cpu_ops
-from textgen_server.layers.quant_kernels import Int4Kernel
+from textgen_server.layers.quant_kernels import DEQUANTIZE_ROWS, Int4Kernel
 from textgen_server.layers.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_ops.kernel_available(), reason="no C++ compiler: torch's kernel only")
@@ -68,6 +68,12 @@ def test_one_row_is_the_float_product_of_the_dequantized_weight(n: int, k: int, 
     assert_near(got, x.float() @ w.t())
 
 
+@pytest.mark.parametrize(("n", "k", "group"), SHAPES)
+def test_dequantize_gives_the_weight_the_formula_gives(n: int, k: int, group: int) -> None:
+    packed, scales_offsets, w = packed_weight(n, k, group)
+    assert torch.equal(torch.ops.textgen.int4_dequantize(packed, scales_offsets, group), w)
+
+
 def test_several_rows_are_computed_one_by_one() -> None:
     packed, scales_offsets, w = packed_weight(80, 256, 64)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -94,7 +100,7 @@ def test_torch_s_layout_without_vectors_is_read_too() -> None:
         "import torch, test_int4_gemv as t; from textgen_server.layers import cpu_ops; "
         "assert cpu_ops.kernel_available(); assert torch.ops.textgen.int4_gemv_layout() == 0\n"
         "for shape in [(16, 32, 32), (48, 64, 32), (96, 256, 128)]: t.test_one_row_is_the_float_product_of_the_"
-        "dequantized_weight(*shape)\n"
+        "dequantized_weight(*shape); t.test_dequantize_gives_the_weight_the_formula_gives(*shape)\n"
         "print('ok')"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", cpu_ops.ENV_SWITCH: "1"}
@@ -145,10 +151,16 @@ def test_with_custom_kernels_off_int4_kernel_never_calls_the_op(
     calls: list[int] = []
     real = torch.ops.textgen.int4_gemv
 
+    real_dequantize = torch.ops.textgen.int4_dequantize
+
     class Spy:
         def int4_gemv(self, *args: object) -> torch.Tensor:
             calls.append(1)
             return real(*args)
+
+        def int4_dequantize(self, *args: object) -> torch.Tensor:
+            calls.append(2)
+            return real_dequantize(*args)
 
     monkeypatch.setattr(torch.ops, "textgen", Spy())
     monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
@@ -156,10 +168,32 @@ def test_with_custom_kernels_off_int4_kernel_never_calls_the_op(
     weight = int4_weight(32, 128, 32, False)
     x = torch.randn(1, 128, dtype=torch.bfloat16)
     Int4Kernel(weight, None)(x)
-    assert calls == [1]  # the spy sees the op when the kernels are on
+    assert 1 in calls  # the spy sees the op when the kernels are on
+    calls.clear()
     monkeypatch.setenv(variable, value)
     kernel = Int4Kernel(weight, None)
-    assert not kernel.gemv
-    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, kernel.packed, kernel.group_size, kernel.scales_offsets)
-    assert torch.equal(kernel(x), want)
-    assert calls == [1]
+    assert not kernel.gemv and kernel.dequantize_from is None
+    for rows in (x, torch.randn(600, 128, dtype=torch.bfloat16)):
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, kernel.packed, kernel.group_size, kernel.scales_offsets)
+        assert torch.equal(kernel(rows), want)
+    assert calls == []
+
+
+def test_many_rows_run_as_a_float32_gemm_from_the_measured_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    weight = int4_weight(112, 256, 128, act_order=True)
+    kernel = Int4Kernel(weight, None)
+    assert kernel.dequantize_from in (*DEQUANTIZE_ROWS, None)
+    # Measured once per shape and thread count: a second kernel of the shape reads the kept figure.
+    monkeypatch.setattr(Int4Kernel, "_measure_dequantize_from", lambda self: pytest.fail("measured again"))
+    assert Int4Kernel(weight, None).dequantize_from == kernel.dequantize_from
+    kernel.dequantize_from = 8
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    permuted = x[:, kernel.order].contiguous()  # act order: the kernel's input features, its groups consecutive
+    # the float32 product of x and the weight as the kernel holds it (its offsets rounded to bf16), rounded once
+    held = torch.ops.textgen.int4_dequantize(kernel.packed, kernel.scales_offsets, kernel.group_size)
+    assert torch.equal(kernel(x), (permuted.float() @ held.t()).to(torch.bfloat16))
+    want = x.float() @ weight.dequantize().float().t()  # the checkpoint's weight: offsets not rounded
+    assert (kernel(x).float() - want).abs().max() <= 0.01 * want.abs().max()
+    assert torch.equal(kernel(x[:7]), kernel._int4(permuted[:7]))

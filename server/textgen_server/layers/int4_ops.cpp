@@ -10,6 +10,8 @@
 //   x[k], every sum in float32 (x read exactly as float32), the result rounded once to bf16. The bits are not
 //   torch's kernel's (it dequantizes each weight to float first): tests/test_int4_gemv.py checks the op against the
 //   float32 product within a tolerance.
+// textgen::int4_dequantize(packed, scales_offsets, group_size) -> float32 [N, K]: the weight as that formula gives
+//   it, for many-row products run as a float32 GEMM (layers/quant_kernels.py).
 // textgen::int4_gemv_layout() -> int: the packed layout (below) torch uses in this process, 0, 1 or 2.
 //
 // torch's CPU packed layout (_convert_weight_to_int4pack_for_cpu(q [N, K] int32, inner_k_tiles), aten/src/ATen/
@@ -285,11 +287,52 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return y;
 }
 
+// The whole weight in float32 [N, K]: w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], for products of many
+// rows, which run faster as a float32 GEMM than through torch's int4 kernel on some CPUs (quant_kernels.py).
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales_offsets, int64_t group_size) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "int4_dequantize: a contiguous uint8 [N, K/2] weight from _convert_weight_to_int4pack_for_cpu");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(group_size > 0 && k % group_size == 0 && n % 16 == 0,
+              "int4_dequantize: K a multiple of the group, N of 16");
+  TORCH_CHECK(scales_offsets.scalar_type() == at::kBFloat16 && scales_offsets.is_contiguous() &&
+                  scales_offsets.dim() == 3 && scales_offsets.size(0) == k / group_size &&
+                  scales_offsets.size(1) == n && scales_offsets.size(2) == 2,
+              "int4_dequantize: contiguous bf16 scales_offsets [K/G, N, 2]");
+  const int lay = static_cast<int>(layout());
+  at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
+  const auto* w = packed.data_ptr<uint8_t>();
+  const auto* so = reinterpret_cast<const uint32_t*>(scales_offsets.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  const int64_t bn = block_outputs(lay), blocks = (n + bn - 1) / bn;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * bn, nb = std::min(bn, n - n0);
+      const uint8_t* wb = w + n0 * k / 2;  // a block's rows of nb / 2 bytes, one per k: read down a column
+      for (int64_t j = 0; j < nb; ++j) {
+        float* row = op + (n0 + j) * k;
+        for (int64_t gi = 0; gi < k / group_size; ++gi) {
+          const uint32_t pair = so[gi * n + n0 + j];
+          const float scale = bf16_to_float(static_cast<uint16_t>(pair & 0xFFFF));
+          const float offset = bf16_to_float(static_cast<uint16_t>(pair >> 16));
+          for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk)
+            row[kk] = float(nibble(wb + kk * (nb / 2), nb, j, nb == bn, lay) - 8) * scale + offset;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_offsets, int group_size) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, Tensor scales_offsets, int group_size) -> Tensor");
   m.def("int4_gemv_layout() -> int", &layout);
 }
 
-TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
+TORCH_LIBRARY_IMPL(textgen, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_dequantize", &int4_dequantize);
+}

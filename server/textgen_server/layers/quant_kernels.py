@@ -9,7 +9,9 @@
   float32 path is a scalar fallback, 6x slower than F.linear on the dequantized weight at one row on a 2-core Zen 3
   (benchmark/README.md, "Quantized models"). One row (a batch-1 decode step) goes to textgen's own
   `textgen::int4_gemv` (int4_ops.cpp) on the same packed weight and scales where the CPU ops are on (cpu_ops.py):
-  torch's kernel streams the weight well below the memory's bandwidth there.
+  torch's kernel streams the weight well below the memory's bandwidth there. Many rows (a prefill) run as a
+  float32 GEMM on the weight dequantized for the call (`textgen::int4_dequantize`) from the row count where that
+  measured faster at load, if any.
 - `Int8Kernel`: torch's `_weight_int8pack_mm`, int8 weights with one scale per output feature (symmetric,
   per-channel: eetq, and 8-bit checkpoints quantized that way), bfloat16 activations (its float32 path, like the
   int4 kernel's, is a scalar fallback: float32 shards dequantize at load). Both share `PackedKernel`.
@@ -22,17 +24,29 @@ dequantized at load and served like a float one).
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from textgen_server.config import UnsupportedConfigError
 from textgen_server.layers import cpu_ops
-from textgen_server.layers.linear_choice import Kernel
+from textgen_server.layers.linear_choice import Kernel, last_level_cache_bytes
+from textgen_server.layers.measurements import measurements
 from textgen_server.layers.quantized_weight import QuantizedWeight
 
+logger = logging.getLogger(__name__)
+
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
+# Row counts at which a many-row int4 product is timed both ways at load (Int4Kernel._dequantize_from), and the
+# rounds of each (the least counts).
+DEQUANTIZE_ROWS = (128, 512)
+DEQUANTIZE_ROUNDS = 3
 # The int4 kernel's K tiling, as torch's int4 weight-only quantization (torchao) packs for CPUs.
 INNER_K_TILES = 2
 
@@ -51,6 +65,17 @@ def packed_kernel(weight: QuantizedWeight, bias: torch.Tensor | None) -> PackedK
     kernel: type[Int4Kernel | Int8Kernel] = Int8Kernel if weight.bits == 8 else Int4Kernel
     reason = kernel.why_not(weight)
     return kernel(weight, bias) if reason is None else reason
+
+
+def least_seconds(call: Callable[[], object], rounds: int) -> float:
+    """The least wall time of `rounds` calls, after one untimed call."""
+    call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _consecutive_groups(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -134,15 +159,51 @@ class Int4Kernel(PackedKernel):
         self.scales_offsets = pairs.transpose(0, 1).contiguous().to(weight.scales.dtype)
         # One row by textgen::int4_gemv, which reads the same packed weight and scales (no second copy).
         self.gemv = cpu_ops.ops_for(weight.scales.dtype, weight.q.device)
+        self.dequantize_from = self._dequantize_from() if self.gemv else None
+
+    def _dequantize_from(self) -> int | None:
+        """The fewest rows (of DEQUANTIZE_ROWS) whose product runs faster as a float32 GEMM on the weight dequantized
+        for the call than through torch's int4 kernel, None where none does: measured once per CPU, torch, shape
+        and thread count (layers/measurements.py). On a CPU without bf16 arithmetic torch's kernel ran 1.5-2x
+        slower than the float32 GEMM from 512 rows on (benchmark/README.md, "Quantized models")."""
+        n, k = self.packed.shape[0], self.in_features
+        known = measurements(last_level_cache_bytes())
+        key = f"int4 dequantize {n}x{k} group {self.group_size} threads {torch.get_num_threads()}"
+        found = known.get(key)
+        if not isinstance(found, dict):
+            found = {"rows": self._measure_dequantize_from()}
+            known.put(key, found)
+            known.save()
+            rows = found["rows"]
+            how = f"from {rows} rows as a float32 GEMM on the dequantized weight" if rows else "the int4 kernel only"
+            logger.info("CPU int4 %dx%d group %d, many rows: %s (measured)", n, k, self.group_size, how)
+        return found["rows"]
+
+    def _measure_dequantize_from(self) -> int | None:
+        g = torch.Generator().manual_seed(0)
+        for rows in DEQUANTIZE_ROWS:
+            x = torch.randn(rows, self.in_features, generator=g).to(self.scales_offsets.dtype)
+            kernel = least_seconds(functools.partial(self._int4, x), DEQUANTIZE_ROUNDS)
+            if least_seconds(functools.partial(self._gemm, x), DEQUANTIZE_ROUNDS) < kernel:
+                return rows
+        return None
+
+    def _int4(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_offsets)
+
+    def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        weight = torch.ops.textgen.int4_dequantize(self.packed, self.scales_offsets, self.group_size)
+        return F.linear(rows.float(), weight).to(rows.dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.order is not None:
             rows = rows[:, self.order]
+        rows = rows.contiguous()
         if self.gemv and rows.shape[0] == 1:
-            return torch.ops.textgen.int4_gemv(rows.contiguous(), self.packed, self.scales_offsets, self.group_size)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows.contiguous(), self.packed, self.group_size, self.scales_offsets
-        )
+            return torch.ops.textgen.int4_gemv(rows, self.packed, self.scales_offsets, self.group_size)
+        if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
+            return self._gemm(rows)
+        return self._int4(rows)
 
 
 class Int8Kernel(PackedKernel):
