@@ -82,6 +82,14 @@ inline int nibble(const uint8_t* row, int64_t nb, int64_t j, bool full, int lay)
   return (row[j % half] >> (j < half ? 0 : 4)) & 15;
 }
 
+// A (scale, offset) bf16 pair read as one uint32: the scale in the low half, the offset in the high one.
+struct ScaleOffset {
+  float scale, offset;
+  explicit ScaleOffset(uint32_t pair)
+      : scale(bf16_to_float(static_cast<uint16_t>(pair & 0xFFFF))),
+        offset(bf16_to_float(static_cast<uint16_t>(pair >> 16))) {}
+};
+
 // Scalar path: block [n0, n0 + nb) of the output, any layout.
 void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uint32_t* so, int64_t n_total,
                   int64_t n0, int64_t nb, int64_t k, int64_t g, bool full, int lay, float* y) {
@@ -92,10 +100,8 @@ void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uin
       float acc = 0.f;
       for (int64_t kk = gi * g; kk < (gi + 1) * g; ++kk)
         acc += float(nibble(w + kk * (nb / 2), nb, j, full, lay)) * x[kk];
-      const uint32_t pair = so[gi * n_total + n0 + j];
-      const float s = bf16_to_float(static_cast<uint16_t>(pair & 0xFFFF));
-      const float o = bf16_to_float(static_cast<uint16_t>(pair >> 16));
-      total += s * (acc - 8.f * xsum[gi]) + o * xsum[gi];
+      const ScaleOffset so_pair(so[gi * n_total + n0 + j]);
+      total += so_pair.scale * (acc - 8.f * xsum[gi]) + so_pair.offset * xsum[gi];
     }
     y[j] = total;
   }
@@ -247,21 +253,27 @@ void row_gemv(const float* x, const float* xsum, const uint8_t* w, const uint32_
   });
 }
 
+// The packed weight [N, K/2] and its scales_offsets [K/G, N, 2] as both ops take them.
+void check_weight(const char* op, const at::Tensor& packed, const at::Tensor& scales_offsets, int64_t group_size) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(), op,
+              ": a contiguous uint8 [N, K/2] weight from _convert_weight_to_int4pack_for_cpu");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256, op,
+              ": groups of 32, 64, 128 or 256");
+  TORCH_CHECK(k % group_size == 0 && n % 16 == 0, op, ": K a multiple of the group, N of 16");
+  TORCH_CHECK(scales_offsets.scalar_type() == at::kBFloat16 && scales_offsets.is_contiguous() &&
+                  scales_offsets.dim() == 3 && scales_offsets.size(0) == k / group_size &&
+                  scales_offsets.size(1) == n && scales_offsets.size(2) == 2,
+              op, ": contiguous bf16 scales_offsets [K/G, N, 2]");
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_offsets,
                      int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int4_gemv: x bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "int4_gemv: a contiguous uint8 [N, K/2] weight from _convert_weight_to_int4pack_for_cpu");
+  check_weight("int4_gemv", packed, scales_offsets, group_size);
   const int64_t n = packed.size(0);
   TORCH_CHECK(packed.size(1) * 2 == k, "int4_gemv: x has ", k, " features, the weight ", packed.size(1) * 2);
-  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128 || group_size == 256,
-              "int4_gemv: groups of 32, 64, 128 or 256");
-  TORCH_CHECK(k % group_size == 0 && n % 16 == 0, "int4_gemv: K a multiple of the group, N of 16");
-  TORCH_CHECK(scales_offsets.scalar_type() == at::kBFloat16 && scales_offsets.is_contiguous() &&
-                  scales_offsets.dim() == 3 && scales_offsets.size(0) == k / group_size &&
-                  scales_offsets.size(1) == n && scales_offsets.size(2) == 2,
-              "int4_gemv: contiguous bf16 scales_offsets [K/G, N, 2]");
   const int lay = static_cast<int>(layout());
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
@@ -290,15 +302,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // The whole weight in float32 [N, K]: w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], for products of many
 // rows, which run faster as a float32 GEMM than through torch's int4 kernel on some CPUs (quant_kernels.py).
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales_offsets, int64_t group_size) {
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "int4_dequantize: a contiguous uint8 [N, K/2] weight from _convert_weight_to_int4pack_for_cpu");
+  check_weight("int4_dequantize", packed, scales_offsets, group_size);
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
-  TORCH_CHECK(group_size > 0 && k % group_size == 0 && n % 16 == 0,
-              "int4_dequantize: K a multiple of the group, N of 16");
-  TORCH_CHECK(scales_offsets.scalar_type() == at::kBFloat16 && scales_offsets.is_contiguous() &&
-                  scales_offsets.dim() == 3 && scales_offsets.size(0) == k / group_size &&
-                  scales_offsets.size(1) == n && scales_offsets.size(2) == 2,
-              "int4_dequantize: contiguous bf16 scales_offsets [K/G, N, 2]");
   const int lay = static_cast<int>(layout());
   at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
   const auto* w = packed.data_ptr<uint8_t>();
@@ -312,11 +317,9 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales_of
       for (int64_t j = 0; j < nb; ++j) {
         float* row = op + (n0 + j) * k;
         for (int64_t gi = 0; gi < k / group_size; ++gi) {
-          const uint32_t pair = so[gi * n + n0 + j];
-          const float scale = bf16_to_float(static_cast<uint16_t>(pair & 0xFFFF));
-          const float offset = bf16_to_float(static_cast<uint16_t>(pair >> 16));
+          const ScaleOffset so_pair(so[gi * n + n0 + j]);
           for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk)
-            row[kk] = float(nibble(wb + kk * (nb / 2), nb, j, nb == bn, lay) - 8) * scale + offset;
+            row[kk] = float(nibble(wb + kk * (nb / 2), nb, j, nb == bn, lay) - 8) * so_pair.scale + so_pair.offset;
         }
       }
     }

@@ -76,6 +76,58 @@ at::Tensor pack(const at::Tensor& w) {
 }
 
 #if defined(__AVX512F__)
+using Acc = __m512;  // LANES float32 sums
+inline Acc zero() { return _mm512_setzero_ps(); }
+inline Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+
+// Step p of B blocks: x's value (float32) or value pair (bf16) at p times each block's weights there.
+template <typename T, int B>
+inline void step(const T* x, const T* at, int64_t block_stride, int64_t p, int64_t k, Acc (&acc)[B]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512 xs = _mm512_set1_ps(x[p]);
+    for (int b = 0; b < B; ++b) acc[b] = _mm512_fmadd_ps(xs, _mm512_loadu_ps(at + b * block_stride), acc[b]);
+  } else {
+    uint32_t pair = 0;  // an odd K's last pair has a zero partner: 0 * 0 added first changes no sum
+    std::memcpy(&pair, x + 2 * p, 2 * p + 1 < k ? 4 : 2);
+    const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+    for (int b = 0; b < B; ++b)
+      acc[b] = _mm512_dpbf16_ps(acc[b], xs, (__m512bh)_mm512_loadu_si512(at + b * block_stride));
+  }
+}
+
+// Block b's total plus the bias into its valid outputs of y (`valid` of them, 1 .. LANES).
+template <typename T>
+inline void store(Acc total, const float* bias, T* y, int64_t valid) {
+  const __mmask16 mask = valid >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  const __m512 sum = bias ? _mm512_add_ps(total, _mm512_maskz_loadu_ps(mask, bias)) : total;
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(y, mask, sum);
+  } else {
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+}
+#elif defined(TEXTGEN_GEMV)
+using Acc = __m256;  // AVX2: float32 only
+inline Acc zero() { return _mm256_setzero_ps(); }
+inline Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
+
+template <typename T, int B>
+inline void step(const T* x, const T* at, int64_t block_stride, int64_t p, [[maybe_unused]] int64_t k,
+                 Acc (&acc)[B]) {
+  static_assert(std::is_same_v<T, float>, "AVX2 gemv: float32 only");
+  const __m256 xs = _mm256_broadcast_ss(x + p);
+  for (int b = 0; b < B; ++b) acc[b] = _mm256_fmadd_ps(xs, _mm256_loadu_ps(at + b * block_stride), acc[b]);
+}
+
+template <typename T>
+inline void store(Acc total, const float* bias, T* y, int64_t valid) {
+  alignas(32) float sums[LANES];
+  _mm256_store_ps(sums, total);
+  for (int64_t i = 0; i < std::min(valid, LANES); ++i) y[i] = bias ? sums[i] + bias[i] : sums[i];
+}
+#endif
+
+#if defined(TEXTGEN_GEMV)
 // y[blocks b0 .. b0+B) for one row x; w points at block b0 of the packed weight, y at its first output.
 template <typename T, int B>
 void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T* y, int64_t n_valid,
@@ -83,76 +135,27 @@ void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T
   constexpr int64_t per_step = values_per_step<T>();
   const int64_t block_stride = steps * per_step * LANES;  // elements of one packed block
   const int64_t run = k_chunk ? k_chunk / per_step : steps;  // steps summed before they join the total
-  __m512 total[B];
+  Acc total[B];
   for (int64_t start = 0; start < steps; start += run) {
     const int64_t stop = std::min(steps, start + run);
-    __m512 acc[B];
-    for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
+    Acc acc[B];
+    for (int b = 0; b < B; ++b) acc[b] = zero();
     for (int64_t p = start; p < stop; ++p) {
       const T* at = w + p * per_step * LANES;
       for (int b = 0; b < B; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * per_step * LANES),
                      _MM_HINT_T0);
-      if constexpr (std::is_same_v<T, float>) {
-        const __m512 xs = _mm512_set1_ps(x[p]);
-        for (int b = 0; b < B; ++b) acc[b] = _mm512_fmadd_ps(xs, _mm512_loadu_ps(at + b * block_stride), acc[b]);
-      } else {
-        uint32_t pair = 0;  // an odd K's last pair has a zero partner: 0 * 0 added first changes no sum
-        std::memcpy(&pair, x + 2 * p, 2 * p + 1 < k ? 4 : 2);
-        const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        for (int b = 0; b < B; ++b)
-          acc[b] = _mm512_dpbf16_ps(acc[b], xs, (__m512bh)_mm512_loadu_si512(at + b * block_stride));
-      }
+      step<T, B>(x, at, block_stride, p, k, acc);
     }
-    for (int b = 0; b < B; ++b) total[b] = start ? _mm512_add_ps(total[b], acc[b]) : acc[b];
+    for (int b = 0; b < B; ++b) total[b] = start ? add(total[b], acc[b]) : acc[b];
   }
   for (int b = 0; b < B; ++b) {
     const int64_t valid = n_valid - b * LANES;
     if (valid <= 0) break;
-    const __mmask16 mask = valid >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    const __m512 sum = bias ? _mm512_add_ps(total[b], _mm512_maskz_loadu_ps(mask, bias + b * LANES)) : total[b];
-    if constexpr (std::is_same_v<T, float>) {
-      _mm512_mask_storeu_ps(y + b * LANES, mask, sum);
-    } else {
-      _mm256_mask_storeu_epi16(y + b * LANES, mask, (__m256i)_mm512_cvtneps_pbh(sum));
-    }
+    store<T>(total[b], bias ? bias + b * LANES : nullptr, y + b * LANES, valid);
   }
 }
 
-#elif defined(TEXTGEN_GEMV)
-// The AVX2 tile, float32 only: the AVX-512 one's sums with 8-output blocks.
-template <typename T, int B>
-void tile(const T* x, const T* w, int64_t steps, [[maybe_unused]] int64_t k, const float* bias, T* y,
-          int64_t n_valid, int64_t k_chunk) {
-  static_assert(std::is_same_v<T, float>, "AVX2 gemv: float32 only");
-  const int64_t block_stride = steps * LANES;
-  const int64_t run = k_chunk ? k_chunk : steps;
-  __m256 total[B];
-  for (int64_t start = 0; start < steps; start += run) {
-    const int64_t stop = std::min(steps, start + run);
-    __m256 acc[B];
-    for (int b = 0; b < B; ++b) acc[b] = _mm256_setzero_ps();
-    for (int64_t p = start; p < stop; ++p) {
-      const float* at = w + p * LANES;
-      const __m256 xs = _mm256_broadcast_ss(x + p);
-      for (int b = 0; b < B; ++b) {
-        _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * LANES), _MM_HINT_T0);
-        acc[b] = _mm256_fmadd_ps(xs, _mm256_loadu_ps(at + b * block_stride), acc[b]);
-      }
-    }
-    for (int b = 0; b < B; ++b) total[b] = start ? _mm256_add_ps(total[b], acc[b]) : acc[b];
-  }
-  for (int b = 0; b < B; ++b) {
-    const int64_t valid = std::min(n_valid - b * LANES, LANES);
-    if (valid <= 0) break;
-    alignas(32) float sums[LANES];
-    _mm256_store_ps(sums, total[b]);
-    for (int64_t i = 0; i < valid; ++i) y[b * LANES + i] = bias ? sums[i] + bias[b * LANES + i] : sums[i];
-  }
-}
-#endif
-
-#if defined(TEXTGEN_GEMV)
 // Every row of x [m, k] against the packed weight, the blocks BLOCKS at a time over threads.
 template <typename T>
 void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t steps, const float* bias, T* y,

@@ -171,9 +171,10 @@ class Int4Kernel(PackedKernel):
         key = f"int4 dequantize {n}x{k} group {self.group_size} threads {torch.get_num_threads()}"
         found = known.get(key)
         if not isinstance(found, dict):
+            # kept in the process's measurements, which the load writes once with the linear choice's
+            # (choose_linear_kernels, run on the model's float layers after every quantized one is built)
             found = {"rows": self._measure_dequantize_from()}
             known.put(key, found)
-            known.save()
             rows = found["rows"]
             how = f"from {rows} rows as a float32 GEMM on the dequantized weight" if rows else "the int4 kernel only"
             logger.info("CPU int4 %dx%d group %d, many rows: %s (measured)", n, k, self.group_size, how)
