@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from textgen_server.config import DISABLE_CUSTOM_KERNELS, UnsupportedConfigError, custom_kernels_disabled
 from textgen_server.layers import cpu_ops
 from textgen_server.layers.measurements import Measurements, measurements
+from textgen_server.utils import cgroup
 
 logger = logging.getLogger("textgen_server.layers.linear_choice")
 
@@ -328,14 +329,9 @@ def choose(times: dict[str, list[float]]) -> tuple[str, ...]:
     return tuple(main if times[main][b] <= times[fastest[b]][b] * (1 + MARGIN) else fastest[b] for b in buckets)
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo; None where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
-    return int(line.split()[1]) * 1024
+def available_memory_bytes() -> int:
+    """The memory the shard may still take (utils/cgroup.py: a container's limit counts)."""
+    return cgroup.available_memory()
 
 
 def forced_choice(forced: str, paths: list[str], layer: Projection) -> tuple[tuple[str, ...], str]:
@@ -400,7 +396,7 @@ def choose_linear_kernels(layers: Iterable[Projection]) -> None:
             plans.append(Plan(shape, group, choose(times), how, main_path(times)))
     second = sum(plan.second_layout_bytes() for plan in plans)
     available = available_memory_bytes()
-    if second and available is not None and second > SECOND_LAYOUTS_SHARE * available:
+    if second and second > SECOND_LAYOUTS_SHARE * available:
         logger.warning(
             "CPU linear: the fastest kernels per row count would keep %d MiB of second weight layouts, more than"
             " %.0f%% of the %d MiB available: each shape keeps its main path alone",

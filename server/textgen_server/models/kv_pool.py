@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from textgen_common.free_blocks import FreeBlocks
@@ -55,11 +54,7 @@ def free_memory(device: torch.device, world_size: int, wiggle_room: float) -> in
         fraction *= wiggle_room
         free, total = torch.cuda.mem_get_info(device)
         return max(0, int(free - (1 - fraction) * total))
-    available = psutil.virtual_memory().available
-    limited = cgroup.available()
-    if limited is not None:
-        available = min(available, limited)
-    return int(available * FREE_MEMORY_SHARE * fraction / world_size)
+    return int(cgroup.available_memory() * FREE_MEMORY_SHARE * fraction / world_size)
 
 
 def pool_blocks(shape: PoolShape, free_bytes: int) -> int:

@@ -1,4 +1,5 @@
-"""The memory a container's limit leaves a shard: its cgroup's limit less the memory the cgroup holds.
+"""The memory a container's limit leaves a shard: its cgroup's limit less the memory the cgroup holds, and the memory
+a shard may take (`available_memory`: the host's or that, the smaller).
 
 A CPU shard sizes its KV pool from the available memory (models/kv_pool.py). In a container, /proc/meminfo and so
 psutil report the host's memory, not the limit Docker's `--memory` or a Kubernetes pod's `resources.limits.memory`
@@ -11,6 +12,8 @@ file cache (pages of the mmap'ed weights among them), which the kernel reclaims 
 from __future__ import annotations
 
 from pathlib import Path
+
+import psutil
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # A v1 cgroup without a limit reports one near 2**63 (rounded to the page size).
@@ -35,3 +38,11 @@ def available(root: Path | None = None) -> int | None:
         inactive = next((int(line.split()[1]) for line in stat.splitlines() if line.split()[0] == inactive_key), 0)
         return max(0, int(limit_text) - (usage - inactive))
     return None
+
+
+def available_memory() -> int:
+    """Bytes a process may still take: the host's available memory, or what the container's limit leaves when that
+    is less (what every load-time sizing reads: the KV pool, the linear choice's second layouts)."""
+    host = psutil.virtual_memory().available
+    limited = available()
+    return host if limited is None else min(host, limited)
