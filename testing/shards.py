@@ -3,7 +3,9 @@
 - `spawn_shards(model_dir, uds_path=None, env=None, extra_args=(), num_shard=1, timeout=120.0)`: spawns
   `textgen-server serve MODEL --uds-path P` (with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT and `--sharded`
   when num_shard > 1) and waits until Health answers on every rank's socket (bounded; a dead process fails
-  fast with its log). Returns a `ShardHandle`; the caller stops it.
+  fast with its log). Returns a `ShardHandle`; the caller stops it. Each rank is forked from the test process's
+  preloader (testing.preload: torch and transformers imported once) unless its environment differs in a variable
+  those imports could have read; then it is exec'd (`start_process`).
 - `ShardProcess(model_dir, ...)`: the same as a context manager (`with ShardProcess(tiny_llama) as shard:`),
   for module- or session-scoped fixtures.
 - `ShardHandle`: `.uds_path` (the prefix), `.socket` (rank-0 socket path), `.sockets`, `.url` (rank-0
@@ -29,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from testing.preload import PreloadedProcess, preload_allowed, preloader
 from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_common.ports import free_port
 
@@ -59,7 +62,9 @@ def shard_stub(socket_path: str) -> Iterator[Any]:
 class ShardHandle:
     """Running shard processes (one per rank) serving one model on `{uds_path}-{rank}` sockets."""
 
-    def __init__(self, uds_path: str, processes: list[subprocess.Popen], log_paths: list[Path]) -> None:
+    def __init__(
+        self, uds_path: str, processes: list[subprocess.Popen | PreloadedProcess], log_paths: list[Path]
+    ) -> None:
         self.uds_path = uds_path
         self.processes = processes
         self.log_paths = log_paths
@@ -68,7 +73,7 @@ class ShardHandle:
         self._channels: list[grpc.Channel] = []
 
     @property
-    def process(self) -> subprocess.Popen:
+    def process(self) -> subprocess.Popen | PreloadedProcess:
         return self.processes[0]
 
     @property
@@ -143,6 +148,17 @@ class ShardHandle:
             self.log_paths[0].parent.rmdir()
 
 
+def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | PreloadedProcess:
+    """`cmd` with `env`, stdout and stderr to `log_path`: forked from the test process's preloader
+    (testing.preload) where its environment allows, else exec'd."""
+    starter = preloader()
+    if starter is not None and preload_allowed(env, starter.env):
+        log_path.touch()
+        return starter.start(cmd, env, str(log_path))
+    with open(log_path, "wb") as log_file:
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+
 def spawn_shards(
     model_dir: str | os.PathLike,
     uds_path: str | None = None,
@@ -155,7 +171,7 @@ def spawn_shards(
     uds_path = uds_path or unique_uds_path()
     log_dir = Path(tempfile.mkdtemp(prefix="tg-shard-logs-"))
     master_port = str(free_port())
-    processes: list[subprocess.Popen] = []
+    processes: list[subprocess.Popen | PreloadedProcess] = []
     log_paths: list[Path] = []
     for rank in range(num_shard):
         child_env = {k: v for k, v in os.environ.items() if k not in OUTPUT_VARS}
@@ -168,8 +184,7 @@ def spawn_shards(
             cmd.append("--sharded")
         cmd.extend(extra_args)
         log_path = log_dir / f"rank-{rank}.log"
-        with open(log_path, "wb") as log_file:
-            processes.append(subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env))
+        processes.append(start_process(cmd, child_env, log_path))
         log_paths.append(log_path)
     handle = ShardHandle(uds_path, processes, log_paths)
     try:

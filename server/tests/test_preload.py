@@ -1,0 +1,62 @@
+"""testing.preload: shards forked from a process that imported torch and transformers behave as exec'd ones, and a
+shard whose environment those imports could have read is exec'd."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from testing.preload import PreloadedProcess, preload_allowed
+from testing.shards import spawn_shards, start_process, unique_uds_path
+
+BASE = {"PATH": "/usr/bin", "HOME": "/root"}
+
+
+def test_only_variables_read_after_import_may_differ() -> None:
+    assert preload_allowed(BASE, BASE)
+    assert preload_allowed({**BASE, "RANK": "1", "WORLD_SIZE": "2", "TEXTGEN_KV_CACHE_TOKENS": "64"}, BASE)
+    assert preload_allowed({**BASE, "USE_FLASH_ATTENTION": "false", "PYTEST_CURRENT_TEST": "x"}, BASE)
+    for name in ("HF_HOME", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "TRANSFORMERS_OFFLINE"):
+        assert not preload_allowed({**BASE, name: "1"}, BASE), name
+    assert not preload_allowed({"PATH": "/usr/bin"}, BASE)  # one removed counts too
+
+
+def exit_and_log(cmd: list[str], env: dict[str, str], tmp_path: Path, name: str) -> tuple[int, str]:
+    process = start_process(cmd, env, tmp_path / name)
+    assert isinstance(process, PreloadedProcess)
+    return process.wait(timeout=120), (tmp_path / name).read_text()
+
+
+def test_a_forked_shard_exits_with_the_cli_s_code_and_log(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "textgen_server.cli", "serve", str(tmp_path / "missing"), "--uds-path", "/tmp/x"]
+    env = dict(os.environ)
+    forked_code, forked_log = exit_and_log(cmd, env, tmp_path, "forked.log")
+    with open(tmp_path / "exec.log", "wb") as log:
+        execd = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=120)
+    execd_log = (tmp_path / "exec.log").read_text()
+    assert forked_code == execd.returncode == 1
+    last = [log.strip().splitlines()[-1].split(" ", 2)[-1] for log in (forked_log, execd_log)]
+    assert last[0] == last[1] and "missing" in last[0], (forked_log, execd_log)
+
+
+def test_a_forked_shard_serves_and_reports_a_kill(tiny_llama: Path) -> None:
+    handle = spawn_shards(tiny_llama)
+    try:
+        assert isinstance(handle.process, PreloadedProcess)
+        assert handle.process.poll() is None
+        handle.process.send_signal(signal.SIGKILL)
+        assert handle.process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        handle.stop()
+
+
+def test_an_environment_the_imports_read_gets_an_exec_d_shard(tiny_llama: Path) -> None:
+    handle = spawn_shards(tiny_llama, uds_path=unique_uds_path(), env={"OMP_NUM_THREADS": "1"})
+    try:
+        assert isinstance(handle.process, subprocess.Popen)
+    finally:
+        handle.stop()
+    assert handle.process.returncode == 0
