@@ -22,6 +22,7 @@ parent, so only it can read the exit status; the code is `Popen.returncode`'s, n
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import subprocess
@@ -60,6 +61,10 @@ def preload_allowed(env: Mapping[str, str], base: Mapping[str, str]) -> bool:
     return all(key in RUNTIME_VARIABLES or key.startswith(RUNTIME_PREFIXES) for key in changed)
 
 
+class PreloaderExited(RuntimeError):
+    """The preloader is gone (it failed at start, e.g. a kernel without pidfd_open): shards are exec'd instead."""
+
+
 class PreloadedProcess:
     """A forked shard, with the part of `subprocess.Popen`'s interface the tests use."""
 
@@ -95,10 +100,10 @@ class PreloadedProcess:
 class Preloader:
     """The test process's side: starts the preloader, sends it starts, and keeps the exit codes it reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, command: Sequence[str] = (sys.executable, "-m", "testing.preload")) -> None:
         self.env = dict(os.environ)
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "testing.preload"],
+            list(command),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self.env,
@@ -134,13 +139,16 @@ class Preloader:
         request = {"argv": list(argv), "env": dict(env), "cwd": os.getcwd(), "log": log_path}
         with self._lock:
             assert self._process.stdin is not None
-            self._process.stdin.write(json.dumps(request) + "\n")
-            self._process.stdin.flush()
+            try:
+                self._process.stdin.write(json.dumps(request) + "\n")
+                self._process.stdin.flush()
+            except OSError as error:  # a closed pipe
+                raise PreloaderExited("the preloader exited") from error
             if not self._lock.wait_for(lambda: self._pids, timeout=60):
                 raise RuntimeError("the preloader did not answer a start within 60 s")
             pid = self._pids.pop(0)
         if pid < 0:
-            raise RuntimeError("the preloader exited")
+            raise PreloaderExited("the preloader exited")
         return PreloadedProcess(self, pid, argv)
 
     def exit_code(self, pid: int) -> int | None:
@@ -155,7 +163,8 @@ class Preloader:
     def close(self) -> None:
         """End of input: the preloader exits; children still running are the fixtures' to stop."""
         if self._process.stdin is not None:
-            self._process.stdin.close()
+            with contextlib.suppress(OSError):  # a preloader already gone leaves a broken pipe
+                self._process.stdin.close()
         try:
             self._process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -166,14 +175,15 @@ _preloader: Preloader | None = None
 
 
 def preloader() -> Preloader | None:
-    """The test process's preloader, started at its first use; None when TEXTGEN_TEST_PRELOAD=0."""
+    """The test process's preloader, started at its first use; None when TEXTGEN_TEST_PRELOAD=0 or once it has
+    exited (it is not restarted: what stopped it would stop the next one)."""
     global _preloader
     if os.environ.get(SWITCH, "1") == "0":
         return None
-    if _preloader is None or not _preloader.alive():
+    if _preloader is None:
         _preloader = Preloader()
         atexit.register(_preloader.close)
-    return _preloader
+    return _preloader if _preloader.alive() else None
 
 
 def _run_child(request: dict, closing: Sequence[int]) -> None:

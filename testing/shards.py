@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from testing.preload import PreloadedProcess, preload_allowed, preloader
+from testing.preload import PreloadedProcess, PreloaderExited, preload_allowed, preloader
 from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_common.ports import free_port
 
@@ -154,7 +154,10 @@ def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subpro
     starter = preloader()
     if starter is not None and preload_allowed(env, starter.env):
         log_path.touch()
-        return starter.start(cmd, env, str(log_path))
+        try:
+            return starter.start(cmd, env, str(log_path))
+        except PreloaderExited as gone:
+            print(f"{gone}: the shard is exec'd", file=sys.stderr)
     with open(log_path, "wb") as log_file:
         return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
 

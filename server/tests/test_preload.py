@@ -7,9 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from testing.preload import PreloadedProcess, preload_allowed
+import pytest
+
+from testing import preload
+from testing.preload import PreloadedProcess, Preloader, PreloaderExited, preload_allowed
 from testing.shards import spawn_shards, start_process, unique_uds_path
 
 BASE = {"PATH": "/usr/bin", "HOME": "/root"}
@@ -60,3 +64,19 @@ def test_an_environment_the_imports_read_gets_an_exec_d_shard(tiny_llama: Path) 
     finally:
         handle.stop()
     assert handle.process.returncode == 0
+
+
+def test_shards_are_exec_d_once_the_preloader_is_gone(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = Preloader(command=[sys.executable, "-c", "pass"])  # exits at once, as a failed import would
+    while gone.alive():
+        time.sleep(0.05)
+    with pytest.raises(PreloaderExited):
+        gone.start(
+            [sys.executable, "-m", "textgen_server.cli", "serve", str(tiny_llama)], dict(os.environ), "/dev/null"
+        )
+    monkeypatch.setattr(preload, "_preloader", gone)
+    handle = spawn_shards(tiny_llama)
+    try:
+        assert isinstance(handle.process, subprocess.Popen)
+    finally:
+        handle.stop()
