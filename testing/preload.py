@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 SWITCH = "TEXTGEN_TEST_PRELOAD"
 RUNTIME_VARIABLES = frozenset(
@@ -184,6 +185,20 @@ def preloader() -> Preloader | None:
         _preloader = Preloader()
         atexit.register(_preloader.close)
     return _preloader if _preloader.alive() else None
+
+
+def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | PreloadedProcess:
+    """`cmd` (`python -m MODULE ARGS`) with `env`, stdout and stderr to `log_path`: forked from the test process's
+    preloader where its environment allows, else exec'd."""
+    starter = preloader()
+    if starter is not None and preload_allowed(env, starter.env):
+        log_path.touch()
+        try:
+            return starter.start(cmd, env, str(log_path))
+        except PreloaderExited as gone:
+            print(f"{gone}: the process is exec'd", file=sys.stderr)
+    with open(log_path, "wb") as log_file:
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
 
 def _run_child(request: dict, closing: Sequence[int]) -> None:

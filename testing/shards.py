@@ -5,7 +5,7 @@
   when num_shard > 1) and waits until Health answers on every rank's socket (bounded; a dead process fails
   fast with its log). Returns a `ShardHandle`; the caller stops it. Each rank is forked from the test process's
   preloader (testing.preload: torch and transformers imported once) unless its environment differs in a variable
-  those imports could have read; then it is exec'd (`start_process`).
+  those imports could have read; then it is exec'd (`testing.preload.start_process`).
 - `ShardProcess(model_dir, ...)`: the same as a context manager (`with ShardProcess(tiny_llama) as shard:`),
   for module- or session-scoped fixtures.
 - `ShardHandle`: `.uds_path` (the prefix), `.socket` (rank-0 socket path), `.sockets`, `.url` (rank-0
@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from testing.preload import PreloadedProcess, PreloaderExited, preload_allowed, preloader
+from testing.preload import PreloadedProcess, start_process
 from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_common.ports import free_port
 
@@ -146,20 +146,6 @@ class ShardHandle:
             path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.log_paths[0].parent.rmdir()
-
-
-def start_process(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | PreloadedProcess:
-    """`cmd` with `env`, stdout and stderr to `log_path`: forked from the test process's preloader
-    (testing.preload) where its environment allows, else exec'd."""
-    starter = preloader()
-    if starter is not None and preload_allowed(env, starter.env):
-        log_path.touch()
-        try:
-            return starter.start(cmd, env, str(log_path))
-        except PreloaderExited as gone:
-            print(f"{gone}: the shard is exec'd", file=sys.stderr)
-    with open(log_path, "wb") as log_file:
-        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
 
 def spawn_shards(

@@ -1,7 +1,8 @@
 """Helpers of the router HTTP tests: a real `textgen-router` process on loopback, and the shared limits.
 
 - `RouterProcess`: `textgen-router --master-shard-uds-path S --tokenizer-name M --port P ...` in its own
-  process, waited for (GET /health, bounded) and killed on exit, with its log kept for failures.
+  process (forked from testing.preload's preloader where its environment allows), waited for (GET /health,
+  bounded) and killed on exit, with its log kept for failures.
 - `ROUTER_FLAGS`: the small limits and the API key of the shared router (fixtures in conftest.py), so every
   rule can be exercised without long prompts.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from testing.preload import PreloadedProcess, start_process
 from textgen_common.ports import free_port
 
 API_KEY = "Test-Key"
@@ -79,15 +81,14 @@ class RouterProcess(contextlib.AbstractContextManager):
         self.env = {**os.environ, **(env or {})}
         self.timeout = timeout
         self.log_path = Path(tempfile.mkstemp(prefix="tg-router-", suffix=".log")[1])
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | PreloadedProcess | None = None
 
     @property
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def __enter__(self) -> RouterProcess:
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.process = start_process(self.cmd, self.env, self.log_path)
         try:
             self.wait_healthy()
         except BaseException:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from testing import preload
-from testing.preload import PreloadedProcess, Preloader, PreloaderExited, preload_allowed
-from testing.shards import spawn_shards, start_process, unique_uds_path
+from testing.preload import PreloadedProcess, Preloader, PreloaderExited, preload_allowed, start_process
+from testing.shards import spawn_shards, unique_uds_path
 
 BASE = {"PATH": "/usr/bin", "HOME": "/root"}
 
