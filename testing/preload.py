@@ -1,18 +1,20 @@
-"""Shard processes forked from a process that has already imported torch and transformers.
+"""Shard and router processes forked from a process that has already imported torch and transformers.
 
 A `textgen-server serve` start spends about 5 s of CPU importing torch and transformers (transformers' model
-loading and `torch.distributed.tensor` come with its config classes) before it reads a weight; the suite starts
-about 70 shards through `testing.shards`, on two cores. A `Preloader` is one process per test process that imports
-those packages once and forks a child per shard: the child runs the real `textgen_server.cli` entry point (argument
-parsing, the model load, the gRPC server on its unix socket, the exit code) in a process of its own, and is ready in
-under a second (benchmark/README.md, "Start-up and the test suite").
+loading and `torch.distributed.tensor` come with its config classes) before it reads a weight, and a router's
+tokenizer load imports them too; the suite starts about 70 shards through `testing.shards` and a dozen routers
+through the router tests' `RouterProcess`, on two cores. A `Preloader` is one process per test process that imports
+those packages once and forks a child per start (`start_process`): the child runs the real entry point
+(`python -m textgen_server.cli` or `textgen_router.main`: argument parsing, the model or tokenizer load, the server
+on its socket, the exit code) in a process of its own, and a tiny shard is ready in under a second
+(benchmark/README.md, "Start-up and the test suite").
 
-What differs from an exec'd shard is only what the preloaded modules did at import, so a child is forked only when
-its environment differs from the preloader's in variables that torch and transformers read later, if ever
-(`RUNTIME_VARIABLES`: the shard's own and torch.distributed's); any other difference (HF_HOME,
-ATEN_CPU_CAPABILITY, OMP_NUM_THREADS, ...) gets an exec'd process. Nothing of textgen is imported before the fork.
-`TEXTGEN_TEST_PRELOAD=0` turns forking off for a run. The launcher's tests start shards as users do: the launcher
-execs them.
+What differs from an exec'd process is only what the preloaded modules did at import, so a child is forked only
+when its environment differs from the preloader's in variables that torch and transformers read later, if ever
+(`RUNTIME_VARIABLES`: textgen's own and torch.distributed's); any other difference (HF_HOME, ATEN_CPU_CAPABILITY,
+OMP_NUM_THREADS, ...) gets an exec'd process. Nothing of textgen is imported before the fork.
+`TEXTGEN_TEST_PRELOAD=0` turns forking off for a run. The launcher's tests start shards and routers as users do:
+the launcher execs them.
 
 The wire, one JSON object per line: the test process writes `{"argv", "env", "cwd", "log"}` to the preloader's
 stdin; the preloader answers `{"pid"}` for each, and `{"exited", "code"}` when a child exits (it is the child's
