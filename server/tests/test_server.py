@@ -16,6 +16,7 @@ import grpc
 import pytest
 from shard_helpers import chooser, make_batch, make_request
 
+from testing.preload import start_process
 from testing.shards import ShardProcess, shard_stub
 from textgen_pb import generate_pb2 as pb
 
@@ -391,19 +392,14 @@ def test_rpcs_continue_the_routers_trace(stub, otlp_collector) -> None:
     ],
 )
 def test_unsupported_options_are_startup_errors(
-    tiny_llama: Path, args: list[str], variables: dict[str, str], message: str
+    tiny_llama: Path, tmp_path: Path, args: list[str], variables: dict[str, str], message: str
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(variables)
-    result = subprocess.run(
-        [sys.executable, "-m", "textgen_server.cli", "serve", str(tiny_llama), "--uds-path", "/tmp/tg-never", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-    assert result.returncode != 0
-    errors = [line for line in result.stdout.splitlines() if "ERROR" in line]
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "textgen_server.cli", "serve", str(tiny_llama), "--uds-path", "/tmp/tg-never", *args]
+    assert start_process(cmd, env, log).wait(timeout=60) != 0
+    errors = [line for line in log.read_text().splitlines() if "ERROR" in line]
     assert len(errors) == 1 and message in errors[0]
 
 
