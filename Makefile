@@ -40,7 +40,7 @@ test: proto
 
 # The edit-test loop: every test that starts no process (a test is skipped where it would start one); CI runs `test`.
 test-fast: proto
-	$(PYTHON) -m pytest -q --no-processes
+	$(PYTHON) -m pytest -q --no-processes -n $(TEST_WORKERS) --dist loadscope
 
 # Formatting, lint (pyflakes, bugbear, import order, complexity) and types; configured in pyproject.toml.
 lint: proto

@@ -56,6 +56,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _use_session_measurements()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        _one_thread_per_worker()
+
+
+def _one_thread_per_worker() -> None:
+    """A pytest-xdist worker runs its own torch work (oracles, op tests) on one thread. The workers share the cores
+    with each other and with the shards they start; with torch's default of a thread per core, idle OpenMP
+    threads spin on cores another process needs: `make test-fast` in two workers took 2.1x the CPU of a serial
+    run (benchmark/README.md, "Start-up and the test suite"). Shards and scripts keep their own threads."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _refuse_processes(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
