@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -65,11 +66,11 @@ def preload_allowed(env: Mapping[str, str], base: Mapping[str, str]) -> bool:
 
 
 class PreloaderExited(RuntimeError):
-    """The preloader is gone (it failed at start, e.g. a kernel without pidfd_open): shards are exec'd instead."""
+    """The preloader is gone (it failed at start, e.g. a kernel without pidfd_open): processes are exec'd instead."""
 
 
 class PreloadedProcess:
-    """A forked shard, with the part of `subprocess.Popen`'s interface the tests use."""
+    """A forked shard or router, with the part of `subprocess.Popen`'s interface the tests use."""
 
     def __init__(self, preloader: Preloader, pid: int, args: Sequence[str]) -> None:
         self._preloader = preloader
@@ -94,10 +95,10 @@ class PreloadedProcess:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 class Preloader:
@@ -137,8 +138,8 @@ class Preloader:
         return self._process.poll() is None
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> PreloadedProcess:
-        """Fork a child that runs `python -m textgen_server.cli argv[3:]`-style `argv` with `env`, its stdout and
-        stderr going to `log_path`."""
+        """Fork a child that runs `argv` (`python -m MODULE ARGS`) with `env`, its stdout and stderr going to
+        `log_path`."""
         request = {"argv": list(argv), "env": dict(env), "cwd": os.getcwd(), "log": log_path}
         with self._lock:
             assert self._process.stdin is not None
