@@ -229,9 +229,10 @@ def _run_child(request: dict, closing: Sequence[int]) -> None:
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-        if not isinstance(done.code, (int, type(None))):
+    except SystemExit as done:  # as the interpreter exits: None is 0, a message is printed and is 1
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:
             print(done.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()

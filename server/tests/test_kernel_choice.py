@@ -35,6 +35,7 @@ from textgen_server.layers.linear_choice import (
 )
 from textgen_server.layers.tensor_parallel import Linear
 from textgen_server.loader import get_model
+from textgen_server.utils import cgroup
 
 CPU = torch.device("cpu")
 FP32_PATHS = available_paths(torch.float32, CPU)
@@ -334,7 +335,7 @@ def test_second_layouts_are_kept_only_within_their_share_of_memory(
     slow = [4.0, math.inf, math.inf, math.inf]  # the one-row gemv, where this CPU has it
     times = {"linear": [1.0, 3.0, 3.0, 3.0], "mkl": [2.0, 1.0, 1.0, 1.0], "onednn": [4.0] * 4, "gemv": slow}
     monkeypatch.setattr(linear_choice, "time_paths", lambda weight, bias, paths: {p: times[p] for p in paths})
-    monkeypatch.setattr(linear_choice, "available_memory_bytes", lambda: available)
+    monkeypatch.setattr(cgroup, "available_memory", lambda: available)
     layers = layers_of([(256, 512), (256, 512)], torch.float32)  # 1 MiB of float32 weights in all
     with caplog.at_level(logging.INFO, logger=LOGGER):
         choose_linear_kernels(layers)

@@ -329,11 +329,6 @@ def choose(times: dict[str, list[float]]) -> tuple[str, ...]:
     return tuple(main if times[main][b] <= times[fastest[b]][b] * (1 + MARGIN) else fastest[b] for b in buckets)
 
 
-def available_memory_bytes() -> int:
-    """The memory the shard may still take (utils/cgroup.py: a container's limit counts)."""
-    return cgroup.available_memory()
-
-
 def forced_choice(forced: str, paths: list[str], layer: Projection) -> tuple[tuple[str, ...], str]:
     """The forced path in every bucket it serves for `layer`'s shape, `linear` in the others; and why."""
     if forced not in paths:
@@ -395,7 +390,7 @@ def choose_linear_kernels(layers: Iterable[Projection]) -> None:
             )
             plans.append(Plan(shape, group, choose(times), how, main_path(times)))
     second = sum(plan.second_layout_bytes() for plan in plans)
-    available = available_memory_bytes()
+    available = cgroup.available_memory()  # a container's limit counts
     if second and second > SECOND_LAYOUTS_SHARE * available:
         logger.warning(
             "CPU linear: the fastest kernels per row count would keep %d MiB of second weight layouts, more than"
