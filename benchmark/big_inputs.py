@@ -23,9 +23,9 @@ PROMPT = "hello world, " * 146_000  # 1,898,000 characters
 
 def cost_of_a_long_input(model_dir: str) -> None:
     from textgen_router.tokenization import encode, token_list
-    from textgen_router.validation import load_tokenizer
+    from textgen_router.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model_dir).backend_tokenizer
+    tokenizer = load_tokenizer(model_dir).encoder
     start = time.perf_counter()
     enc = tokenizer.encode(PROMPT)
     encoded = time.perf_counter()

@@ -36,8 +36,9 @@ from textgen_router.config import RouterConfig
 from textgen_router.infer import Infer
 from textgen_router.schemas import GenerateRequest
 from textgen_router.shard_client import ShardedClient, StepResult
+from textgen_router.tokenizer import load_tokenizer
 from textgen_router.types import EndEvent, PrefillEvent, ValidRequest
-from textgen_router.validation import Limits, Validator, load_tokenizer
+from textgen_router.validation import Limits, Validator
 
 
 @dataclass

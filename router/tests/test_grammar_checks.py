@@ -410,7 +410,7 @@ def chat_request(**fields: Any) -> ChatRequest:
 def test_a_template_that_reads_tools_gets_them_and_the_tool_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
     from textgen_router.chat_input import chat_input
 
-    chat = chat_input(chat_request(tool_prompt="Use a tool."), ChatTemplate(tokenizer, WITH_TOOLS))
+    chat = chat_input(chat_request(tool_prompt="Use a tool."), ChatTemplate(tokenizer.special_tokens_map, WITH_TOOLS))
     assert chat.without_tools is not None and chat.parameters.grammar is not None
     assert chat.without_tools().parameters.grammar is None
     assert chat.prompt == (
@@ -422,7 +422,7 @@ def test_a_template_that_reads_tools_gets_them_and_the_tool_prompt(tokenizer: Pr
 def test_a_template_without_tools_gets_their_json_and_calls_as_content(tokenizer: PreTrainedTokenizerBase) -> None:
     from textgen_router.chat_input import chat_input
 
-    chat = chat_input(chat_request(tool_choice="required"), ChatTemplate(tokenizer, PLAIN))
+    chat = chat_input(chat_request(tool_choice="required"), ChatTemplate(tokenizer.special_tokens_map, PLAIN))
     tools_json = tool_grammar.tools_prompt(tool_grammar.select_tools(TOOLS[:1], "required"))
     call = [{"type": "function", "function": {"name": "get_weather", "arguments": {"location": "Paris"}}, "id": "0"}]
     assert chat.prompt == (
@@ -438,7 +438,7 @@ def test_a_template_without_tools_gets_their_json_and_calls_as_content(tokenizer
 def test_without_tools_the_response_format_is_the_grammar(tokenizer: PreTrainedTokenizerBase) -> None:
     from textgen_router.chat_input import chat_input
 
-    template = ChatTemplate(tokenizer, PLAIN)
+    template = ChatTemplate(tokenizer.special_tokens_map, PLAIN)
     request = ChatRequest.model_validate(
         {"messages": HISTORY[:1], "response_format": {"type": "regex", "value": "[0-9]+"}}
     )
@@ -453,7 +453,9 @@ def test_a_template_that_only_names_tools_in_its_text_does_not_read_them(tokeniz
     # TGI asks minijinja for the template's undeclared variables: text that says "tools" reads none.
     from textgen_router.chat_input import chat_input
 
-    chat = chat_input(chat_request(tool_choice="required"), ChatTemplate(tokenizer, "Use tools wisely.\n" + PLAIN))
+    chat = chat_input(
+        chat_request(tool_choice="required"), ChatTemplate(tokenizer.special_tokens_map, "Use tools wisely.\n" + PLAIN)
+    )
     tools_json = tool_grammar.tools_prompt(tool_grammar.select_tools(TOOLS[:1], "required"))
     assert chat.prompt.endswith(f"\n---\n{tools_json}\n{tool_grammar.DEFAULT_TOOL_PROMPT}\nassistant:")
 
@@ -471,4 +473,4 @@ def test_a_final_assistant_message_is_continued_as_tgi_cuts_it(
     tokenizer: PreTrainedTokenizerBase, template: str, expected: str
 ) -> None:
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello "}]
-    assert ChatTemplate(tokenizer, template).apply(messages) == expected
+    assert ChatTemplate(tokenizer.special_tokens_map, template).apply(messages) == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -17,8 +18,9 @@ import pytest
 from router_fixtures import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS
 
 from textgen_router.schemas import GenerateParameters, GrammarParameters, to_f32
+from textgen_router.tokenizer import CACHE_ENV, load_tokenizer
 from textgen_router.types import ValidationError, ValidRequest
-from textgen_router.validation import Limits, Validator, load_tokenizer
+from textgen_router.validation import Limits, Validator
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,7 +95,7 @@ def validate(validator: Validator, inputs: str, **parameters: Any) -> ValidReque
 
 def test_prompt_lengths_assumed_by_the_rules(validator: Validator) -> None:
     assert validate(validator, PROMPT, max_new_tokens=1).input_length == 10
-    assert len(validator.tokenizer(LONG).input_ids) == 81
+    assert len(validator.tokenizer.encoder.encode(LONG).ids) == 81
 
 
 @pytest.mark.parametrize(("parameters", "inputs", "message"), RULES)
@@ -171,17 +173,28 @@ def test_truncate_keeps_the_last_tokens(validator: Validator) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("add_special_tokens", [True, False])
+@pytest.mark.parametrize("kept", [False, True], ids=["built", "read-from-the-cache"])
 def test_tokenize_equals_the_transformers_tokenizer(
-    arch: str, add_special_tokens: bool, request: pytest.FixtureRequest
+    arch: str, add_special_tokens: bool, kept: bool, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The router calls the `tokenizers` encoder directly; ids and character spans must stay what the model's
+    # The router calls the `tokenizers` encoder directly, as built by transformers or as read back from the file
+    # an earlier start kept (textgen_router/tokenizer.py); ids and character spans must stay what the model's
     # transformers tokenizer gives (BOS handling, special tokens written in the text, non-ASCII spans).
-    tokenizer = load_tokenizer(request.getfixturevalue(f"tiny_{arch}"))
+    from transformers import AutoTokenizer
+
+    model = request.getfixturevalue(f"tiny_{arch}")
+    monkeypatch.setenv(CACHE_ENV, str(request.getfixturevalue("tmp_path")))
+    tokenizer = load_tokenizer(model)
+    if kept:
+        assert len(list(Path(os.environ[CACHE_ENV]).glob("tokenizer-*.json"))) == 1
+        tokenizer = load_tokenizer(model)
+    oracle = AutoTokenizer.from_pretrained(model)
+    assert tokenizer.special_tokens == oracle.special_tokens_map
     v = Validator(tokenizer, Limits(1, 4, 5, MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS), workers=1)
     try:
-        special = " ".join(str(t) for t in tokenizer.all_special_tokens)
+        special = " ".join(str(t) for t in oracle.all_special_tokens)
         for text in [PROMPT, f"x {special} y", "  ünïcödé 日本語 🙂\n\ttabs", "a" * 300, ""]:
-            expected = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+            expected = oracle(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
             got = asyncio.run(v.tokenize(text, add_special_tokens))
             assert got.ids == list(expected["input_ids"])
             assert got.offsets == [tuple(o) for o in expected["offset_mapping"]]

@@ -1,4 +1,4 @@
-"""Chat template discovery and rendering, with transformers' own machinery (`apply_chat_template`).
+"""Chat template discovery and rendering, with transformers' own renderer (what `apply_chat_template` runs).
 
 Where the template comes from follows TGI: `chat_template.json` > the `--tokenizer-config-path` file or the
 model's tokenizer config (`tokenizer_config.json`, or `chat_template.jinja` beside it) > `processor_config.json`;
@@ -23,8 +23,7 @@ import jinja2.meta
 from textgen_router.types import InferError
 
 if TYPE_CHECKING:
-    # transformers (and torch under it) take seconds to import: only the tokenizer loader imports them.
-    from transformers import PreTrainedTokenizerBase
+    from textgen_router.tokenizer import Tokenizer
 
 
 class TemplateError(InferError):
@@ -111,8 +110,13 @@ def find_chat_template(
 class ChatTemplate:
     """Renders OpenAI-style messages to the prompt text the model was trained on."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, special_tokens: dict[str, str], template: str | None) -> None:
+        # transformers' renderer, without the rest of transformers (and torch): imported here, in the start-up
+        # thread that loads the template, rather than by the first chat request (1.5 s of CPU on these machines).
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        self._render = render_jinja_template
+        self.special_tokens = special_tokens  # bos_token, eos_token, ... as apply_chat_template passes them
         self.template = template
         self._reads_tools = template is not None and "tools" in _variables(template)
         # An attribute of a message (`message.tool_calls`), which no variable list shows: the text is searched.
@@ -121,13 +125,13 @@ class ChatTemplate:
     @classmethod
     def load(
         cls,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         model_id: str,
         tokenizer_config_path: str | None = None,
         revision: str | None = None,
     ) -> ChatTemplate:
-        """The template of `model_id` (see the module docstring), rendered with the router's tokenizer."""
-        return cls(tokenizer, find_chat_template(model_id, tokenizer_config_path, revision))
+        """The template of `model_id` (see the module docstring), given the tokenizer's special tokens."""
+        return cls(tokenizer.special_tokens, find_chat_template(model_id, tokenizer_config_path, revision))
 
     def apply(
         self,
@@ -150,17 +154,19 @@ class ChatTemplate:
             note = f"\n---\n{tool_prompt}" if self._reads_tools else f"\n---\n{tools_json}\n{tool_prompt}"
             messages[-1] = {**messages[-1], "content": messages[-1]["content"] + note}
         template_tools: list[dict[Any, Any] | Callable[..., Any]] | None = None if tools is None else list(tools)
+        variables: dict[str, Any] = dict(self.special_tokens)  # the template's bos_token, eos_token, ...
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
+            # It returns (one text per conversation, generation indices), whatever its annotation says.
+            rendered: Any = self._render(
+                [messages],
                 tools=template_tools,
                 chat_template=self.template,
-                tokenize=False,
                 add_generation_prompt=True,
+                **variables,
             )
         except (jinja2.TemplateError, ValueError) as err:
             raise TemplateError(str(err)) from err
-        assert isinstance(text, str)
+        text: str = rendered[0][0]
         if messages and messages[-1]["role"] == "assistant":
             # TGI's continue-final-message: the render is cut right after the last occurrence of the final
             # message's text, trailing whitespace dropped; kept whole when the template changed that text.

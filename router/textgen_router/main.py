@@ -25,7 +25,7 @@ import threading
 from argparse import Namespace
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 import uvloop
@@ -48,11 +48,9 @@ from textgen_router.chat_template import ChatTemplate
 from textgen_router.config import RouterConfig
 from textgen_router.read_timeouts import ReadTimeoutProtocol
 from textgen_router.state import RouterState
+from textgen_router.tokenizer import Tokenizer, load_tokenizer
 from textgen_router.tracing import setup_tracing
-from textgen_router.validation import Limits, ServedAdapters, Validator, load_tokenizer
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase as Tokenizer
+from textgen_router.validation import Limits, ServedAdapters, Validator
 
 logger = logging.getLogger("textgen_router")
 T = TypeVar("T")
@@ -233,9 +231,10 @@ async def serve(args: Namespace) -> int:
         logger.error("%s", err)
         print(f"Error: {err}", file=sys.stderr)
         return 1
-    # Start-up imported torch and transformers: hundreds of thousands of objects that live as long as the
-    # process. A full collection walks them all, with the event loop stalled; frozen, collections only walk
-    # what serving allocates (figures: benchmark/README.md, "Router figures").
+    # Start-up imported FastAPI and transformers (and torch, where the tokenizer was built rather than read
+    # from its cache file): hundreds of thousands of objects that live as long as the process. A full
+    # collection walks them all, with the event loop stalled; frozen, collections only walk what serving
+    # allocates (figures: benchmark/README.md, "Router figures").
     gc.freeze()
     try:
         host = listen_address(args.hostname)

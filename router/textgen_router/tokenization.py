@@ -106,12 +106,13 @@ _MALLOC_TRIM: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_t
 WORKER_NICENESS = 10
 
 
-def init_worker(tokenizer_json: str) -> None:
-    """Initializer of a worker process: the router's tokenizer, rebuilt from `Tokenizer.to_str()`, and a lower
-    CPU priority (WORKER_NICENESS)."""
+def init_worker(tokenizer_json: str, encode_special_tokens: bool) -> None:
+    """Initializer of a worker process: the router's tokenizer, rebuilt from `Tokenizer.to_str()` and its
+    `encode_special_tokens` (which the JSON does not hold), and a lower CPU priority (WORKER_NICENESS)."""
     global _WORKER_TOKENIZER
     os.nice(WORKER_NICENESS)
     _WORKER_TOKENIZER = tokenizers.Tokenizer.from_str(tokenizer_json)
+    _WORKER_TOKENIZER.encode_special_tokens = encode_special_tokens
 
 
 def in_process(fn: Callable[..., T], *args: Any) -> T:

@@ -25,17 +25,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from textgen_pb import generate_pb2
 from textgen_router import grammar, metrics, tokenization
 from textgen_router.schemas import GenerateParameters
 from textgen_router.tokenization import Encoding
+from textgen_router.tokenizer import Tokenizer
 from textgen_router.types import ChooserParameters, StoppingParameters, ValidationError, ValidRequest
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("textgen_router")
 T = TypeVar("T")
@@ -44,17 +41,6 @@ T = TypeVar("T")
 # milliseconds at most (encoding rates in benchmark/README.md, "Big inputs"), and the round trip to a process
 # would cost a small request more than it saves.
 PROCESS_MIN_CHARS = 4096
-
-
-def load_tokenizer(
-    name: str | Path, revision: str | None = None, trust_remote_code: bool = False
-) -> PreTrainedTokenizerBase:
-    """The model's tokenizer (fast when the model ships one), from a local directory or the hub cache."""
-    # Imported here: transformers (and torch under it) take seconds to import, which `print-schema` and
-    # argument errors need not pay.
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(name), revision=revision, trust_remote_code=trust_remote_code)
 
 
 @dataclass
@@ -111,7 +97,7 @@ class Validator:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         limits: Limits,
         workers: int,
         adapters: ServedAdapters | None = None,
@@ -124,7 +110,7 @@ class Validator:
         self._workers = workers
         # A slow (Python) tokenizer is not thread-safe: TGI then forces one worker. It has no JSON form for a
         # worker process either, so every input stays in that thread.
-        self._encoder: Any = tokenizer.backend_tokenizer if tokenizer.is_fast else tokenizer
+        self._encoder: Any = tokenizer.encoder
         self._threads = ThreadPoolExecutor(
             max_workers=workers if tokenizer.is_fast else 1, thread_name_prefix="validation"
         )
@@ -136,7 +122,7 @@ class Validator:
             max_workers=self._workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=tokenization.init_worker,
-            initargs=(self._encoder.to_str(),),
+            initargs=(self._encoder.to_str(), self._encoder.encode_special_tokens),
         )
         # Started now rather than by the first long input, which would otherwise wait for the spawn.
         with _bare_main():

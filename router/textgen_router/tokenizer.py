@@ -1,0 +1,143 @@
+"""The router's tokenizer: the encoder validation runs and the special tokens chat templates read.
+
+Built as TGI's router builds it: transformers' `AutoTokenizer` applies the model's tokenizer config (added and
+special tokens, the BOS/EOS post-processor) and its fast tokenizer is then used as a `tokenizers.Tokenizer`. A
+model without a fast tokenizer keeps transformers' slow one.
+
+Importing transformers and building that tokenizer was most of a router's start (about 7 of its 8 s of CPU on
+the tiny model; benchmark/README.md, "Start-up and the test suite"), for a result that depends only on the
+model's tokenizer files and the libraries' versions. So the fast tokenizer (its JSON, as the validation worker
+processes already receive it) and the special tokens are kept in one file per model under TEXTGEN_CACHE_DIR
+(default ~/.cache/textgen; empty: nothing is kept), named after a hash of what changes them: the files beside
+the tokenizer (name, size, modification time; weights excepted), the loading options, and the versions of
+transformers and tokenizers. A later start reads that file with `tokenizers` alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import tokenizers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("textgen_router")
+
+CACHE_ENV = "TEXTGEN_CACHE_DIR"
+# Files that never change what the tokenizer is: left out of the key, so that they are not stat'ed either.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """The model's tokenizer as the router uses it."""
+
+    # `tokenizers`' encoder of the fast tokenizer, or transformers' slow tokenizer for a model without one.
+    encoder: tokenizers.Tokenizer | PreTrainedTokenizerBase
+    # The named special tokens (bos_token, eos_token, ...) as transformers gives them to chat templates.
+    special_tokens: dict[str, str]
+
+    @property
+    def is_fast(self) -> bool:
+        return isinstance(self.encoder, tokenizers.Tokenizer)
+
+
+def load_tokenizer(name: str | Path, revision: str | None = None, trust_remote_code: bool = False) -> Tokenizer:
+    """The model's tokenizer (fast when the model ships one), from a local directory or the hub cache: from the
+    cache file when an earlier start kept one for these files (see the module docstring)."""
+    path = _cache_file(name, revision, trust_remote_code)
+    cached = _read(path) if path is not None else None
+    if cached is not None:
+        return cached
+    # Imported here: transformers (and torch under it) take seconds to import, which a cached tokenizer,
+    # `print-schema` and argument errors need not pay.
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(str(name), revision=revision, trust_remote_code=trust_remote_code)
+    special = {key: str(value) for key, value in loaded.special_tokens_map.items()}
+    if not loaded.is_fast:
+        return Tokenizer(loaded, special)
+    tokenizer = Tokenizer(loaded.backend_tokenizer, special)
+    # A hub model's files are in the hub cache only now, after the download.
+    path = path or _cache_file(name, revision, trust_remote_code)
+    if path is not None:
+        _write(path, tokenizer)
+    return tokenizer
+
+
+def _model_dir(name: str | Path, revision: str | None) -> Path | None:
+    """The directory of the model's tokenizer files: `name` itself, or its hub cache snapshot (None when the
+    hub cache does not hold it)."""
+    local = Path(name)
+    if local.is_dir():
+        return local
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(str(name), "tokenizer_config.json", revision=revision)
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _cache_file(name: str | Path, revision: str | None, trust_remote_code: bool) -> Path | None:
+    root = os.environ.get(CACHE_ENV, str(Path.home() / ".cache" / "textgen"))
+    directory = _model_dir(name, revision) if root else None
+    if directory is None:
+        return None
+    key = [
+        str(directory.resolve()),
+        f"revision {revision} trust_remote_code {trust_remote_code}",
+        f"transformers {importlib.metadata.version('transformers')}",
+        f"tokenizers {tokenizers.__version__}",
+    ]
+    for entry in sorted(directory.iterdir()):
+        if entry.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        with contextlib.suppress(OSError):
+            stat = entry.stat()
+            key.append(f"{entry.name} {stat.st_size} {stat.st_mtime_ns}")
+    return Path(root) / f"tokenizer-{hashlib.sha1(chr(10).join(key).encode()).hexdigest()[:16]}.json"
+
+
+def _read(path: Path) -> Tokenizer | None:
+    try:
+        kept = json.loads(path.read_text())
+        encoder = tokenizers.Tokenizer.from_str(kept["tokenizer"])
+        encoder.encode_special_tokens = bool(kept["encode_special_tokens"])
+        return Tokenizer(encoder, dict(kept["special_tokens"]))
+    except Exception:  # noqa: BLE001 - a missing, unreadable or stale file: built again
+        return None
+
+
+def _write(path: Path, tokenizer: Tokenizer) -> None:
+    """Keep `tokenizer` for the next start, whole or not at all (a temporary file and a rename); a failure to
+    write costs only a later build."""
+    assert isinstance(tokenizer.encoder, tokenizers.Tokenizer)
+    kept = {
+        "tokenizer": tokenizer.encoder.to_str(),
+        # transformers' split_special_tokens, which the JSON does not hold
+        "encode_special_tokens": tokenizer.encoder.encode_special_tokens,
+        "special_tokens": tokenizer.special_tokens,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError as err:
+        logger.warning("Tokenizer not kept for the next start (%s): %s", path, err)
+        return
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(kept, out)
+        os.replace(temporary, path)
+    except OSError as err:
+        logger.warning("Tokenizer not kept for the next start (%s): %s", path, err)
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
