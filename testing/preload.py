@@ -92,7 +92,10 @@ class PreloadedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            # The preloader, its parent, may have reaped it already while its exit report is still on the way:
+            # then it is gone, as `Popen.send_signal` treats a process that died before the signal.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -80,3 +80,15 @@ def test_shards_are_exec_d_once_the_preloader_is_gone(tiny_llama: Path, monkeypa
         assert isinstance(handle.process, subprocess.Popen)
     finally:
         handle.stop()
+
+
+def test_signalling_a_child_reaped_before_its_exit_report_arrives_is_not_an_error() -> None:
+    """Between the preloader reaping a child that exited and the test process reading its report, the pid is gone
+    while `returncode` is still None: stopping it then (a failed start's other ranks) must pass, as `Popen`'s."""
+    reporter = Preloader(command=[sys.executable, "-c", "pass"])  # a preloader that will report no exit
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped.wait(timeout=60)
+    child = PreloadedProcess(reporter, reaped.pid, [sys.executable, "-c", "pass"])
+    assert child.returncode is None
+    child.terminate()
+    child.kill()
