@@ -37,10 +37,7 @@ import pytest
 from testing.launcher import LauncherProcess
 from testing.models import build_model
 from testing.shards import ShardHandle, spawn_shards
-
-# textgen_server.layers.measurements.ENV, spelt out: importing the shard's layers would import torch in every
-# test process, the router's included.
-MEASUREMENTS_ENV = "TEXTGEN_CACHE_DIR"
+from textgen_common import cache_dir
 
 if TYPE_CHECKING:  # the client package is imported only by sessions that use it
     from textgen_client import AsyncClient, Client
@@ -106,16 +103,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def _use_session_measurements() -> None:
-    """One TEXTGEN_CACHE_DIR (layers/measurements.py) for the session's processes, new each session: every shard
-    it starts reads the CPU kernel timings the first one of a shape measured, and no run depends on what an
-    earlier one (or a developer's own shards) left in ~/.cache. pytest-xdist's workers inherit the controller's."""
+    """One TEXTGEN_CACHE_DIR (textgen_common/cache_dir.py) for the session's processes, new each session: every
+    shard it starts reads the CPU kernel timings the first one of a shape measured, every router the tokenizer the
+    first one built, and no run depends on what an earlier one (or a developer's own servers) left in ~/.cache.
+    pytest-xdist's workers inherit the controller's."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
-        os.environ[MEASUREMENTS_ENV] = tempfile.mkdtemp(prefix="textgen-measurements-")
+        os.environ[cache_dir.ENV] = tempfile.mkdtemp(prefix="textgen-cache-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if "PYTEST_XDIST_WORKER" not in os.environ:
-        shutil.rmtree(os.environ.pop(MEASUREMENTS_ENV, ""), ignore_errors=True)
+        shutil.rmtree(os.environ.pop(cache_dir.ENV, ""), ignore_errors=True)
 
 
 def tiny_model_fixture(arch: str) -> Callable[[], Path]:

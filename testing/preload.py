@@ -1,13 +1,14 @@
 """Shard and router processes forked from a process that has already imported torch and transformers.
 
 A `textgen-server serve` start spends about 5 s of CPU importing torch and transformers (transformers' model
-loading and `torch.distributed.tensor` come with its config classes) before it reads a weight, and a router's
-tokenizer load imports them too; the suite starts about 70 shards through `testing.shards` and a dozen routers
-through the router tests' `RouterProcess`, on two cores. A `Preloader` is one process per test process that imports
-those packages once and forks a child per start (`start_process`): the child runs the real entry point
-(`python -m textgen_server.cli` or `textgen_router.main`: argument parsing, the model or tokenizer load, the server
-on its socket, the exit code) in a process of its own, and a tiny shard is ready in under a second
-(benchmark/README.md, "Start-up and the test suite").
+loading and `torch.distributed.tensor` come with its config classes) before it reads a weight, and a router
+imports transformers too (its chat template renderer; all of it where it builds a tokenizer not yet kept); the
+suite starts about 70 shards through `testing.shards` and a dozen routers through the router tests'
+`RouterProcess`, on two cores. A `Preloader` is one process per test process that imports those packages once
+and forks a child per start (`start_process`): the child runs the real entry point (`python -m
+textgen_server.cli` or `textgen_router.main`: argument parsing, the model or tokenizer load, the server on its
+socket, the exit code) in a process of its own, and a tiny shard is ready in under a second (benchmark/README.md,
+"Start-up and the test suite").
 
 What differs from an exec'd process is only what the preloaded modules did at import, so a child is forked only
 when its environment differs from the preloader's in variables that torch and transformers read later, if ever

@@ -15,8 +15,9 @@ import pytest
 from router_fixtures import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS
 from transformers import AutoTokenizer
 
+from textgen_common.cache_dir import ENV as CACHE_ENV
 from textgen_router.chat_template import ChatTemplate
-from textgen_router.tokenizer import CACHE_ENV, load_tokenizer
+from textgen_router.tokenizer import load_tokenizer
 from textgen_router.validation import PROCESS_MIN_CHARS, Limits, Validator
 
 TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -109,3 +110,14 @@ def test_chat_templates_get_the_special_tokens_as_apply_chat_template_does(model
     for tokenizer in (built, load_tokenizer(model)):  # as built, and as read from the kept file
         assert ChatTemplate(tokenizer.special_tokens, template).apply(messages) == expected
     assert expected == "<s>system: Be brief.</s>\nuser: Hi</s>\nassistant:<pad>"
+
+
+def test_a_cache_directory_that_cannot_be_written_still_loads(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv(CACHE_ENV, str(blocked / "cache"))
+    assert load_tokenizer(model).is_fast
+    assert "Tokenizer not kept for the next start" in caplog.text
+    assert blocked.read_text() == "" and sorted(tmp_path.iterdir()) == sorted([blocked, model])

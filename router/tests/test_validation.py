@@ -17,8 +17,9 @@ import pydantic
 import pytest
 from router_fixtures import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS
 
+from textgen_common.cache_dir import ENV as CACHE_ENV
 from textgen_router.schemas import GenerateParameters, GrammarParameters, to_f32
-from textgen_router.tokenizer import CACHE_ENV, load_tokenizer
+from textgen_router.tokenizer import load_tokenizer
 from textgen_router.types import ValidationError, ValidRequest
 from textgen_router.validation import Limits, Validator
 

@@ -8,7 +8,7 @@ Importing transformers and building that tokenizer was most of a router's start 
 the tiny model; benchmark/README.md, "Start-up and the test suite"), for a result that depends only on the
 model's tokenizer files and the libraries' versions. So the fast tokenizer (its JSON, as the validation worker
 processes already receive it) and the special tokens are kept in one file per model under TEXTGEN_CACHE_DIR
-(default ~/.cache/textgen; empty: nothing is kept), named after a hash of what changes them: the files beside
+(textgen_common/cache_dir.py; empty: nothing is kept), named after a hash of what changes them: the files beside
 the tokenizer (name, size, modification time; weights excepted), the loading options, and the versions of
 transformers and tokenizers. A later start reads that file with `tokenizers` alone.
 """
@@ -20,20 +20,19 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import tokenizers
 
+from textgen_common.cache_dir import cache_dir, write_whole
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("textgen_router")
 
-CACHE_ENV = "TEXTGEN_CACHE_DIR"
 # Files that never change what the tokenizer is: left out of the key, so that they are not stat'ed either.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 
@@ -88,9 +87,9 @@ def _model_dir(name: str | Path, revision: str | None) -> Path | None:
 
 
 def _cache_file(name: str | Path, revision: str | None, trust_remote_code: bool) -> Path | None:
-    root = os.environ.get(CACHE_ENV, str(Path.home() / ".cache" / "textgen"))
-    directory = _model_dir(name, revision) if root else None
-    if directory is None:
+    root = cache_dir()
+    directory = _model_dir(name, revision) if root is not None else None
+    if root is None or directory is None:
         return None
     key = [
         str(directory.resolve()),
@@ -104,7 +103,7 @@ def _cache_file(name: str | Path, revision: str | None, trust_remote_code: bool)
         with contextlib.suppress(OSError):
             stat = entry.stat()
             key.append(f"{entry.name} {stat.st_size} {stat.st_mtime_ns}")
-    return Path(root) / f"tokenizer-{hashlib.sha1(chr(10).join(key).encode()).hexdigest()[:16]}.json"
+    return root / f"tokenizer-{hashlib.sha1(chr(10).join(key).encode()).hexdigest()[:16]}.json"
 
 
 def _read(path: Path) -> Tokenizer | None:
@@ -118,8 +117,7 @@ def _read(path: Path) -> Tokenizer | None:
 
 
 def _write(path: Path, tokenizer: Tokenizer) -> None:
-    """Keep `tokenizer` for the next start, whole or not at all (a temporary file and a rename); a failure to
-    write costs only a later build."""
+    """Keep `tokenizer` for the next start; a failure to write costs only a later build."""
     assert isinstance(tokenizer.encoder, tokenizers.Tokenizer)
     kept = {
         "tokenizer": tokenizer.encoder.to_str(),
@@ -128,16 +126,6 @@ def _write(path: Path, tokenizer: Tokenizer) -> None:
         "special_tokens": tokenizer.special_tokens,
     }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        write_whole(path, json.dumps(kept))
     except OSError as err:
         logger.warning("Tokenizer not kept for the next start (%s): %s", path, err)
-        return
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(kept, out)
-        os.replace(temporary, path)
-    except OSError as err:
-        logger.warning("Tokenizer not kept for the next start (%s): %s", path, err)
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from shard_helpers import HFOracle, make_batch, make_request
 
 from testing.shards import ShardHandle
+from textgen_common import cache_dir
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig, UnsupportedConfigError
 from textgen_server.layers import cpu_ops, linear_choice, measurements
@@ -53,7 +54,7 @@ LOGGER = "textgen_server.layers.linear_choice"
 def own_measurements(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test measures into a folder of its own (TEXTGEN_CACHE_DIR, layers/measurements.py): the figures some
     tests fake, or a shape another test measured, never reach another test or a shard of the session."""
-    monkeypatch.setenv(measurements.ENV, str(tmp_path / "measurements"))
+    monkeypatch.setenv(cache_dir.ENV, str(tmp_path / "measurements"))
     return tmp_path / "measurements"
 
 
@@ -224,7 +225,7 @@ def test_another_cpu_or_torch_measures_anew(own_measurements: Path, monkeypatch:
 
 def test_an_empty_cache_dir_keeps_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setenv(measurements.ENV, "")
+    monkeypatch.setenv(cache_dir.ENV, "")
     monkeypatch.chdir(tmp_path)
     assert measurements.cache_file(32 * 2**20) is None
     choose_linear_kernels(layers_of([(8, 6)], torch.float32))

@@ -3,33 +3,29 @@
 
 Measuring is most of a small model's load (every path timed per shape, each call after a read of twice the
 last-level cache), and its result depends only on the CPU and the libraries. So the figures are kept in one JSON
-file per CPU and torch, under TEXTGEN_CACHE_DIR (default ~/.cache/textgen; empty: nothing is kept), named after a
+file per CPU and torch, under TEXTGEN_CACHE_DIR (textgen_common/cache_dir.py; empty: nothing is kept), named after a
 hash of what changes them: the CPU's model name and feature flags, its last-level cache size, and torch's version
 (with its oneDNN and MKL). Another CPU, a VM that hides flags, or another torch measures anew.
 
-Ranks that load at once may both write: each write merges with the file as it is then and lands whole (a temporary
-file and a rename), so a reader never sees half a file and at worst one start measures a shape again.
+Ranks that load at once may both write: each write merges with the file as it is then and lands whole
+(cache_dir.write_whole), so a reader never sees half a file and at worst one start measures a shape again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
-import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
 
+from textgen_common.cache_dir import cache_dir, write_whole
 from textgen_server.layers.cpu_ops import cpu_flags
 
 logger = logging.getLogger(__name__)
-
-ENV = "TEXTGEN_CACHE_DIR"
 
 
 def cpu_model_name() -> str:
@@ -43,11 +39,11 @@ def cpu_model_name() -> str:
 
 def cache_file(last_level_cache: int) -> Path | None:
     """This CPU's and torch's file under TEXTGEN_CACHE_DIR; None where the variable is set empty."""
-    root = os.environ.get(ENV, str(Path.home() / ".cache" / "textgen"))
-    if not root:
+    root = cache_dir()
+    if root is None:
         return None
     identity = f"{cpu_model_name()}|{' '.join(sorted(cpu_flags()))}|{last_level_cache}|torch {torch.__version__}"
-    return Path(root) / f"cpu-measurements-{hashlib.sha1(identity.encode()).hexdigest()[:16]}.json"
+    return root / f"cpu-measurements-{hashlib.sha1(identity.encode()).hexdigest()[:16]}.json"
 
 
 class Measurements:
@@ -79,20 +75,11 @@ class Measurements:
             return
         merged = {**self._read(), **self.added}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+            write_whole(self.path, json.dumps(merged, indent=1, sort_keys=True))
         except OSError as err:
             logger.warning("CPU measurements not kept for the next start (%s): %s", self.path, err)
             return
-        try:
-            with os.fdopen(fd, "w") as out:
-                json.dump(merged, out, indent=1, sort_keys=True)
-            os.replace(temporary, self.path)
-            self.added = {}
-        except OSError as err:
-            logger.warning("CPU measurements not kept for the next start (%s): %s", self.path, err)
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+        self.added = {}
 
 
 def measurements(last_level_cache: int) -> Measurements:
