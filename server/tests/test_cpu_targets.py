@@ -3,22 +3,28 @@
 The AVX2 path is tested on any x86 machine that has AVX2 (an AVX-512 one included).
 
 An AVX2-only server (AMD Zen 2 and 3, Intel before Skylake-SP) builds the ops without AVX-512, and torch runs
-its AVX2 kernels there. The AVX2 test does the same in a process of its own:
+its AVX2 kernels there. On an AVX-512 machine the AVX2 test does the same in a process of its own:
 - the library is built for x86-64-v3 (`TEXTGEN_CPU_ARCH`);
 - torch is held to its AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`);
 - every test that checks an op against its torch code runs there, and the engines' oracle tests (greedy tokens
   equal to transformers', padded and paged, float32 and bfloat16).
+On a machine without AVX-512 the suite's own build is that build: the sources choose their paths by
+`__AVX512F__`, `__AVX512BF16__`, `__AVX2__` and `__FMA__` alone, which -march=native there defines as x86-64-v3
+does, and torch runs its AVX2 kernels by itself. The test then checks that this process is on those paths, and the
+suite's own run of the same tests is the AVX2 run.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from textgen_server.layers.cpu_ops import (
     ARCH_ENV,
@@ -51,6 +57,9 @@ AVX2_TESTS = (
     "test_chooser.py::test_greedy_ids_and_logprobs_are_torch_s_bits_with_and_without_the_op",
 )
 AVX2_ENV = {ARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", ENV_SWITCH: "1"}
+# What the sources test (`#if defined(...)`): the architecture and four CPU features. The AVX2 paths are the ones
+# compiled where the AVX-512 macros are not defined, whatever else -march enables.
+SOURCE_MACROS = {"__x86_64__", "__i386__", "__AVX2__", "__FMA__", "__AVX512F__", "__AVX512BF16__"}
 # What x86-64-v3 code may use beyond AVX2 and FMA: a CPU (or a VM) without one of them would stop the build's
 # process on an illegal instruction.
 X86_64_V3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}
@@ -86,6 +95,16 @@ def run_with(env: dict[str, str], timeout: float, *args: str) -> subprocess.Comp
     )
 
 
+def native_build_is_the_avx2_build() -> bool:
+    """Whether this process's ops and torch are already the AVX2 build's: no AVX-512 here, and neither the target
+    nor torch's capability set otherwise."""
+    return (
+        "avx512f" not in cpu_flags()
+        and os.environ.get(ARCH_ENV, "native") == "native"
+        and os.environ.get("ATEN_CPU_CAPABILITY", "avx2").lower() == "avx2"
+    )
+
+
 @needs_avx2
 @pytest.mark.timeout(960)
 def test_the_avx2_build_passes_the_op_and_oracle_tests() -> None:
@@ -93,6 +112,12 @@ def test_the_avx2_build_passes_the_op_and_oracle_tests() -> None:
         pytest.skip("no C++ compiler: the shard keeps its torch code")
     if not compiler_knows("-march=x86-64-v3"):
         pytest.skip("the compiler does not know -march=x86-64-v3")
+    tested = {m for path in (*SOURCES, *HEADERS) for m in re.findall(r"defined\((__\w+__)\)", path.read_text())}
+    assert tested <= SOURCE_MACROS, f"the sources now test {sorted(tested - SOURCE_MACROS)}: see the docstring"
+    if native_build_is_the_avx2_build():
+        assert torch.ops.textgen.greedy_pick_capability() == "AVX2"
+        assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+        return
     # Built for AVX2, and torch on the same path: otherwise the tests below would check the AVX-512 build again.
     # The limits only stop a hang: the two processes take 15-40 s on a quiet 2-core box (the first builds the
     # library), but the second runs hundreds of tests, and on a loaded box it ran past a 150 s limit.
