@@ -95,7 +95,7 @@ def compare_softmax(keys: int, wide: float, runs: int) -> None:
         print(f"| {label} | {a:.3f} | {b:.3f} |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 4096])
     parser.add_argument("--threads", type=int, default=2)
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=218)
     parser.add_argument("--wide", type=float, default=45.0)
     parser.add_argument("--flush", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.flush:
         torch.set_flush_denormal(True)
     torch.set_num_threads(args.threads)

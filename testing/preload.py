@@ -12,10 +12,10 @@ socket, the exit code) in a process of its own, and a tiny shard is ready in und
 
 What differs from an exec'd process is only what the preloaded modules did at import, so a child is forked only
 when its environment differs from the preloader's in variables that torch and transformers read later, if ever
-(`RUNTIME_VARIABLES`: textgen's own and torch.distributed's); any other difference (HF_HOME, ATEN_CPU_CAPABILITY,
-OMP_NUM_THREADS, ...) gets an exec'd process. Nothing of textgen is imported before the fork.
-`TEXTGEN_TEST_PRELOAD=0` turns forking off for a run. The launcher's tests start shards and routers as users do:
-the launcher execs them.
+(`RUNTIME_VARIABLES`: textgen's own and torch.distributed's; `THREAD_VARIABLES`, which the child applies); any
+other difference (HF_HOME, ATEN_CPU_CAPABILITY, OMP_WAIT_POLICY, ...) gets an exec'd process. Nothing of textgen is
+imported before the fork. `TEXTGEN_TEST_PRELOAD=0` turns forking off for a run. The launcher's tests start shards
+and routers as users do: the launcher execs them.
 
 The wire, one JSON object per line: the test process writes `{"argv", "env", "cwd", "log"}` to the preloader's
 stdin; the preloader answers `{"pid"}` for each, and `{"exited", "code"}` when a child exits (it is the child's
@@ -58,12 +58,26 @@ RUNTIME_VARIABLES = frozenset(
     }
 )
 RUNTIME_PREFIXES = ("TEXTGEN_", "OTEL_")  # textgen's own; opentelemetry is not preloaded
+# OpenMP and MKL read their thread counts when torch loads them, in the preloader; a child given both, equal, sets
+# them as torch.set_num_threads does (both libraries at once) before it runs anything: a benchmark's pinned shard.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def preload_allowed(env: Mapping[str, str], base: Mapping[str, str]) -> bool:
     """Whether a child with `env` may be forked from a preloader started with `base`."""
     changed = {key for key in env.keys() | base.keys() if env.get(key) != base.get(key)}
-    return all(key in RUNTIME_VARIABLES or key.startswith(RUNTIME_PREFIXES) for key in changed)
+    if changed & set(THREAD_VARIABLES) and _thread_count(env) is None:
+        return False
+    return all(
+        key in RUNTIME_VARIABLES or key in THREAD_VARIABLES or key.startswith(RUNTIME_PREFIXES) for key in changed
+    )
+
+
+def _thread_count(env: Mapping[str, str]) -> int | None:
+    """The count both THREAD_VARIABLES give, or None where they are not one positive number."""
+    values = {env.get(key, "") for key in THREAD_VARIABLES}
+    value = values.pop()
+    return int(value) if not values and value.isdigit() and int(value) > 0 else None
 
 
 class PreloaderExited(RuntimeError):
@@ -226,6 +240,11 @@ def _run_child(request: dict, closing: Sequence[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    threads = _thread_count(os.environ)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     argv = request["argv"]
     module = argv[argv.index("-m") + 1]
     sys.argv = [module, *argv[argv.index("-m") + 2 :]]

@@ -1,17 +1,14 @@
-"""fused_ops.py as a real process: every op of both dtypes is timed both ways, and the softmax comparison runs."""
+"""fused_ops.py (run as conftest.py runs the scripts): every op of both dtypes is timed both ways, and the softmax
+comparison runs."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from textgen_server.layers.cpu_ops import kernel_available
-
-SCRIPT = Path(__file__).resolve().parent.parent / "fused_ops.py"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,20 +17,14 @@ def built() -> None:
         pytest.skip("no C++ compiler: the script has no ops to time")
 
 
-def run(*args: str) -> str:
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
-def test_layer_ops_are_timed_fused_and_by_torch() -> None:
-    out = run("--rows", "3", "--runs", "1", "--threads", "1")
+def test_layer_ops_are_timed_fused_and_by_torch(run_script: Callable[..., str]) -> None:
+    out = run_script("fused_ops", "--rows", "3", "--runs", "1", "--threads", "1")
     rows = re.findall(r"^\| (float32|bfloat16) \| 3 \| (.+?) \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$", out, re.MULTILINE)
     assert len(rows) == 8, out
     assert {name for _, name in rows} == {"add + norm", "rotary", "silu * up", "K/V write"}
 
 
-def test_softmax_is_timed_on_narrow_and_wide_scores() -> None:
-    out = run("--denormals", "--keys", "16", "--runs", "1", "--threads", "1")
+def test_softmax_is_timed_on_narrow_and_wide_scores(run_script: Callable[..., str]) -> None:
+    out = run_script("fused_ops", "--denormals", "--keys", "16", "--runs", "1", "--threads", "1")
     assert re.search(r"^\| standard normal \| [0-9.]+ \| [0-9.]+ \|$", out, re.MULTILINE), out
     assert re.search(r"^\| x 45 \| [0-9.]+ \| [0-9.]+ \|$", out, re.MULTILINE), out

@@ -23,9 +23,32 @@ def test_only_variables_read_after_import_may_differ() -> None:
     assert preload_allowed(BASE, BASE)
     assert preload_allowed({**BASE, "RANK": "1", "WORLD_SIZE": "2", "TEXTGEN_KV_CACHE_TOKENS": "64"}, BASE)
     assert preload_allowed({**BASE, "USE_FLASH_ATTENTION": "false", "PYTEST_CURRENT_TEST": "x"}, BASE)
-    for name in ("HF_HOME", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "TRANSFORMERS_OFFLINE"):
+    for name in ("HF_HOME", "ATEN_CPU_CAPABILITY", "OMP_WAIT_POLICY", "TRANSFORMERS_OFFLINE"):
         assert not preload_allowed({**BASE, name: "1"}, BASE), name
     assert not preload_allowed({"PATH": "/usr/bin"}, BASE)  # one removed counts too
+    # The thread counts: the child sets both at once, so only both, equal, are applied.
+    assert preload_allowed({**BASE, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, BASE)
+    for threads in ({"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "2"}):
+        assert not preload_allowed({**BASE, **threads}, BASE), threads
+    assert not preload_allowed({**BASE, "OMP_NUM_THREADS": "0", "MKL_NUM_THREADS": "0"}, BASE)
+
+
+def test_a_child_runs_on_the_threads_its_environment_gives(tmp_path: Path) -> None:
+    """OpenMP read its count in the preloader: the child applies its own, as an exec'd process would have it."""
+    show = [
+        sys.executable,
+        "-m",
+        "timeit",
+        "-n",
+        "1",
+        "-r",
+        "1",
+        "import torch; print('threads', torch.get_num_threads())",
+    ]
+    for threads in ("1", "3"):
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        code, log = exit_and_log(show, env, tmp_path, f"threads-{threads}.log")
+        assert code == 0 and f"threads {threads}\n" in log, log
 
 
 def exit_and_log(cmd: list[str], env: dict[str, str], tmp_path: Path, name: str) -> tuple[int, str]:
@@ -57,8 +80,8 @@ def test_a_forked_shard_serves_and_reports_a_kill(tiny_llama: Path) -> None:
         handle.stop()
 
 
-def test_an_environment_the_imports_read_gets_an_exec_d_shard(tiny_llama: Path) -> None:
-    handle = spawn_shards(tiny_llama, uds_path=unique_uds_path(), env={"OMP_NUM_THREADS": "1"})
+def test_an_environment_the_imports_read_gets_an_exec_d_shard(tiny_llama: Path, tmp_path: Path) -> None:
+    handle = spawn_shards(tiny_llama, uds_path=unique_uds_path(), env={"HF_HOME": str(tmp_path)})
     try:
         assert isinstance(handle.process, subprocess.Popen)
     finally:
