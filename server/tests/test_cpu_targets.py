@@ -49,6 +49,7 @@ AVX2_TESTS = (
     "test_decode_attention.py",
     "test_attention_kernels.py",
     "test_int4_gemv.py",
+    "test_int8_gemv.py",
     "test_gemv.py::test_the_float32_op_sums_as_documented",
     "test_paged_lm.py::test_uneven_batch_through_filter_and_concatenate_matches_transformers",
     "test_paged_lm.py::test_bfloat16_matches_transformers_eager",

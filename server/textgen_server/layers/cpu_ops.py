@@ -1,8 +1,8 @@
 """The shard's C++ CPU ops, one library built at first use: attention over the KV caches (decode_attention.cpp,
 see decode_attention.py and paged_attention.py), a decoder layer's small ops (fused_ops.cpp: norm.py, rotary.py,
 the MLP of models/tp_llama.py), the greedy token choice (token_ops.cpp: sampling/greedy.py), a bfloat16 projection
-of a few rows (linear_ops.cpp: linear_choice.py) and one row of a 4-bit projection (int4_ops.cpp: quant_kernels.py),
-sharing the helpers of cpu_ops.h.
+of a few rows (linear_ops.cpp: linear_choice.py) and one row of a 4-bit or an 8-bit projection (int4_ops.cpp,
+int8_ops.cpp: quant_kernels.py), sharing the helpers of cpu_ops.h.
 
 They are compiled for this CPU (-march=native, or TEXTGEN_CPU_ARCH) with torch's extension builder (a C++ compiler
 and ninja; once per machine and target, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or
@@ -29,7 +29,14 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = tuple(
     _HERE / name
-    for name in ("decode_attention.cpp", "fused_ops.cpp", "token_ops.cpp", "linear_ops.cpp", "int4_ops.cpp")
+    for name in (
+        "decode_attention.cpp",
+        "fused_ops.cpp",
+        "token_ops.cpp",
+        "linear_ops.cpp",
+        "int4_ops.cpp",
+        "int8_ops.cpp",
+    )
 )
 HEADERS = (_HERE / "cpu_ops.h",)
 ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"

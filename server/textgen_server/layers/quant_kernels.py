@@ -12,9 +12,10 @@
   torch's kernel streams the weight well below the memory's bandwidth there. Many rows (a prefill) run as a
   float32 GEMM on the weight dequantized for the call (`textgen::int4_dequantize`) from the row count where that
   measured faster at load, if any.
-- `Int8Kernel`: torch's `_weight_int8pack_mm`, int8 weights with one scale per output feature (symmetric,
-  per-channel: eetq, and 8-bit checkpoints quantized that way), bfloat16 activations (its float32 path, like the
-  int4 kernel's, is a scalar fallback: float32 shards dequantize at load). Both share `PackedKernel`.
+- `Int8Kernel`: int8 weights with one scale per output feature (symmetric, per-channel: eetq, and 8-bit
+  checkpoints quantized that way): one row by `textgen::int8_gemv` (int8_ops.cpp) where the CPU ops are on, more
+  by torch's `_weight_int8pack_mm`; bfloat16 activations (torch's float32 path, like its int4 kernel's, is a
+  scalar fallback: float32 shards dequantize at load). Both share `PackedKernel`.
 - `Int8DynamicKernel`: the same weights with the activations quantized to int8 per row at each call
   (compressed-tensors W8A8), an integer product by `torch._int_mm`.
 
@@ -233,9 +234,14 @@ class Int8Kernel(PackedKernel):
         super().__init__(ints, bias, weight.shape[1])
         self.ints = ints
         self.scales = weight.scales[:, int(weight.g_idx[0])].contiguous()
+        # One row by textgen::int8_gemv (int8_ops.cpp), on the same weight and scales: 1.4-2x torch's kernel there.
+        self.gemv = cpu_ops.ops_for(self.scales.dtype, weight.q.device)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(rows.contiguous(), self.ints, self.scales)
+        rows = rows.contiguous()
+        if self.gemv and rows.shape[0] == 1:
+            return torch.ops.textgen.int8_gemv(rows, self.ints, self.scales)
+        return torch._weight_int8pack_mm(rows, self.ints, self.scales)
 
 
 class Int8DynamicKernel(Int8Kernel):

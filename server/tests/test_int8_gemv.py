@@ -1,0 +1,116 @@
+"""textgen::int8_gemv (layers/int8_ops.cpp): one row of an 8-bit projection with one scale per output feature,
+against the float64 product of the row and the weight, and Int8Kernel's use of it for one-row calls only while the
+CPU ops are switched on (test_cpu_targets.py reruns this file on the AVX2 build)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from textgen_server.config import DISABLE_CUSTOM_KERNELS
+from textgen_server.layers import cpu_ops
+from textgen_server.layers.quant_kernels import Int8Kernel
+from textgen_server.layers.quantized_weight import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(not cpu_ops.kernel_available(), reason="no C++ compiler: torch's kernel only")
+
+SHAPES = [
+    (1, 8),  # one output: no block of four
+    (7, 24),  # a block of four and three single outputs
+    (5, 13),  # K not a multiple of 8: the scalar sums
+    (130, 64),  # two threads' blocks of 64 outputs, the last one short
+    (768, 2048),
+    (2304, 768),
+]
+
+
+def int8_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + n * k)
+    ints = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, generator=gen) / 50 + 0.001).to(torch.bfloat16)
+    return ints, scales
+
+
+def assert_near(got: torch.Tensor, x: torch.Tensor, ints: torch.Tensor, scales: torch.Tensor) -> None:
+    """Within a bf16 rounding of each output, plus the float32 rounding of sums over K products."""
+    want = (x.double() @ ints.double().t()) * scales.double()
+    magnitude = (x.double().abs() @ ints.double().abs().t()) * scales.double()
+    bound = want.abs() * 2.0**-8 + magnitude * x.shape[1] * 2.0**-24
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert bool(((got.double() - want).abs() <= bound).all()), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_one_row_is_the_product_with_the_scales(n: int, k: int) -> None:
+    ints, scales = int8_weight(n, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    assert_near(torch.ops.textgen.int8_gemv(x, ints, scales), x, ints, scales)
+
+
+def test_several_rows_are_computed_one_by_one() -> None:
+    ints, scales = int8_weight(40, 96)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = torch.ops.textgen.int8_gemv(x, ints, scales)
+    assert_near(got, x, ints, scales)
+    assert torch.equal(got[3:4], torch.ops.textgen.int8_gemv(x[3:4], ints, scales))
+
+
+def test_a_weight_that_does_not_match_is_refused() -> None:
+    ints, scales = int8_weight(16, 64)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.textgen.int8_gemv(torch.randn(1, 32).to(torch.bfloat16), ints, scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.textgen.int8_gemv(x, ints, scales[:8])
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.textgen.int8_gemv(x.float(), ints, scales)
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.textgen.int8_gemv(x, ints.to(torch.uint8), scales)
+
+
+class Spy:
+    """torch.ops.textgen with int8_gemv counted."""
+
+    def __init__(self) -> None:
+        self.real = torch.ops.textgen
+        self.calls = 0
+
+    def int8_gemv(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        return self.real.int8_gemv(*args)
+
+
+def per_channel_weight() -> QuantizedWeight:
+    return QuantizedWeight.per_channel_int8(torch.randn(48, 128, generator=torch.Generator().manual_seed(0)).bfloat16())
+
+
+def test_int8_kernel_serves_one_row_with_the_op_and_more_with_torch_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    kernel = Int8Kernel(per_channel_weight(), None)
+    assert kernel.gemv
+    spy = Spy()
+    monkeypatch.setattr(torch.ops, "textgen", spy)
+    x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
+    got = kernel(x)
+    assert spy.calls == 1 and got.shape == (1, 1, 48)
+    assert torch.equal(got[0], spy.real.int8_gemv(x[0], kernel.ints, kernel.scales))
+    rows = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert torch.equal(kernel(rows), torch._weight_int8pack_mm(rows, kernel.ints, kernel.scales))
+    assert spy.calls == 1
+
+
+@pytest.mark.parametrize(("variable", "value"), [(DISABLE_CUSTOM_KERNELS, "True"), (cpu_ops.ENV_SWITCH, "0")])
+def test_with_custom_kernels_off_int8_kernel_never_calls_the_op(
+    variable: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    monkeypatch.setenv(variable, value)
+    kernel = Int8Kernel(per_channel_weight(), None)
+    assert not kernel.gemv
+    spy = Spy()
+    monkeypatch.setattr(torch.ops, "textgen", spy)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    assert torch.equal(kernel(x), torch._weight_int8pack_mm(x, kernel.ints, kernel.scales))
+    assert spy.calls == 0

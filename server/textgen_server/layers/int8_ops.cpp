@@ -1,0 +1,122 @@
+// One row of an 8-bit projection with one scale per output feature (eetq, 8-bit GPTQ/compressed-tensors quantized
+// per channel: layers/quant_kernels.py, Int8Kernel), for batch-1 decode steps. At one row the weight streams from
+// memory once for two flops a byte; torch's _weight_int8pack_mm reads it at 4.7-10.5 GB/s on a 2-core Zen 3 whose
+// 2 threads read 14 GB/s (benchmark/README.md, "Quantized models").
+//
+// textgen::int8_gemv(x [M, K] bf16, weight int8 [N, K], scales bf16 [N]) -> y bf16 [M, N], row by row (each row
+//   streams the whole weight: only M = 1 is what it is for), y[n] = scale[n] * sum_k w[n, k] x[k], as torch's
+//   kernel defines it: the sum in float32 (x read exactly as float32), times the scale, rounded once to bf16. The
+//   sum's order is not torch's kernel's (8 lanes, k mod 8, each summed in order of k, then folded):
+//   tests/test_int8_gemv.py checks the op against the float64 product within the rounding of its sums.
+//
+// Vector path: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs), four outputs at a time, each reading its
+// own contiguous row of the weight; elsewhere a scalar loop sums the same products in order of k. Threads split
+// the outputs (at::parallel_for), each streaming a contiguous run of rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+using namespace textgen_cpu;
+
+// Outputs [n0, n1) of one row: y[n] = sum_k w[n, k] x[k] (without the scale).
+void sums_scalar(const float* x, const int8_t* w, int64_t k, int64_t n0, int64_t n1, float* y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * k;
+    float acc = 0.f;
+    for (int64_t kk = 0; kk < k; ++kk) acc += float(row[kk]) * x[kk];
+    y[n] = acc;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float lane_sum(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+// 8 weights of a row, sign-extended and converted to float32.
+inline __m256 weights8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+// Four outputs n .. n + 3 (rows of k bytes from `w`), k a multiple of 8. `ahead`: the next four rows' bytes at the
+// same column are fetched as these are read (one core's reads alone reached a third of the memory's bandwidth).
+inline void sums4(const float* x, const int8_t* w, int64_t k, bool ahead, float* y) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t kk = 0; kk < k; kk += 8) {
+    if (ahead && kk % 64 == 0) {
+      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (4 + r) * k + kk), _MM_HINT_T0);
+    }
+    const __m256 xv = _mm256_loadu_ps(x + kk);
+    for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(weights8(w + r * k + kk), xv, acc[r]);
+  }
+  for (int r = 0; r < 4; ++r) y[r] = lane_sum(acc[r]);
+}
+
+// One output, k a multiple of 8: the same lanes and fold as sums4.
+inline float sums1(const float* x, const int8_t* w, int64_t k) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 8) acc = _mm256_fmadd_ps(weights8(w + kk), _mm256_loadu_ps(x + kk), acc);
+  return lane_sum(acc);
+}
+#endif
+
+void row_sums(const float* x, const int8_t* w, int64_t n, int64_t k, float* y) {
+  // Blocks of 64 outputs: each thread streams a contiguous run of whole rows.
+  constexpr int64_t BLOCK = 64;
+  at::parallel_for(0, (n + BLOCK - 1) / BLOCK, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * BLOCK, n1 = std::min(n, end * BLOCK);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (k % 8 == 0) {
+      int64_t j = n0;
+      for (; j + 4 <= n1; j += 4) sums4(x, w + j * k, k, j + 8 <= n1, y + j);
+      for (; j < n1; ++j) y[j] = sums1(x, w + j * k, k);
+      return;
+    }
+#endif
+    sums_scalar(x, w, k, n0, n1, y);
+  });
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int8_gemv: x bf16 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_gemv: a contiguous int8 [N, K] weight");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, "int8_gemv: x has ", k, " features, the weight ", weight.size(1));
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == n,
+              "int8_gemv: contiguous bf16 scales [N]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* w = weight.data_ptr<int8_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  std::vector<float> xf(k), yf(n);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t kk = 0; kk < k; ++kk) xf[kk] = bf16_to_float(xp[r * k + kk]);
+    row_sums(xf.data(), w, n, k, yf.data());
+    for (int64_t j = 0; j < n; ++j) yp[r * n + j] = float_to_bf16(yf[j] * bf16_to_float(s[j]));
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(textgen, m) {
+  m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(textgen, CPU, m) {
+  m.impl("int8_gemv", &int8_gemv);
+}
