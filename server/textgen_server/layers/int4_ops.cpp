@@ -48,8 +48,9 @@ namespace {
 using namespace textgen_cpu;
 
 // How far ahead of the row being read a block's stream prefetches (software prefetch gained ~5% over the
-// hardware's alone on the 2-core Zen 3).
-constexpr int64_t PREFETCH_BYTES = 512;
+// hardware's alone on the 2-core Zen 3; 1,536 bytes rather than 512 read the 1b model's largest projections,
+// 11264x2048 and 2048x5632, at 12-13 GB/s instead of 10-11: benchmark/README.md, "Quantized models").
+constexpr int64_t PREFETCH_BYTES = 1536;
 
 enum Layout : int { PAIRS = 0, SPLIT32 = 1, SPLIT64 = 2 };
 
