@@ -1,7 +1,7 @@
 // One row of an 8-bit projection with one scale per output feature (eetq, 8-bit GPTQ/compressed-tensors quantized
 // per channel: layers/quant_kernels.py, Int8Kernel), for batch-1 decode steps. At one row the weight streams from
-// memory once for two flops a byte; torch's _weight_int8pack_mm reads it at 4.7-10.5 GB/s on a 2-core Zen 3 whose
-// 2 threads read 14 GB/s (benchmark/README.md, "Quantized models").
+// memory once for two flops a byte; torch's _weight_int8pack_mm read it at 4.4-11.3 GB/s on a 2-core Zen 3 whose
+// 2 threads read 14-18 GB/s, this op at 8.2-16.2 (benchmark/README.md, "Quantized models").
 //
 // textgen::int8_gemv(x [M, K] bf16, weight int8 [N, K], scales bf16 [N]) -> y bf16 [M, N], row by row (each row
 //   streams the whole weight: only M = 1 is what it is for), y[n] = scale[n] * sum_k w[n, k] x[k], as torch's
