@@ -8,11 +8,14 @@ PORT ?= 3000
 
 .PHONY: install proto run test test-fast lint bench demo-model image image-test
 
-# torch first and pinned: the CPU wheel; an unpinned torch pulls several GB of CUDA packages.
+# torch first and pinned: the CPU wheel; an unpinned torch pulls several GB of CUDA packages. Last, the shard's C++
+# ops for this CPU (layers/cpu_ops.py), built here rather than by the first server start or test session that needs
+# them (83-87 s on a 2-core Zen 3); where they cannot be built, the shard keeps torch's code.
 install:
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e ".[test]"
 	$(MAKE) proto
+	$(PYTHON) -c "from textgen_server.layers.cpu_ops import kernel_available; kernel_available()"
 
 # Generated gRPC/protobuf modules: a build output, never edited by hand.
 proto: $(PROTO_OUT)/textgen_pb/generate_pb2.py
