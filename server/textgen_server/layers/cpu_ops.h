@@ -166,18 +166,21 @@ inline void store8(uint16_t* p, __m256 f) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
-// The sum of 8 lanes as torch's AVX2 vectors fold them: lanes 4 apart, then 2 and 1.
-inline float fold_add(__m256 v) {
-  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
-  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
-  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
-  return _mm256_cvtss_f32(v);
-}
-
 inline float reduce_max(__m256 v) {
   v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
   v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
   v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
+#endif
+
+#if defined(__AVX2__)
+// The sum of 8 lanes as torch's AVX2 vectors fold them: lanes 4 apart, then 2 and 1. In AVX-512 builds too, whose
+// ops also run 8-lane paths (int8_ops.cpp).
+inline float fold_add(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
   return _mm256_cvtss_f32(v);
 }
 #endif

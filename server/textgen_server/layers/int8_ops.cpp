@@ -37,12 +37,6 @@ void sums_scalar(const float* x, const int8_t* w, int64_t k, int64_t n0, int64_t
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float lane_sum(__m256 v) {
-  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
-
 // 8 weights of a row, sign-extended and converted to float32.
 inline __m256 weights8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
@@ -59,14 +53,14 @@ inline void sums4(const float* x, const int8_t* w, int64_t k, bool ahead, float*
     const __m256 xv = _mm256_loadu_ps(x + kk);
     for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(weights8(w + r * k + kk), xv, acc[r]);
   }
-  for (int r = 0; r < 4; ++r) y[r] = lane_sum(acc[r]);
+  for (int r = 0; r < 4; ++r) y[r] = fold_add(acc[r]);
 }
 
 // One output, k a multiple of 8: the same lanes and fold as sums4.
 inline float sums1(const float* x, const int8_t* w, int64_t k) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t kk = 0; kk < k; kk += 8) acc = _mm256_fmadd_ps(weights8(w + kk), _mm256_loadu_ps(x + kk), acc);
-  return lane_sum(acc);
+  return fold_add(acc);
 }
 #endif
 
