@@ -88,8 +88,10 @@ def _model_dir(name: str | Path, revision: str | None) -> Path | None:
 
 def _cache_file(name: str | Path, revision: str | None, trust_remote_code: bool) -> Path | None:
     root = cache_dir()
-    directory = _model_dir(name, revision) if root is not None else None
-    if root is None or directory is None:
+    if root is None:
+        return None
+    directory = _model_dir(name, revision)
+    if directory is None:
         return None
     key = [
         str(directory.resolve()),
