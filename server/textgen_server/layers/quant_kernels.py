@@ -16,8 +16,8 @@
   checkpoints quantized that way): one row by `textgen::int8_gemv` (int8_ops.cpp) where the CPU ops are on, more
   by torch's `_weight_int8pack_mm`; bfloat16 activations (torch's float32 path, like its int4 kernel's, is a
   scalar fallback: float32 shards dequantize at load). Both share `PackedKernel`.
-- `Int8DynamicKernel`: the same weights with the activations quantized to int8 per row at each call
-  (compressed-tensors W8A8), an integer product by `torch._int_mm`.
+- `Int8DynamicKernel`: the same weights (both int8 kernels hold them as `Int8Weights`) with the activations
+  quantized to int8 per row at each call (compressed-tensors W8A8), an integer product by `torch._int_mm`.
 
 `packed_kernel(weight)` gives the kernel that serves a weight, or the reason none does (the weight is then
 dequantized at load and served like a float one).
@@ -208,8 +208,8 @@ class Int4Kernel(PackedKernel):
         return self._int4(rows)
 
 
-class Int8Kernel(PackedKernel):
-    """int8 weights [N, K] and one scale per output feature."""
+class Int8Weights(PackedKernel):
+    """int8 weights [N, K] and one scale per output feature: what both int8 kernels multiply."""
 
     path = "int8"
 
@@ -234,6 +234,13 @@ class Int8Kernel(PackedKernel):
         super().__init__(ints, bias, weight.shape[1])
         self.ints = ints
         self.scales = weight.scales[:, int(weight.g_idx[0])].contiguous()
+
+
+class Int8Kernel(Int8Weights):
+    """Weight-only int8 (eetq, W8A16): the activations stay float."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, bias)
         # One row by textgen::int8_gemv (int8_ops.cpp), on the same weight and scales: 1.4-2x torch's kernel there.
         self.gemv = cpu_ops.ops_for(self.scales.dtype, weight.q.device)
 
@@ -244,7 +251,7 @@ class Int8Kernel(PackedKernel):
         return torch._weight_int8pack_mm(rows, self.ints, self.scales)
 
 
-class Int8DynamicKernel(Int8Kernel):
+class Int8DynamicKernel(Int8Weights):
     """compressed-tensors W8A8: int8 weights per output feature, and each row of x quantized to int8 at every call
     as the compressed-tensors package does it (symmetric: scale = max |x_row| / 127.5, round half to even, clamp
     to [-128, 127]); an int8 x int8 product summed in int32 (`torch._int_mm`), scaled back by both scales."""
