@@ -16,8 +16,8 @@ model and once with the rows spread over the N adapters in turn (neighbouring ro
 
 With `--quantize gptq | gptq-8 | awq | eetq` it measures quantized weights: the model quantized by
 `textgen_server.quant_builder` (round-to-nearest, `--group-size`, 128 by default; eetq: the float model with
-`--quantize eetq`) in
-a bfloat16 shard, against the float model's float32 and bfloat16 shards, runs alternating, with the quantized
+`--quantize eetq`; `--lm-head`: gptq with the LM head quantized too, as GPTQModel's `lm_head` option writes it)
+in a bfloat16 shard, against the float model's float32 and bfloat16 shards, runs alternating, with the quantized
 step's fraction of the bandwidth roofline.
 
 With `--speculate N` it measures n-gram speculation: one shard with `--speculate N` against one without, runs
@@ -26,7 +26,7 @@ alternating, tokens/s per row and the tokens a step emits. On the random model g
 guess after the first period is confirmed (the gain at best).
 
 Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--threads 2] [--model-dir DIR]
-       [--grammar | --lora-adapters N | --speculate N [--cycling] | --quantize gptq|gptq-8|awq|eetq]
+       [--grammar | --lora-adapters N | --speculate N [--cycling] | --quantize gptq|gptq-8|awq|eetq [--lm-head]]
 """
 
 from __future__ import annotations
@@ -225,10 +225,17 @@ def quantized_bytes_per_step(model_dir: Path, batch: int, float_itemsize: int, a
 
 
 def quantized_steps(
-    model_dir: Path, batches: list[int], runs: int, threads: int, method: str, group_size: int = 128
+    model_dir: Path,
+    batches: list[int],
+    runs: int,
+    threads: int,
+    method: str,
+    group_size: int = 128,
+    lm_head: bool = False,
 ) -> None:
     """Decode tokens/s of the model quantized with `method` (a bfloat16 shard, the CPU default for quantized
-    weights) against the same float model in float32 and in bfloat16, one shard at a time, runs alternating."""
+    weights; `lm_head`: its LM head too) against the same float model in float32 and in bfloat16, one shard at a
+    time, runs alternating."""
     from textgen_server.quant_builder import QUANT_BUILDER_VERSION, quantize_model_dir
 
     method, _, bits = method.partition("-")
@@ -238,10 +245,14 @@ def quantized_steps(
         if at_load
         else quantize_model_dir(
             model_dir,
-            model_dir.with_name(f"{model_dir.name}-{method}{bits or 4}-g{group_size}-q{QUANT_BUILDER_VERSION}"),
+            model_dir.with_name(
+                f"{model_dir.name}-{method}{bits or 4}-g{group_size}{'-head' if lm_head else ''}"
+                f"-q{QUANT_BUILDER_VERSION}"
+            ),
             method,
             bits=int(bits or 4),
             group_size=group_size,
+            lm_head=lm_head,
         )
     )
     flags = ("--quantize", "eetq") if at_load else ()
@@ -295,7 +306,10 @@ def main(argv: list[str] | None = None) -> None:
         help="the model quantized (round-to-nearest; eetq: at load) against its float shards",
     )
     parser.add_argument("--group-size", type=int, default=128, help="with --quantize: the quantization groups")
+    parser.add_argument("--lm-head", action="store_true", help="with --quantize gptq: the LM head quantized too")
     args = parser.parse_args(argv)
+    if args.lm_head and (args.quantize or "").partition("-")[0] != "gptq":
+        parser.error("--lm-head goes with --quantize gptq or gptq-8")
     dtype = getattr(torch, args.dtype)
     model_dir = args.model_dir or small_model()
     if args.cycling:
@@ -316,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         grammar_steps(model_dir, batches, args.runs, args.threads, args.dtype)
         return
     if args.quantize:
-        quantized_steps(model_dir, batches, args.runs, args.threads, args.quantize, args.group_size)
+        quantized_steps(model_dir, batches, args.runs, args.threads, args.quantize, args.group_size, args.lm_head)
         return
     if args.speculate:
         speculation_steps(model_dir, batches, args.runs, args.threads, args.dtype, args.speculate)

@@ -26,19 +26,23 @@ def build_model(arch: str, size: str = "tiny") -> Path:
     return builder.build_test_model(MODEL_CACHE_ROOT / key, arch=arch, size=size)
 
 
-def build_quantized_model(method: str, bits: int = 4, desc_act: bool = False, sym: bool = True) -> Path:
+def build_quantized_model(
+    method: str, bits: int = 4, desc_act: bool = False, sym: bool = True, lm_head: bool = False
+) -> Path:
     """The tiny llama quantized by `textgen_server.quant_builder` (group size 32), cached beside it.
 
-    method "gptq" (bits 4 or 8, optional act order / asymmetric zeros) or "awq" (4-bit). Keyed by the float
-    model's cache key plus the quantization arguments and QUANT_BUILDER_VERSION.
+    method "gptq" (bits 4 or 8, optional act order / asymmetric zeros / the LM head quantized too) or "awq"
+    (4-bit). Keyed by the float model's cache key plus the quantization arguments and QUANT_BUILDER_VERSION.
     """
     from textgen_server import quant_builder
 
     base = build_model("llama")
-    options = f"{method}-b{bits}-g32" + ("-act" if desc_act else "") + ("" if sym else "-asym")
+    options = (
+        f"{method}-b{bits}-g32" + ("-act" if desc_act else "") + ("" if sym else "-asym") + ("-head" if lm_head else "")
+    )
     key = f"{base.name}-{options}-q{quant_builder.QUANT_BUILDER_VERSION}"
     return quant_builder.quantize_model_dir(
-        base, MODEL_CACHE_ROOT / key, method, bits=bits, group_size=32, desc_act=desc_act, sym=sym
+        base, MODEL_CACHE_ROOT / key, method, bits=bits, group_size=32, desc_act=desc_act, sym=sym, lm_head=lm_head
     )
 
 
@@ -65,14 +69,15 @@ def build_int8_oracle(model_dir: Path) -> Path:
     return dequantize.int8_per_channel_model_dir(model_dir, MODEL_CACHE_ROOT / key)
 
 
-def build_ct_model(scheme: str) -> Path:
+def build_ct_model(scheme: str, lm_head: bool = False) -> Path:
     """The tiny llama as a compressed-tensors checkpoint (`textgen_server.ct_builder`), cached beside it.
 
-    scheme: one of ct_builder.SCHEMES ("w4a16", "w4a16-asym", "w8a16", "w8a8"). Keyed by the float model's cache key
-    plus the scheme and CT_BUILDER_VERSION (the build's stamp also names the compressed-tensors version).
+    scheme: one of ct_builder.SCHEMES ("w4a16", "w4a16-asym", "w8a16", "w8a8"); `lm_head`: the LM head quantized
+    too. Keyed by the float model's cache key plus those and CT_BUILDER_VERSION (the build's stamp also names the
+    compressed-tensors version).
     """
     from textgen_server import ct_builder
 
     base = build_model("llama")
-    key = f"{base.name}-ct-{scheme}-c{ct_builder.CT_BUILDER_VERSION}"
-    return ct_builder.build_compressed_tensors_model(base, MODEL_CACHE_ROOT / key, scheme)
+    key = f"{base.name}-ct-{scheme}{'-head' if lm_head else ''}-c{ct_builder.CT_BUILDER_VERSION}"
+    return ct_builder.build_compressed_tensors_model(base, MODEL_CACHE_ROOT / key, scheme, lm_head)

@@ -7,6 +7,9 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+from safetensors import safe_open
+
 ONE_THREAD = ("--threads", "1")
 
 
@@ -45,8 +48,15 @@ def test_quantize_option_measures_quantized_against_float_shards(
     model = tmp_path / "llama"  # the quantized build is written beside the model it quantizes
     model.symlink_to(tiny_llama, target_is_directory=True)
     out = run_script(
-        *("shard_decode", "--quantize", "gptq", "--group-size", "32", "--model-dir", str(model)),
+        *("shard_decode", "--quantize", "gptq", "--group-size", "32", "--lm-head", "--model-dir", str(model)),
         *("--batch", "1", "--runs", "1", *ONE_THREAD),
     )
     row = r"^\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$"
     assert re.search(row, out, re.M), out
+    (built,) = tmp_path.glob("llama-gptq4-g32-head-q*")
+    assert "lm_head.qweight" in safe_open(built / "model.safetensors", "pt").keys()
+
+
+def test_lm_head_goes_with_gptq_only(run_script: Callable[..., str]) -> None:
+    with pytest.raises(SystemExit):
+        run_script("shard_decode", "--quantize", "eetq", "--lm-head")

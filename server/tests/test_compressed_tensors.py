@@ -67,6 +67,18 @@ def test_each_scheme_computes_what_transformers_computes(
         assert logprobs.abs().max() < BF16_LOGPROB_TOLERANCE[name]
 
 
+def test_a_checkpoint_that_quantizes_its_lm_head_has_it_served_packed() -> None:
+    model_dir = build_ct_model("w4a16", lm_head=True)
+    with torch.inference_mode():
+        want = ct_oracle_model(model_dir)(torch.tensor([PROMPT])).logits[0].float()
+    got, linears = quantized_logits(model_dir, torch.float32, PROMPT, "compressed-tensors")
+    assert linears[-1].dequantized and torch.allclose(got, want, atol=1e-4, rtol=0)
+    got, linears = quantized_logits(model_dir, torch.bfloat16, PROMPT, "compressed-tensors")
+    assert all(type(m.packed) is Int4Kernel for m in linears)  # the head included
+    logprobs = torch.log_softmax(got, -1) - torch.log_softmax(want, -1)
+    assert logprobs.abs().max() < BF16_LOGPROB_TOLERANCE["w4a16"]
+
+
 def _ct_config(fmt: str = "pack-quantized", **group: object) -> dict[str, object]:
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     base: dict[str, object] = {"targets": ["Linear"], "weights": weights, "input_activations": None}

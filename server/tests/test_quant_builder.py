@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from testing import dequantize
@@ -146,6 +147,11 @@ class Variant(NamedTuple):
     bits: int
     desc_act: bool
     sym: bool
+    lm_head: bool = False
+
+    def quantizes(self, prefix: str) -> bool:
+        """Whether the checkpoint stores the module at `prefix` quantized."""
+        return prefix.rsplit(".", 1)[-1] in PROJECTIONS or (self.lm_head and prefix == "lm_head")
 
 
 VARIANTS = {
@@ -154,6 +160,7 @@ VARIANTS = {
     "gptq4-act": Variant("gptq", 4, True, True),
     "gptq4-asym": Variant("gptq", 4, False, False),
     "awq": Variant("awq", 4, False, True),
+    "gptq4-head": Variant("gptq", 4, False, True, lm_head=True),
 }
 
 
@@ -171,7 +178,7 @@ def built(request: pytest.FixtureRequest, tiny_llama: Path) -> Built:
 
 
 def test_checkpoint_has_the_published_tensors_and_config(built: Built, tiny_llama: Path) -> None:
-    method, bits, desc_act, sym = built.variant
+    method, bits, desc_act, sym, lm_head = built.variant
     per_word = 32 // bits
     source = load_file(tiny_llama / "model.safetensors")
     tensors = load_file(built.quantized / "model.safetensors")
@@ -190,12 +197,13 @@ def test_checkpoint_has_the_published_tensors_and_config(built: Built, tiny_llam
             "true_sequential": True,
             "damp_percent": 0.01,
             "static_groups": False,
+            "lm_head": lm_head,
         }
     else:
         assert qconfig == {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm"}
     for name, tensor in source.items():
         prefix = name.removesuffix(".weight")
-        if prefix.rsplit(".", 1)[-1] not in PROJECTIONS:
+        if not built.variant.quantizes(prefix):
             assert torch.equal(tensors[name], tensor) and tensors[name].dtype == tensor.dtype, name
             continue
         assert name not in tensors
@@ -221,7 +229,7 @@ def test_checkpoint_has_the_published_tensors_and_config(built: Built, tiny_llam
 
 
 def test_dequantized_weights_within_half_a_step(built: Built, tiny_llama: Path) -> None:
-    method, bits, _, _ = built.variant
+    method, bits = built.variant.method, built.variant.bits
     source = load_file(tiny_llama / "model.safetensors")
     tensors = load_file(built.quantized / "model.safetensors")
     oracle = load_file(built.oracle / "model.safetensors")
@@ -231,7 +239,7 @@ def test_dequantized_weights_within_half_a_step(built: Built, tiny_llama: Path) 
         w = oracle[name]
         assert w.dtype == torch.float32
         prefix = name.removesuffix(".weight")
-        if prefix.rsplit(".", 1)[-1] not in PROJECTIONS:
+        if not built.variant.quantizes(prefix):
             assert torch.equal(w, w_float.float()), name
             continue
         scales = tensors[f"{prefix}.scales"].float()
@@ -283,18 +291,34 @@ def test_builds_are_cached_by_stamp(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "bits", "desc_act", "sym"),
+    ("method", "bits", "desc_act", "sym", "lm_head"),
     [
-        ("gptq", 3, False, True),
-        ("awq", 8, False, True),
-        ("awq", 4, True, True),
-        ("awq", 4, False, False),
-        ("x", 4, False, True),
+        ("gptq", 3, False, True, False),
+        ("awq", 8, False, True, False),
+        ("awq", 4, True, True, False),
+        ("awq", 4, False, False, False),
+        ("awq", 4, False, True, True),
+        ("x", 4, False, True, False),
     ],
 )
 def test_unsupported_arguments_raise(
-    tiny_llama: Path, tmp_path: Path, method: str, bits: int, desc_act: bool, sym: bool
+    tiny_llama: Path, tmp_path: Path, method: str, bits: int, desc_act: bool, sym: bool, lm_head: bool
 ) -> None:
     with pytest.raises(ValueError):
-        quant_builder.quantize_model_dir(tiny_llama, tmp_path / "q", method, bits=bits, desc_act=desc_act, sym=sym)
+        quant_builder.quantize_model_dir(
+            tiny_llama, tmp_path / "q", method, bits=bits, desc_act=desc_act, sym=sym, lm_head=lm_head
+        )
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_tied_lm_head_is_not_quantized_on_its_own(tiny_llama: Path, tmp_path: Path) -> None:
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_llama, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
+    tensors = load_file(tied / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tied / "model.safetensors"))
+    with pytest.raises(ValueError, match="ties its LM head"):
+        quant_builder.quantize_model_dir(tied, tmp_path / "q", "gptq", lm_head=True)
     assert not (tmp_path / "q").exists()

@@ -35,6 +35,7 @@ VARIANTS = {
     "gptq-4bit-act-order": {"method": "gptq", "desc_act": True},
     "gptq-8bit": {"method": "gptq", "bits": 8},
     "awq-4bit": {"method": "awq"},
+    "gptq-4bit-lm-head": {"method": "gptq", "lm_head": True},  # GPTQModel's lm_head: the head quantized too
 }
 PROMPT = [1, 5, 9, 100, 200, 300, 7, 42]
 # bfloat16 activations against the float32 oracle: the tiny model's float weights in bfloat16 are 0.13-0.16 apart
@@ -120,7 +121,10 @@ def test_bfloat16_shards_keep_4_bit_weights_packed(quantized: tuple[str, Path, P
     want = torch.log_softmax(HFOracle(oracle).model(torch.tensor([PROMPT])).logits[0].float().detach(), -1)
     got, linears = quantized_logits(qdir, torch.bfloat16, PROMPT)
     assert (torch.log_softmax(got, -1) - want).abs().max() < BF16_LOGPROB_TOLERANCE
-    projections = linears[:-1]  # the LM head stays a float weight
+    head = linears[-1]
+    projections = linears if VARIANTS[variant].get("lm_head") else linears[:-1]
+    if not VARIANTS[variant].get("lm_head"):  # the LM head stays a float weight unless the checkpoint quantized it
+        assert head.packed is None and head.dequantized is None and head.weight is not None
     if VARIANTS[variant].get("bits", 4) == 4:
         assert all(isinstance(m.packed, Int4Kernel) and m.weight is None for m in projections)
     else:
@@ -219,12 +223,13 @@ def test_eetq_quantizes_the_projections_to_int8_at_load(tiny_llama: Path, dtype:
         assert logprobs.abs().max() < BF16_LOGPROB_TOLERANCE
 
 
-@pytest.mark.parametrize("scheme", ["gptq-act-order", "eetq"])
+@pytest.mark.parametrize("scheme", ["gptq-act-order", "gptq-lm-head", "eetq"])
 def test_one_and_two_quantized_shards_generate_the_oracles_greedy_tokens(scheme: str, tiny_llama: Path) -> None:
     if scheme == "eetq":
         model_dir, oracle_dir, flags = tiny_llama, build_int8_oracle(tiny_llama), ["--quantize", "eetq"]
     else:
-        model_dir = build_quantized_model("gptq", desc_act=True)
+        # a quantized head is split by vocabulary rows across the two ranks, its blocks gathered
+        model_dir = build_quantized_model("gptq", desc_act=scheme == "gptq-act-order", lm_head=scheme == "gptq-lm-head")
         oracle_dir, flags = build_dequantized_oracle(model_dir), []  # detected from the checkpoint's config
     oracle = HFOracle(oracle_dir)
     prompts = ["def fill(self, text):", "The quick brown"]

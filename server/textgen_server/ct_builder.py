@@ -52,11 +52,12 @@ SCHEMES = ("w4a16", "w4a16-asym", "w8a16", "w8a8")
 GROUP_SIZE = 32
 
 
-def build_compressed_tensors_model(src: str | Path, out: str | Path, scheme: str) -> Path:
+def build_compressed_tensors_model(src: str | Path, out: str | Path, scheme: str, lm_head: bool = False) -> Path:
     """Quantize every decoder Linear of the float Llama-family model `src` into `out` with `scheme`; returns `out`.
 
-    `scheme` is one of SCHEMES (see the module docstring for what each writes). Raises ValueError on an unknown
-    scheme, or when a weight's input size is not a multiple of the group size.
+    `scheme` is one of SCHEMES (see the module docstring for what each writes); `lm_head`: the LM head is quantized
+    too (left out of `ignore`). Raises ValueError on an unknown scheme, or when a weight's input size is not a
+    multiple of the group size.
     """
     import compressed_tensors
     from compressed_tensors.compressors import ModelCompressor
@@ -72,12 +73,15 @@ def build_compressed_tensors_model(src: str | Path, out: str | Path, scheme: str
         "source": src.name,
         "source_stamp": _read_source_stamp(src),
         "scheme": scheme,
+        "lm_head": lm_head,
     }
     if is_built(out, stamp, STAMP):
         return out
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    config = QuantizationConfig(config_groups={"group_0": quantization_scheme(scheme)}, ignore=["lm_head"])
+    config = QuantizationConfig(
+        config_groups={"group_0": quantization_scheme(scheme)}, ignore=[] if lm_head else ["lm_head"]
+    )
     # Attaches the scheme to every targeted module and registers its (empty) weight_scale / weight_zero_point.
     apply_quantization_config(model, config, show_progress=False)
     for module in model.modules():

@@ -5,7 +5,8 @@ float models (`textgen_server.builder`). Quantization is plain round-to-nearest 
 GPTQ or activation-aware AWQ search: what matters for a loader is the published tensor layout, and RTN is enough
 to keep the quantized model close to its float source (every weight within half a step of its float value).
 
-Contract: ``quantize_model_dir(src, out, method, bits, group_size, desc_act, sym, seed) -> Path`` writes ``out``
+Contract: ``quantize_model_dir(src, out, method, bits, group_size, desc_act, sym, seed, lm_head) -> Path`` writes
+``out``
 (config.json with ``quantization_config``, model.safetensors, the tokenizer and generation config of ``src``)
 through a temporary directory plus rename, and returns at once when ``out`` already holds the same build
 (``quant-stamp.json`` says which). Deterministic for given arguments, source model and torch version.
@@ -36,7 +37,7 @@ from textgen_server import builder
 from textgen_server.builder import is_built, publish
 
 # Bumped whenever the bytes written for the same arguments change, so cached builds are not reused.
-QUANT_BUILDER_VERSION = 2
+QUANT_BUILDER_VERSION = 3
 
 STAMP = "quant-stamp.json"
 METHODS = ("gptq", "awq")
@@ -78,16 +79,18 @@ def quantize_model_dir(
     desc_act: bool = False,
     sym: bool = True,
     seed: int = 0,
+    lm_head: bool = False,
 ) -> Path:
     """Quantize every decoder projection of the float Llama-family model `src` into `out`; returns `out`.
 
     method: "gptq" (bits 4 or 8; `desc_act` gives a seeded random act-order permutation standing in for the
     Hessian order; `sym` False gives per-group min/max zeros) or "awq" (4-bit, always asymmetric, so `sym` and
     `desc_act` must keep their defaults). group_size -1 means one group over the whole input dimension.
-    Embeddings, norms, lm_head and biases keep the source dtype. Raises ValueError on unsupported arguments or
+    Embeddings, norms, lm_head and biases keep the source dtype; `lm_head` (gptq only, GPTQModel's option of that
+    name) quantizes the untied LM head too, like a projection. Raises ValueError on unsupported arguments or
     shapes that the layout cannot pack.
     """
-    _check_arguments(method, bits, desc_act, sym)
+    _check_arguments(method, bits, desc_act, sym, lm_head)
     src, out = Path(src), Path(out)
     stamp: dict[str, Any] = {
         "quant_builder_version": QUANT_BUILDER_VERSION,
@@ -99,11 +102,14 @@ def quantize_model_dir(
         "desc_act": desc_act,
         "sym": sym,
         "seed": seed,
+        "lm_head": lm_head,
     }
     if is_built(out, stamp, STAMP):
         return out
 
     weights = _load_weights(src)
+    if lm_head and "lm_head.weight" not in weights:
+        raise ValueError(f"{src} ties its LM head to the embeddings: there is no LM head of its own to quantize")
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     act_orders: dict[str, torch.Tensor] = {}
@@ -111,7 +117,7 @@ def quantize_model_dir(
     for name in sorted(weights):
         tensor = weights[name]
         prefix = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and _is_projection(prefix)):
+        if not (name.endswith(".weight") and _quantized(prefix, lm_head)):
             tensors[name] = tensor  # embeddings, norms, lm_head, biases: untouched, in the source dtype
             continue
         w = tensor.to(torch.float32)
@@ -147,7 +153,7 @@ def quantize_model_dir(
         if (src / file_name).is_file():
             shutil.copy2(src / file_name, tmp / file_name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method, bits, group_size, desc_act, sym)
+    config["quantization_config"] = quantization_config(method, bits, group_size, desc_act, sym, lm_head)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if method == "gptq":
         # AutoGPTQ also writes the settings beside the weights; loaders that predate quantization_config read it.
@@ -157,8 +163,11 @@ def quantize_model_dir(
     return publish(tmp, out, stamp, STAMP)
 
 
-def quantization_config(method: str, bits: int, group_size: int, desc_act: bool, sym: bool) -> dict[str, Any]:
-    """The `quantization_config` entry of config.json as AutoGPTQ/optimum or AutoAWQ write it."""
+def quantization_config(
+    method: str, bits: int, group_size: int, desc_act: bool, sym: bool, lm_head: bool = False
+) -> dict[str, Any]:
+    """The `quantization_config` entry of config.json as AutoGPTQ/optimum (GPTQModel adds `lm_head`) or AutoAWQ
+    write it."""
     if method == "gptq":
         return {
             "quant_method": "gptq",
@@ -170,6 +179,7 @@ def quantization_config(method: str, bits: int, group_size: int, desc_act: bool,
             "true_sequential": True,
             "damp_percent": 0.01,
             "static_groups": False,
+            "lm_head": lm_head,
         }
     return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
@@ -281,13 +291,21 @@ def _input_key(prefix: str) -> str:
     return f"{head}.{shared.get(name, name)}"
 
 
+def _quantized(prefix: str, lm_head: bool) -> bool:
+    """Whether the weight of the module `prefix` is quantized: every decoder projection, and the LM head with
+    `lm_head`."""
+    return _is_projection(prefix) or (lm_head and prefix == "lm_head")
+
+
 def _is_projection(prefix: str) -> bool:
     """Whether `prefix` names a decoder projection: model.layers.<N>.<one of PROJECTIONS>."""
     parts = prefix.split(".", 3)
     return len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in PROJECTIONS
 
 
-def _check_arguments(method: str, bits: int, desc_act: bool, sym: bool) -> None:
+def _check_arguments(method: str, bits: int, desc_act: bool, sym: bool, lm_head: bool) -> None:
+    if lm_head and method != "gptq":
+        raise ValueError(f"only gptq checkpoints are built with a quantized LM head, not {method}")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if method == "gptq" and bits not in (4, 8):

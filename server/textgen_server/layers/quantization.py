@@ -121,6 +121,19 @@ def _read_gptq_awq(raw: dict[str, Any], method: str) -> QuantConfig:
     )
 
 
+# The tensor whose presence says a checkpoint stores a module quantized, per format.
+QUANTIZED_MARKER = {"gptq": "qweight", "awq": "qweight", "compressed-tensors": "weight_scale"}
+
+
+def stored_quantized(weights: Any, prefix: str, qc: QuantConfig) -> bool:
+    """Whether the checkpoint stores the module at `prefix` quantized, for the LM head: a checkpoint quantizes it
+    only by choice (GPTQModel's `lm_head`, a compressed-tensors `ignore` that does not name it), while `quantizes`
+    answers for the decoder projections, which are quantized unless excluded. eetq quantizes at load and, as TGI,
+    only the decoder projections."""
+    marker = QUANTIZED_MARKER.get(qc.method)
+    return marker is not None and qc.quantizes(prefix) and f"{prefix}.{marker}" in weights
+
+
 def load_quantized(weights: Any, prefix: str, qc: QuantConfig) -> QuantizedWeight:
     """The projection at `prefix` (`weights`: utils.weights.Weights) as integers: unpacked from a GPTQ or AWQ
     checkpoint, or quantized from the float weight (eetq)."""

@@ -15,7 +15,7 @@ from torch import nn
 from textgen_server.layers.linear_choice import BUCKET_ROWS, KERNELS, Kernel, PlainKernel, bucket
 from textgen_server.layers.lora import AdapterSegments, LoraProjection, add_lora
 from textgen_server.layers.quant_kernels import packed_kernel
-from textgen_server.layers.quantization import load_quantized
+from textgen_server.layers.quantization import load_quantized, stored_quantized
 from textgen_server.layers.quantized_weight import QuantizedWeight
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
@@ -170,7 +170,7 @@ class ParallelLMHead(Linear):
     concatenates them; otherwise every rank holds the whole head (an all_gather needs equal blocks).
     """
 
-    def __init__(self, weight: torch.Tensor, gather: bool, dist: DistInfo) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, gather: bool, dist: DistInfo) -> None:
         super().__init__(weight, None)
         self.gather = gather
         self.dist = dist
@@ -179,7 +179,13 @@ class ParallelLMHead(Linear):
     def load(
         cls, weights: Weights, name: str, dist: DistInfo, embedding: VocabParallelEmbedding | None = None
     ) -> ParallelLMHead:
-        """`embedding` (tied weights): reuse its block when it is exactly this rank's head block."""
+        """`embedding` (tied weights): reuse its block when it is exactly this rank's head block. A head the
+        checkpoint stores quantized is served packed, as the decoder projections are."""
+        prefix = name.removesuffix(".weight")
+        if weights.quant is not None and stored_quantized(weights, prefix, weights.quant):
+            stored = load_quantized(weights, prefix, weights.quant)
+            gather = dist.world_size > 1 and stored.shape[0] % dist.world_size == 0
+            return cls(_rank_block(weights, stored, dim=0) if gather else stored, gather, dist)
         vocab = weights.get_shape(name)[0]
         gather = dist.world_size > 1 and vocab % dist.world_size == 0
         if embedding is not None and (gather or dist.world_size == 1):
