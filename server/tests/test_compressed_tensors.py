@@ -19,9 +19,11 @@ from testing.ct_oracle import ct_oracle_model
 from testing.models import build_ct_model
 from testing.shards import ShardProcess
 from textgen_server.config import UnsupportedConfigError
+from textgen_server.layers import cpu_ops
+from textgen_server.layers.linear_choice import BUCKET_ROWS, bucket
 from textgen_server.layers.quant_kernels import Int4Kernel, Int8DynamicKernel, Int8Kernel
 from textgen_server.layers.quantization import read_quant_config
-from textgen_server.layers.quantized_weight import QuantConfig
+from textgen_server.layers.quantized_weight import QuantConfig, QuantizedWeight
 
 PROMPT = [1, 5, 9, 100, 200, 300, 7, 42]
 # bfloat16 activations against the float32 oracle, max |log-softmax difference|: the float model itself in bfloat16
@@ -77,6 +79,28 @@ def test_a_checkpoint_that_quantizes_its_lm_head_has_it_served_packed() -> None:
     assert all(type(m.packed) is Int4Kernel for m in linears)  # the head included
     logprobs = torch.log_softmax(got, -1) - torch.log_softmax(want, -1)
     assert logprobs.abs().max() < BF16_LOGPROB_TOLERANCE["w4a16"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_every_w8a8_path_computes_the_integer_product(dtype: torch.dtype) -> None:
+    """The paths timed at load differ in speed only: `float` sums the same integers exactly, `gemv` rounds its sum
+    to bfloat16 once before the activations' scale."""
+    g = torch.Generator().manual_seed(0)
+    weight = QuantizedWeight.per_channel_int8(torch.randn(96, 256, generator=g).to(dtype))
+    weight.dynamic_activations = True
+    kernel = Int8DynamicKernel(weight, None)
+    assert len(kernel.paths) == len(BUCKET_ROWS) and set(kernel.paths) <= set(kernel.PATHS)
+    assert "gemv" not in kernel.paths[1:] and (kernel.gemv or "gemv" not in kernel.paths)
+    assert kernel.gemv == (dtype == torch.bfloat16 and cpu_ops.kernel_available())
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 256, generator=g).to(dtype)
+        ints, scale = kernel._quantize(x)
+        want = kernel._product("int_mm", ints, scale, dtype)
+        assert torch.equal(kernel._product("float", ints, scale, dtype), want)
+        if kernel.gemv and rows == 1:
+            got = kernel._product("gemv", ints, scale, dtype)
+            assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-2 * float(want.abs().max()))
+        assert torch.equal(kernel(x), kernel._product(kernel.paths[bucket(rows)], ints, scale, dtype))
 
 
 def _ct_config(fmt: str = "pack-quantized", **group: object) -> dict[str, object]:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from textgen_server.config import UnsupportedConfigError
 from textgen_server.layers import cpu_ops
-from textgen_server.layers.linear_choice import Kernel, last_level_cache_bytes
+from textgen_server.layers.linear_choice import BUCKET_NAMES, BUCKET_ROWS, Kernel, bucket, last_level_cache_bytes
 from textgen_server.layers.measurements import measurements
 from textgen_server.layers.quantized_weight import QuantizedWeight
 
@@ -254,21 +254,78 @@ class Int8Kernel(Int8Weights):
 class Int8DynamicKernel(Int8Weights):
     """compressed-tensors W8A8: int8 weights per output feature, and each row of x quantized to int8 at every call
     as the compressed-tensors package does it (symmetric: scale = max |x_row| / 127.5, round half to even, clamp
-    to [-128, 127]); an int8 x int8 product summed in int32 (`torch._int_mm`), scaled back by both scales."""
+    to [-128, 127]); the product of the two integer matrices, scaled back by both scales.
+
+    That product has three paths, timed at load per bucket of rows (linear_choice.BUCKET_ROWS) and kept per CPU,
+    torch, shape and thread count (layers/measurements.py):
+    - `int_mm`: summed in int32 by `torch._int_mm`, fast where the CPU multiplies int8 (VNNI, AMX) but a plain
+      loop elsewhere: 4 GOP/s on the 2-core Zen 3 against 100 GFLOP/s for float32 `F.linear`;
+    - `float`: the same integers as float32 through `F.linear`, on the weight converted for the call (no second
+      copy kept): exact, so `int_mm`'s result, while a sum of products stays below 2^24;
+    - `gemv` (one row, bfloat16 where the CPU ops are on): `textgen::int8_gemv` on the activations' integers
+      (exact in bfloat16), its float32 sum rounded to bfloat16 before the activations' scale.
+    benchmark/README.md, "Quantized models", has the times."""
 
     path = "w8a8"
     # The product is integer: float32 activations run as fast as bfloat16 ones.
     activation_dtypes = (torch.float32, torch.bfloat16)
+    PATHS: ClassVar[tuple[str, ...]] = ("int_mm", "float", "gemv")
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
         self.scales_f32 = self.scales.float()
+        # int8_gemv takes bfloat16 scales: a float32 shard's would be rounded
+        self.gemv = self.scales.dtype == torch.bfloat16 and cpu_ops.ops_for(self.scales.dtype, weight.q.device)
+        self.paths = self._choose_paths()
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
+    def _choose_paths(self) -> tuple[str, ...]:
+        """The fastest path for each bucket of rows, measured once per CPU, torch, shape, dtype and thread count."""
+        n, k = self.ints.shape
+        dtype = str(self.scales.dtype).removeprefix("torch.")
+        known = measurements(last_level_cache_bytes())
+        key = f"w8a8 {n}x{k} {dtype} gemv {self.gemv} threads {torch.get_num_threads()}"
+        found = known.get(key)
+        if not isinstance(found, dict):
+            found = {"paths": self._measure_paths()}
+            known.put(key, found)
+            logger.info("CPU W8A8 %dx%d %s, rows %s (measured)", n, k, dtype, self._describe(found["paths"]))
+        return tuple(found["paths"])
+
+    @staticmethod
+    def _describe(paths: list[str]) -> str:
+        return ", ".join(f"{name}: {path}" for name, path in zip(BUCKET_NAMES, paths, strict=True))
+
+    def _measure_paths(self) -> list[str]:
+        g = torch.Generator().manual_seed(0)
+        chosen = []
+        for rows in BUCKET_ROWS:
+            x = torch.randn(rows, self.in_features, generator=g).to(self.scales.dtype)
+            ints, scale = self._quantize(x)
+            paths = [p for p in self.PATHS if p != "gemv" or (self.gemv and rows == 1)]
+            times = {p: least_seconds(functools.partial(self._product, p, ints, scale, x.dtype), 3) for p in paths}
+            chosen.append(min(times, key=times.__getitem__))
+        return chosen
+
+    @staticmethod
+    def _quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's int8 values and its float32 scale [M, 1]."""
         floats = rows.float()
         scale = floats.abs().amax(dim=1, keepdim=True) / 127.5
         scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
-        ints = torch.round(floats / scale).clamp(-128, 127).to(torch.int8)
-        # W^T as a view: _int_mm reads the [N, K] weight through it 3x faster than a [K, N] copy (2048x2048, one
-        # row, Zen 3), and no second copy of the weight is kept.
-        return (torch._int_mm(ints, self.ints.t()).float() * scale * self.scales_f32).to(rows.dtype)
+        return torch.round(floats / scale).clamp(-128, 127).to(torch.int8), scale
+
+    def _product(self, path: str, ints: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if path == "gemv":
+            sums = torch.ops.textgen.int8_gemv(ints.to(torch.bfloat16), self.ints, self.scales).float()
+            return (sums * scale).to(dtype)
+        if path == "float":
+            sums = F.linear(ints.float(), self.ints.float())
+        else:
+            # W^T as a view: _int_mm reads the [N, K] weight through it 3x faster than a [K, N] copy (2048x2048, one
+            # row, Zen 3), and no second copy of the weight is kept.
+            sums = torch._int_mm(ints, self.ints.t()).float()
+        return (sums * scale * self.scales_f32).to(dtype)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        ints, scale = self._quantize(rows)
+        return self._product(self.paths[bucket(rows.shape[0])], ints, scale, rows.dtype)
