@@ -30,7 +30,7 @@ import logging
 import time
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from textgen_server.layers.measurements import measurements
 from textgen_server.layers.quantized_weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
 # Row counts at which a many-row int4 product is timed both ways at load (Int4Kernel._dequantize_from), and the
@@ -77,6 +78,20 @@ def least_seconds(call: Callable[[], object], rounds: int) -> float:
         call()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def kept_measurement(key: str, field: str, measure: Callable[[], T], report: Callable[[T], None]) -> T:
+    """`measure()`'s result, kept under `key` in this CPU's measurements (layers/measurements.py) for the next
+    starts: measured, and told to `report`, only where no earlier start kept it. The load writes the process's
+    measurements once, with the linear choice's (choose_linear_kernels, run on the model's float layers after every
+    quantized one is built)."""
+    known = measurements(last_level_cache_bytes())
+    found = known.get(key)
+    if not isinstance(found, dict) or field not in found:
+        found = {field: measure()}
+        known.put(key, found)
+        report(found[field])
+    return found[field]
 
 
 def _consecutive_groups(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -168,18 +183,13 @@ class Int4Kernel(PackedKernel):
         and thread count (layers/measurements.py). On a CPU without bf16 arithmetic torch's kernel ran 1.5-2x
         slower than the float32 GEMM from 512 rows on (benchmark/README.md, "Quantized models")."""
         n, k = self.packed.shape[0], self.in_features
-        known = measurements(last_level_cache_bytes())
-        key = f"int4 dequantize {n}x{k} group {self.group_size} threads {torch.get_num_threads()}"
-        found = known.get(key)
-        if not isinstance(found, dict):
-            # kept in the process's measurements, which the load writes once with the linear choice's
-            # (choose_linear_kernels, run on the model's float layers after every quantized one is built)
-            found = {"rows": self._measure_dequantize_from()}
-            known.put(key, found)
-            rows = found["rows"]
+
+        def report(rows: int | None) -> None:
             how = f"from {rows} rows as a float32 GEMM on the dequantized weight" if rows else "the int4 kernel only"
             logger.info("CPU int4 %dx%d group %d, many rows: %s (measured)", n, k, self.group_size, how)
-        return found["rows"]
+
+        key = f"int4 dequantize {n}x{k} group {self.group_size} threads {torch.get_num_threads()}"
+        return kept_measurement(key, "rows", self._measure_dequantize_from, report)
 
     def _measure_dequantize_from(self) -> int | None:
         g = torch.Generator().manual_seed(0)
@@ -282,18 +292,14 @@ class Int8DynamicKernel(Int8Weights):
         """The fastest path for each bucket of rows, measured once per CPU, torch, shape, dtype and thread count."""
         n, k = self.ints.shape
         dtype = str(self.scales.dtype).removeprefix("torch.")
-        known = measurements(last_level_cache_bytes())
-        key = f"w8a8 {n}x{k} {dtype} gemv {self.gemv} threads {torch.get_num_threads()}"
-        found = known.get(key)
-        if not isinstance(found, dict):
-            found = {"paths": self._measure_paths()}
-            known.put(key, found)
-            logger.info("CPU W8A8 %dx%d %s, rows %s (measured)", n, k, dtype, self._describe(found["paths"]))
-        return tuple(found["paths"])
 
-    @staticmethod
-    def _describe(paths: list[str]) -> str:
-        return ", ".join(f"{name}: {path}" for name, path in zip(BUCKET_NAMES, paths, strict=True))
+        def report(paths: list[str]) -> None:
+            by_bucket = ", ".join(f"{name}: {path}" for name, path in zip(BUCKET_NAMES, paths, strict=True))
+            logger.info("CPU W8A8 %dx%d %s, rows %s (measured)", n, k, dtype, by_bucket)
+
+        key = f"w8a8 {n}x{k} {dtype} gemv {self.gemv} threads {torch.get_num_threads()}"
+        paths: list[str] = kept_measurement(key, "paths", self._measure_paths, report)
+        return tuple(paths)
 
     def _measure_paths(self) -> list[str]:
         g = torch.Generator().manual_seed(0)
