@@ -114,3 +114,17 @@ def test_with_custom_kernels_off_int8_kernel_never_calls_the_op(
     x = torch.randn(1, 128, dtype=torch.bfloat16)
     assert torch.equal(kernel(x), torch._weight_int8pack_mm(x, kernel.ints, kernel.scales))
     assert spy.calls == 0
+    assert kernel.dequantize_from is None  # nothing timed at load either
+
+
+def test_many_rows_run_as_a_float32_gemm_from_the_measured_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    floats = torch.randn(96, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    weight = QuantizedWeight.per_channel_int8(floats)
+    kernel = Int8Kernel(weight, None)
+    kernel.dequantize_from = 8  # as if measured (test_quantized.py checks the measurement)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    held = kernel.ints.float() * kernel.scales.float()[:, None]
+    assert torch.equal(kernel(x), (x.float() @ held.t()).to(torch.bfloat16))
+    assert torch.equal(kernel(x[:7]), torch._weight_int8pack_mm(x[:7], kernel.ints, kernel.scales))

@@ -21,8 +21,9 @@ from transformers import AutoConfig, AutoTokenizer
 from testing.models import build_dequantized_oracle, build_int8_oracle, build_quantized_model
 from testing.shards import ShardProcess
 from textgen_pb import generate_pb2 as pb
-from textgen_server.config import ServeConfig, UnsupportedConfigError
-from textgen_server.layers.quant_kernels import Int4Kernel, Int8Kernel, packed_kernel
+from textgen_server.config import DISABLE_CUSTOM_KERNELS, ServeConfig, UnsupportedConfigError
+from textgen_server.layers import cpu_ops, quant_kernels
+from textgen_server.layers.quant_kernels import DEQUANTIZE_ROWS, Int4Kernel, Int8Kernel, packed_kernel
 from textgen_server.layers.quantization import REFUSED, read_quant_config
 from textgen_server.layers.quantized_weight import QuantizedWeight
 from textgen_server.loader import get_model
@@ -177,6 +178,26 @@ def test_weights_no_packed_kernel_reads_say_why() -> None:
     grouped = _weight(48, 128, 32, False, torch.bfloat16)
     grouped.bits = 8
     assert why(grouped) == "8-bit groups (the int8 kernel takes one scale per output feature)"
+
+
+@pytest.mark.skipif(not cpu_ops.kernel_available(), reason="the switch is timed where the CPU ops are on")
+@pytest.mark.parametrize("kernel", [Int4Kernel, Int8Kernel])
+def test_the_many_row_switch_is_measured_once_per_shape(
+    kernel: type[Int4Kernel | Int8Kernel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    if kernel is Int4Kernel:
+        weight = _weight(112, 256, 128, act_order=True, dtype=torch.bfloat16)
+    else:
+        weight = QuantizedWeight.per_channel_int8(
+            torch.randn(96, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+        )
+    first = kernel(weight, None).dequantize_from
+    assert first in (*DEQUANTIZE_ROWS, None)
+    # A second kernel of the shape reads the kept figure (and so does the next start: layers/measurements.py).
+    monkeypatch.setattr(quant_kernels, "least_seconds", lambda *args: pytest.fail("measured again"))
+    assert kernel(weight, None).dequantize_from == first
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

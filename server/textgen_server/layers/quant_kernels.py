@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
-# Row counts at which a many-row int4 product is timed both ways at load (Int4Kernel._dequantize_from), and the
+# Row counts at which a many-row int4 or int8 product is timed both ways at load (`dequantize_from`), and the
 # rounds of each (the least counts).
 DEQUANTIZE_ROWS = (128, 512)
 DEQUANTIZE_ROUNDS = 3
@@ -92,6 +92,36 @@ def kept_measurement(key: str, field: str, measure: Callable[[], T], report: Cal
         known.put(key, found)
         report(found[field])
     return found[field]
+
+
+def dequantize_from(
+    label: str,
+    kernel: Callable[[torch.Tensor], torch.Tensor],
+    gemm: Callable[[torch.Tensor], torch.Tensor],
+    in_features: int,
+    dtype: torch.dtype,
+) -> int | None:
+    """The fewest rows (of DEQUANTIZE_ROWS) whose product runs faster through `gemm` (a float32 GEMM on the weight
+    dequantized for the call) than through torch's packed `kernel`, None where none does: measured once per CPU,
+    torch, shape and thread count. On a CPU without bf16 arithmetic torch's int4 and int8 kernels ran 1.5-2x
+    slower than the float32 GEMM from 512 rows on (benchmark/README.md, "Quantized models")."""
+
+    def measure() -> int | None:
+        g = torch.Generator().manual_seed(0)
+        for rows in DEQUANTIZE_ROWS:
+            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            if least_seconds(functools.partial(gemm, x), DEQUANTIZE_ROUNDS) < least_seconds(
+                functools.partial(kernel, x), DEQUANTIZE_ROUNDS
+            ):
+                return rows
+        return None
+
+    def report(rows: int | None) -> None:
+        how = f"from {rows} rows as a float32 GEMM on the dequantized weight" if rows else "the packed kernel only"
+        logger.info("CPU %s, many rows: %s (measured)", label, how)
+
+    key = f"{label} dequantize threads {torch.get_num_threads()}"
+    return kept_measurement(key, "rows", measure, report)
 
 
 def _consecutive_groups(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -175,30 +205,12 @@ class Int4Kernel(PackedKernel):
         self.scales_offsets = pairs.transpose(0, 1).contiguous().to(weight.scales.dtype)
         # One row by textgen::int4_gemv, which reads the same packed weight and scales (no second copy).
         self.gemv = cpu_ops.ops_for(weight.scales.dtype, weight.q.device)
-        self.dequantize_from = self._dequantize_from() if self.gemv else None
-
-    def _dequantize_from(self) -> int | None:
-        """The fewest rows (of DEQUANTIZE_ROWS) whose product runs faster as a float32 GEMM on the weight dequantized
-        for the call than through torch's int4 kernel, None where none does: measured once per CPU, torch, shape
-        and thread count (layers/measurements.py). On a CPU without bf16 arithmetic torch's kernel ran 1.5-2x
-        slower than the float32 GEMM from 512 rows on (benchmark/README.md, "Quantized models")."""
         n, k = self.packed.shape[0], self.in_features
-
-        def report(rows: int | None) -> None:
-            how = f"from {rows} rows as a float32 GEMM on the dequantized weight" if rows else "the int4 kernel only"
-            logger.info("CPU int4 %dx%d group %d, many rows: %s (measured)", n, k, self.group_size, how)
-
-        key = f"int4 dequantize {n}x{k} group {self.group_size} threads {torch.get_num_threads()}"
-        return kept_measurement(key, "rows", self._measure_dequantize_from, report)
-
-    def _measure_dequantize_from(self) -> int | None:
-        g = torch.Generator().manual_seed(0)
-        for rows in DEQUANTIZE_ROWS:
-            x = torch.randn(rows, self.in_features, generator=g).to(self.scales_offsets.dtype)
-            kernel = least_seconds(functools.partial(self._int4, x), DEQUANTIZE_ROUNDS)
-            if least_seconds(functools.partial(self._gemm, x), DEQUANTIZE_ROUNDS) < kernel:
-                return rows
-        return None
+        self.dequantize_from = (
+            dequantize_from(f"int4 {n}x{k} group {self.group_size}", self._int4, self._gemm, k, weight.scales.dtype)
+            if self.gemv
+            else None
+        )
 
     def _int4(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_offsets)
@@ -253,12 +265,24 @@ class Int8Kernel(Int8Weights):
         super().__init__(weight, bias)
         # One row by textgen::int8_gemv (int8_ops.cpp), on the same weight and scales: 1.4-2x torch's kernel there.
         self.gemv = cpu_ops.ops_for(self.scales.dtype, weight.q.device)
+        n, k = self.ints.shape
+        self.dequantize_from = (
+            dequantize_from(f"int8 {n}x{k}", self._int8, self._gemm, k, self.scales.dtype) if self.gemv else None
+        )
+
+    def _int8(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.ints, self.scales)
+
+    def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows.float(), self.ints.float() * self.scales.float()[:, None]).to(rows.dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
         if self.gemv and rows.shape[0] == 1:
             return torch.ops.textgen.int8_gemv(rows, self.ints, self.scales)
-        return torch._weight_int8pack_mm(rows, self.ints, self.scales)
+        if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
+            return self._gemm(rows)
+        return self._int8(rows)
 
 
 class Int8DynamicKernel(Int8Weights):
