@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 from testing.ct_oracle import ct_oracle_model
 from testing.models import build_ct_model
 from testing.shards import ShardProcess
-from textgen_server.config import UnsupportedConfigError
-from textgen_server.layers import cpu_ops
+from textgen_server.config import DISABLE_CUSTOM_KERNELS, UnsupportedConfigError
+from textgen_server.layers import cpu_ops, quant_kernels
 from textgen_server.layers.linear_choice import BUCKET_ROWS, bucket
 from textgen_server.layers.quant_kernels import Int4Kernel, Int8DynamicKernel, Int8Kernel
 from textgen_server.layers.quantization import read_quant_config
@@ -101,6 +101,17 @@ def test_every_w8a8_path_computes_the_integer_product(dtype: torch.dtype) -> Non
             got = kernel._product("gemv", ints, scale, dtype)
             assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-2 * float(want.abs().max()))
         assert torch.equal(kernel(x), kernel._product(kernel.paths[bucket(rows)], ints, scale, dtype))
+
+
+def test_with_custom_kernels_off_w8a8_times_nothing_and_multiplies_with_int_mm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DISABLE_CUSTOM_KERNELS, "True")
+    monkeypatch.setattr(quant_kernels, "least_seconds", lambda *args: pytest.fail("timed at load"))
+    weight = QuantizedWeight.per_channel_int8(
+        torch.randn(96, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    )
+    weight.dynamic_activations = True
+    kernel = Int8DynamicKernel(weight, None)
+    assert kernel.paths == ("int_mm",) * len(BUCKET_ROWS) and not kernel.gemv
 
 
 def _ct_config(fmt: str = "pack-quantized", **group: object) -> dict[str, object]:

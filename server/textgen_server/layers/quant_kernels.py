@@ -14,10 +14,13 @@
   measured faster at load, if any.
 - `Int8Kernel`: int8 weights with one scale per output feature (symmetric, per-channel: eetq, and 8-bit
   checkpoints quantized that way): one row by `textgen::int8_gemv` (int8_ops.cpp) where the CPU ops are on, more
-  by torch's `_weight_int8pack_mm`; bfloat16 activations (torch's float32 path, like its int4 kernel's, is a
-  scalar fallback: float32 shards dequantize at load). Both share `PackedKernel`.
+  by torch's `_weight_int8pack_mm`, and from the row count where it measured faster at load as a float32 GEMM on
+  the weight dequantized for the call, as the int4 kernel (`dequantize_from`); bfloat16 activations (torch's
+  float32 path, like its int4 kernel's, is a scalar fallback: float32 shards dequantize at load). Both share
+  `PackedKernel`.
 - `Int8DynamicKernel`: the same weights (both int8 kernels hold them as `Int8Weights`) with the activations
-  quantized to int8 per row at each call (compressed-tensors W8A8), an integer product by `torch._int_mm`.
+  quantized to int8 per row at each call (compressed-tensors W8A8), the integers multiplied by the path timed
+  fastest at load (`torch._int_mm` where the CPU has an int8 dot product).
 
 `packed_kernel(weight)` gives the kernel that serves a weight, or the reason none does (the weight is then
 dequantized at load and served like a float one).
@@ -35,7 +38,7 @@ from typing import ClassVar, TypeVar
 import torch
 import torch.nn.functional as F
 
-from textgen_server.config import UnsupportedConfigError
+from textgen_server.config import UnsupportedConfigError, custom_kernels_disabled
 from textgen_server.layers import cpu_ops
 from textgen_server.layers.linear_choice import BUCKET_NAMES, BUCKET_ROWS, Kernel, bucket, last_level_cache_bytes
 from textgen_server.layers.measurements import measurements
@@ -45,10 +48,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
-# Row counts at which a many-row int4 or int8 product is timed both ways at load (`dequantize_from`), and the
-# rounds of each (the least counts).
+# Row counts at which a many-row int4 or int8 product is timed both ways at load (`dequantize_from`).
 DEQUANTIZE_ROWS = (128, 512)
-DEQUANTIZE_ROUNDS = 3
+# The rounds of each timing at load (the least counts).
+TIMING_ROUNDS = 3
 # The int4 kernel's K tiling, as torch's int4 weight-only quantization (torchao) packs for CPUs.
 INNER_K_TILES = 2
 
@@ -110,8 +113,8 @@ def dequantize_from(
         g = torch.Generator().manual_seed(0)
         for rows in DEQUANTIZE_ROWS:
             x = torch.randn(rows, in_features, generator=g).to(dtype)
-            if least_seconds(functools.partial(gemm, x), DEQUANTIZE_ROUNDS) < least_seconds(
-                functools.partial(kernel, x), DEQUANTIZE_ROUNDS
+            if least_seconds(functools.partial(gemm, x), TIMING_ROUNDS) < least_seconds(
+                functools.partial(kernel, x), TIMING_ROUNDS
             ):
                 return rows
         return None
@@ -310,7 +313,8 @@ class Int8DynamicKernel(Int8Weights):
         self.scales_f32 = self.scales.float()
         # int8_gemv takes bfloat16 scales: a float32 shard's would be rounded
         self.gemv = self.scales.dtype == torch.bfloat16 and cpu_ops.ops_for(self.scales.dtype, weight.q.device)
-        self.paths = self._choose_paths()
+        # --disable-custom-kernels: torch's integer product at every row count, nothing timed at load
+        self.paths = ("int_mm",) * len(BUCKET_ROWS) if custom_kernels_disabled() else self._choose_paths()
 
     def _choose_paths(self) -> tuple[str, ...]:
         """The fastest path for each bucket of rows, measured once per CPU, torch, shape, dtype and thread count."""
@@ -332,7 +336,10 @@ class Int8DynamicKernel(Int8Weights):
             x = torch.randn(rows, self.in_features, generator=g).to(self.scales.dtype)
             ints, scale = self._quantize(x)
             paths = [p for p in self.PATHS if p != "gemv" or (self.gemv and rows == 1)]
-            times = {p: least_seconds(functools.partial(self._product, p, ints, scale, x.dtype), 3) for p in paths}
+            times = {
+                p: least_seconds(functools.partial(self._product, p, ints, scale, x.dtype), TIMING_ROUNDS)
+                for p in paths
+            }
             chosen.append(min(times, key=times.__getitem__))
         return chosen
 
