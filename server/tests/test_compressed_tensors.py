@@ -82,9 +82,11 @@ def test_a_checkpoint_that_quantizes_its_lm_head_has_it_served_packed() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_every_w8a8_path_computes_the_integer_product(dtype: torch.dtype) -> None:
+def test_every_w8a8_path_computes_the_integer_product(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The paths timed at load differ in speed only: `float` sums the same integers exactly, `gemv` rounds its sum
     to bfloat16 once before the activations' scale."""
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
     g = torch.Generator().manual_seed(0)
     weight = QuantizedWeight.per_channel_int8(torch.randn(96, 256, generator=g).to(dtype))
     weight.dynamic_activations = True
