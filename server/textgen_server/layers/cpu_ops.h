@@ -165,23 +165,19 @@ inline void store8(uint16_t* p, __m256 f) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0xD8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
-
-inline float reduce_max(__m256 v) {
-  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
-  v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
-  v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
-  return _mm256_cvtss_f32(v);
-}
 #endif
 
 #if defined(__AVX2__)
-// The sum of 8 lanes as torch's AVX2 vectors fold them: lanes 4 apart, then 2 and 1. In AVX-512 builds too, whose
-// ops also run 8-lane paths (int8_ops.cpp).
-inline float fold_add(__m256 v) {
-  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
-  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
-  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+// 8 lanes folded by `op` as torch's AVX2 vectors fold them: lanes 4 apart, then 2 and 1. In AVX-512 builds too,
+// whose ops also run 8-lane paths (int8_ops.cpp).
+template <typename Op>
+inline float fold8(__m256 v, Op op) {
+  v = op(v, _mm256_permute2f128_ps(v, v, 0x01));
+  v = op(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = op(v, _mm256_shuffle_ps(v, v, 0xB1));
   return _mm256_cvtss_f32(v);
 }
+inline float fold_add(__m256 v) { return fold8(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }); }
+inline float reduce_max(__m256 v) { return fold8(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); }); }
 #endif
 }  // namespace textgen_cpu
