@@ -117,16 +117,28 @@ def test_max_completion_tokens_and_model_echo(http: httpx.Client) -> None:
         assert both.text == "Failed to deserialize the JSON body into the target type: duplicate field `max_tokens`"
 
 
-def test_any_role_and_image_parts_reach_the_template(http: httpx.Client) -> None:
-    """TGI's role is any string, and an image part is flattened into the text as `![](url)`."""
-    image = {"type": "image_url", "image_url": {"url": "http://x/a.png"}}
-    messages = [
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Look: "}, image]},
-    ]
+def test_any_role_and_text_parts_reach_the_template(http: httpx.Client) -> None:
+    """TGI's role is any string, and a content's text parts are joined."""
+    parts = [{"type": "text", "text": "Look: "}, {"type": "text", "text": "there."}]
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}]
     templated = http.post("/chat_tokenize", json={"messages": messages}).json()["templated_text"]
-    assert templated == "developer: Be brief.\nuser: Look: ![](http://x/a.png)\nassistant:"
+    assert templated == "developer: Be brief.\nuser: Look: there.\nassistant:"
     assert chat(http, messages=messages).status_code == 200
+
+
+def test_an_image_part_sent_to_a_text_model_is_refused(http: httpx.Client) -> None:
+    """TGI would pass `![](url)` to the text model as text, which reads the URL, not the image: a 422 here."""
+    image = {"type": "image_url", "image_url": {"url": "http://x/a.png"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look: "}, image]}]
+    for route in ("/v1/chat/completions", "/chat_tokenize"):
+        response = http.post(route, json={"messages": messages, "max_tokens": 4})
+        assert response.status_code == 422, route
+        assert response.json() == {
+            "error": "Input validation error: image modality is not supported: this model reads text only, and "
+            "an `image_url` content part would reach it as the text of its URL",
+            "error_type": "validation",
+        }
+    assert chat(http).status_code == 200  # the server is still up
 
 
 def test_logprobs(http: httpx.Client) -> None:

@@ -134,15 +134,17 @@ class Message(BaseModel):
             raise PydanticCustomError("untagged_enum", "data did not match any variant of untagged enum MessageBody")
         return self
 
+    def has_image(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(chunk, ImageChunk) for chunk in self.content)
+
     def text(self) -> str:
-        """The content as one string: chunks joined, an image as the Markdown `![](url)` (TGI's flattening; a
-        text model reads the link, a multimodal template finds it)."""
+        """The content as one string, its text chunks joined (`ChatRequest.check_supported` refused images)."""
         content = self.content
         if not isinstance(content, list):
             return content or ""
-        return "".join(
-            chunk.text if isinstance(chunk, TextChunk) else f"![]({chunk.image_url.url})" for chunk in content
-        )
+        texts = [chunk.text for chunk in content if isinstance(chunk, TextChunk)]
+        assert len(texts) == len(content), "image parts reach no template: check_supported refuses them"
+        return "".join(texts)
 
 
 class StreamOptions(BaseModel):
@@ -192,6 +194,14 @@ class ChatRequest(BaseModel):
             raise ValidationError("`logit_bias` is not supported")
         if not self.messages:
             raise ValidationError("`messages` cannot be empty")
+        if any(message.has_image() for message in self.messages):
+            # TGI flattens the part into the text as `![](url)`, which a text model reads as the URL's characters
+            # and a vision model's template turns into an image; textgen serves text models only (for now), so
+            # the image would be silently ignored.
+            raise ValidationError(
+                "image modality is not supported: this model reads text only, and an `image_url` content part "
+                "would reach it as the text of its URL"
+            )
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template sees them: content as one string (`Message.text`); tool calls in

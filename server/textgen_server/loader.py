@@ -107,7 +107,14 @@ def x86_bf16_hardware() -> bool:
 
 
 def refuse_unsupported(serve: ServeConfig, config: PretrainedConfig) -> None:
-    """UnsupportedConfigError for a speculator checkpoint, or --speculate where the padded engine would serve."""
+    """UnsupportedConfigError for a vision-language or speculator checkpoint, or --speculate where the padded
+    engine would serve."""
+    if getattr(config, "vision_config", None) is not None:
+        # Some (gemma3, mllama, llama4) would load as causal LMs here and read an image's markdown as text.
+        raise UnsupportedConfigError(
+            f"{serve.model_id} is a vision-language model ({config.model_type}), which this shard cannot run: "
+            "textgen serves text models only"
+        )
     if getattr(config, "medusa_num_heads", None) or config.model_type == "mlp_speculator":
         raise UnsupportedConfigError(
             f"{serve.model_id} is a speculator (Medusa heads or an MLP speculator), which this shard cannot run; "
