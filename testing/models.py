@@ -2,7 +2,8 @@
 
 `build_model(arch, size)` returns the directory of a model made by `textgen_server.builder.build_test_model`,
 cached under `~/.cache/textgen-test-models/<arch>-<size>-v<BUILDER_VERSION>-py<X.Y>-torch<V>` (override the
-root with TEXTGEN_TEST_MODELS), so a second run costs nothing.
+root with TEXTGEN_TEST_MODELS), so a second run costs nothing; `build_vlm(arch)` likewise for the tiny
+vision-language models of `textgen_server.vlm_builder`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ def build_model(arch: str, size: str = "tiny") -> Path:
     key = f"{arch}-{size}-v{builder.BUILDER_VERSION}-py{py}-torch{torch.__version__.split('+')[0]}"
     # The builder reuses a matching build and writes through a temporary directory plus rename.
     return builder.build_test_model(MODEL_CACHE_ROOT / key, arch=arch, size=size)
+
+
+def build_vlm(arch: str) -> Path:
+    """The tiny vision-language model of `textgen_server.vlm_builder` (llava_next or idefics3), cached like the
+    text models, keyed by VLM_BUILDER_VERSION."""
+    import torch
+
+    from textgen_server import vlm_builder
+
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    key = f"{arch}-tiny-vlm{vlm_builder.VLM_BUILDER_VERSION}-py{py}-torch{torch.__version__.split('+')[0]}"
+    return vlm_builder.build_test_vlm(MODEL_CACHE_ROOT / key, arch)
 
 
 def build_quantized_model(

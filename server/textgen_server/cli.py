@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     build = commands.add_parser("build-test-model", help="build a small random model with a local tokenizer")
     build.add_argument("out_dir")
     # Choices are checked by the builder (importing it here would cost every subcommand its torch import).
-    build.add_argument("--arch", default="llama", help="llama | gpt2 | mistral | qwen2")
-    build.add_argument("--size", default="tiny", help="tiny | small | 1b")
+    build.add_argument("--arch", default="llama", help="llama | gpt2 | mistral | qwen2 | llava_next | idefics3")
+    build.add_argument("--size", default="tiny", help="tiny | small | 1b (vision-language archs: tiny only)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--lora-adapter", metavar="ADAPTER_DIR", help="also write a random PEFT LoRA adapter here")
     build.add_argument("--lora-rank", type=int, default=8)
@@ -115,9 +115,15 @@ def run_download(args: argparse.Namespace) -> int:
 
 def run_build(args: argparse.Namespace) -> int:
     from textgen_server.builder import build_test_adapter, build_test_model
+    from textgen_server.vlm_builder import VLM_ARCHS, build_test_vlm
 
     try:
-        model_dir = build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
+        if args.arch in VLM_ARCHS:
+            if args.size != "tiny" or args.lora_adapter:
+                raise ValueError(f"{args.arch} is built at size tiny only, without a LoRA adapter")
+            model_dir = build_test_vlm(args.out_dir, args.arch, seed=args.seed)
+        else:
+            model_dir = build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
         print(model_dir)
         if args.lora_adapter:
             print(build_test_adapter(args.lora_adapter, model_dir, rank=args.lora_rank, seed=args.lora_seed))

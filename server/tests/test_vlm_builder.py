@@ -1,0 +1,82 @@
+"""The tiny vision-language models of textgen_server.vlm_builder: what transformers loads and generates from, with
+the model's own processor, offline (the oracle issue 38's serving will be checked against)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from testing.models import build_vlm
+from textgen_server.vlm_builder import VLM_ARCHS, build_test_vlm
+
+PROMPT = "Look: <image> what is it?"
+
+
+def png(seed: int, height: int, width: int) -> Image.Image:
+    """A random RGB image that went through PNG bytes, as a fetched image does."""
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
+    data = io.BytesIO()
+    Image.fromarray(pixels).save(data, format="PNG")
+    return Image.open(io.BytesIO(data.getvalue()))
+
+
+@torch.inference_mode()
+def greedy(model_dir: Path, image: Image.Image, new_tokens: int = 10) -> tuple[int, list[int]]:
+    """The prompt's length with the image's tokens expanded, and transformers' greedy tokens after it."""
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    inputs = processor(text=PROMPT, images=[image], return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    length = inputs["input_ids"].shape[1]
+    return length, out[0, length:].tolist()
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_transformers_generates_from_it_and_the_image_decides_the_tokens(arch: str) -> None:
+    model_dir = build_vlm(arch)
+    length, tokens = greedy(model_dir, png(0, 48, 80))
+    assert len(tokens) == 10
+    assert greedy(model_dir, png(0, 48, 80)) == (length, tokens)  # the same image: the same tokens
+    assert greedy(model_dir, png(1, 48, 80))[1] != tokens  # another image of that size: other tokens
+    assert greedy(model_dir, png(2, 90, 40))[0] != length  # another shape: another count of image tokens
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_rebuild_is_identical_and_reuse_is_free(arch: str, tmp_path: Path) -> None:
+    cached = build_vlm(arch)
+    rebuilt = build_test_vlm(tmp_path / arch, arch)
+    for name in ("model.safetensors", "tokenizer.json", "processor_config.json", "config.json"):
+        assert hashlib.sha256((cached / name).read_bytes()).digest() == (
+            hashlib.sha256((rebuilt / name).read_bytes()).digest()
+        ), name
+    stamp = (rebuilt / ".textgen-build.json").stat().st_mtime_ns
+    assert build_test_vlm(tmp_path / arch, arch) == rebuilt
+    assert (rebuilt / ".textgen-build.json").stat().st_mtime_ns == stamp
+
+
+def test_cli_builds_a_vlm_and_refuses_another_size(tmp_path: Path) -> None:
+    built = subprocess.run(
+        ["textgen-server", "build-test-model", str(tmp_path / "m"), "--arch", "idefics3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert built.returncode == 0, built.stderr
+    assert (tmp_path / "m" / "processor_config.json").is_file()
+    refused = subprocess.run(
+        ["textgen-server", "build-test-model", str(tmp_path / "n"), "--arch", "llava_next", "--size", "small"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2
+    assert "llava_next is built at size tiny only" in refused.stdout
+    assert not (tmp_path / "n").exists()
