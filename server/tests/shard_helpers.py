@@ -6,7 +6,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from operator import methodcaller
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +69,18 @@ def make_batch(batch_id: int, requests: list[pb.Request]) -> pb.Batch:
         size=len(requests),
         max_tokens=sum(64 + r.stopping_parameters.max_new_tokens for r in requests),
     )
+
+
+def generate_over_grpc(stub: Any, batch: pb.Batch) -> dict[int, list[int]]:
+    """Prefill `batch` on a shard's stub and decode it to the end: each request's tokens."""
+    tokens: dict[int, list[int]] = {r.id: [] for r in batch.requests}
+    response = stub.Prefill(pb.PrefillRequest(batch=batch), timeout=60)
+    while True:
+        for generation in response.generations:
+            tokens[generation.request_id].extend(generation.tokens.ids)
+        if not response.HasField("batch"):
+            return tokens
+        response = stub.Decode(pb.DecodeRequest(batches=[response.batch]), timeout=60)
 
 
 class HFOracle:

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from shard_helpers import HFOracle, make_batch, make_request
+from shard_helpers import HFOracle, generate_over_grpc, make_batch, make_request
 
 from testing.shards import ShardHandle
 from textgen_common import cache_dir
-from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig, UnsupportedConfigError
 from textgen_server.layers import cpu_ops, linear_choice, measurements
 from textgen_server.layers.linear_choice import (
@@ -239,16 +238,9 @@ NEW_TOKENS = 6
 def greedy_tokens(handle: ShardHandle) -> list[list[int]]:
     """Prefill the prompts in one batch (decode rows then: 3, prefill rows: 3 x prompt length), decode to the
     end; each request's tokens."""
-    stub = handle.stub()
     batch = make_batch(1, [make_request(i, p, NEW_TOKENS) for i, p in enumerate(PROMPTS)])
-    response = stub.Prefill(pb.PrefillRequest(batch=batch), timeout=60)
-    tokens: list[list[int]] = [[] for _ in PROMPTS]
-    while True:
-        for generation in response.generations:
-            tokens[generation.request_id].extend(generation.tokens.ids)
-        if not response.HasField("batch"):
-            return tokens
-        response = stub.Decode(pb.DecodeRequest(batches=[response.batch]), timeout=60)
+    tokens = generate_over_grpc(handle.stub(), batch)
+    return [tokens[i] for i in range(len(PROMPTS))]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The shard's loader refuses, before reading any weight, a checkpoint it cannot serve (textgen_server.loader)."""
+"""The shard's loader refuses, before reading any weight, a checkpoint or option it cannot serve
+(textgen_server.loader)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,30 @@ from transformers import Gemma3Config
 from testing.models import build_vlm
 from textgen_server.config import ServeConfig, UnsupportedConfigError
 from textgen_server.loader import get_model
-from textgen_server.vlm_builder import VLM_ARCHS
 
 
-def refused_as_vlm(model_dir: Path, model_type: str) -> None:
-    message = f"is a vision-language model \\({model_type}\\), which this shard cannot run: textgen serves text"
-    with pytest.raises(UnsupportedConfigError, match=message):
-        get_model(ServeConfig(str(model_dir)))
-
-
-@pytest.mark.parametrize("arch", VLM_ARCHS)
-def test_a_vision_language_model_is_refused_naming_its_family(arch: str) -> None:
-    refused_as_vlm(build_vlm(arch), arch)
-
-
-def test_a_vlm_that_transformers_loads_as_a_causal_lm_is_refused_too(tiny_llama: Path, tmp_path: Path) -> None:
+def test_a_vision_language_family_not_served_is_refused_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
     """gemma3's config loads as a causal LM in transformers: served as text, its images would be ignored."""
     for tokenizer_file in tiny_llama.glob("tokenizer*"):
         shutil.copy(tokenizer_file, tmp_path)
     Gemma3Config().save_pretrained(tmp_path)  # a config only: the refusal comes before the weights
-    refused_as_vlm(tmp_path, "gemma3")
+    message = (
+        "is a vision-language model \\(gemma3\\), which this shard cannot run: of those textgen serves llava_next "
+        "and idefics3"
+    )
+    with pytest.raises(UnsupportedConfigError, match=message):
+        get_model(ServeConfig(str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("option", "name"),
+    [
+        ({"quantize": "eetq"}, "--quantize"),
+        ({"speculate": 2}, "--speculate"),
+        ({"lora_adapters": "a"}, "LORA_ADAPTERS"),
+    ],
+)
+def test_what_the_vlm_engine_cannot_honour_is_refused(option: dict[str, object], name: str) -> None:
+    serve = ServeConfig(str(build_vlm("llava_next")), **option)  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedConfigError, match=f"{name} is not supported for a vision-language model \\(llava"):
+        get_model(serve)

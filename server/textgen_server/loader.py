@@ -23,10 +23,13 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
     AutoTokenizer,
     GenerationConfig,
     PretrainedConfig,
     PreTrainedTokenizerBase,
+    ProcessorMixin,
 )
 
 from textgen_server.adapters import load_adapters
@@ -40,6 +43,7 @@ from textgen_server.models.causal_lm import CausalLM
 from textgen_server.models.model import Model
 from textgen_server.models.paged_lm import PagedCausalLM
 from textgen_server.models.tp_llama import TPCausalLM, check_shardable, load_tp_model
+from textgen_server.models.vlm_causal_lm import VLM_MODEL_TYPES, VlmCausalLM
 from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 
 logger = logging.getLogger(__name__)
@@ -58,13 +62,14 @@ def get_model(serve: ServeConfig) -> Model:
     dtype = shard_dtype(serve, device, quant)
     override_rope(serve, config)
     tokenizer = load_tokenizer(model_dir, config, serve.trust_remote_code)
+    processor = AutoProcessor.from_pretrained(model_dir) if is_vlm(config) else None  # images to the VLM's inputs
     dist.barrier()
     module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code, quant)
     attach_adapters(serve, module, config, dist)
     release_freed_memory()
     dist.barrier()
     shard = shard_config(serve, model_dir, config, tokenizer, module, dtype, device, dist)
-    return engine(serve, module, shard, tokenizer)
+    return engine(serve, module, shard, tokenizer, processor)
 
 
 # ---- device and dtype ----
@@ -109,12 +114,8 @@ def x86_bf16_hardware() -> bool:
 def refuse_unsupported(serve: ServeConfig, config: PretrainedConfig) -> None:
     """UnsupportedConfigError for a vision-language or speculator checkpoint, or --speculate where the padded
     engine would serve."""
-    if getattr(config, "vision_config", None) is not None:
-        # Some (gemma3, mllama, llama4) would load as causal LMs here and read an image's markdown as text.
-        raise UnsupportedConfigError(
-            f"{serve.model_id} is a vision-language model ({config.model_type}), which this shard cannot run: "
-            "textgen serves text models only"
-        )
+    if is_vlm(config):
+        refuse_for_vlm(serve, config)
     if getattr(config, "medusa_num_heads", None) or config.model_type == "mlp_speculator":
         raise UnsupportedConfigError(
             f"{serve.model_id} is a speculator (Medusa heads or an MLP speculator), which this shard cannot run; "
@@ -127,6 +128,30 @@ def refuse_unsupported(serve: ServeConfig, config: PretrainedConfig) -> None:
             f"{config.model_type}{', USE_FLASH_ATTENTION=false' if not serve.use_flash_attention else ''}): "
             "only the paged engine speculates"
         )
+
+
+def is_vlm(config: PretrainedConfig) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def refuse_for_vlm(serve: ServeConfig, config: PretrainedConfig) -> None:
+    """UnsupportedConfigError for a vision-language family this shard does not serve (some, as gemma3, mllama
+    and llama4, would load as causal LMs and read an image's markdown as text), or an option its engine (the
+    padded one, models/vlm_causal_lm.py) cannot honour."""
+    if config.model_type not in VLM_MODEL_TYPES:
+        raise UnsupportedConfigError(
+            f"{serve.model_id} is a vision-language model ({config.model_type}), which this shard cannot run: "
+            f"of those textgen serves {' and '.join(VLM_MODEL_TYPES)}"
+        )
+    options = {
+        "--sharded": serve.sharded,
+        "--quantize": serve.quantize,
+        "--speculate": serve.speculate,
+        "LORA_ADAPTERS": serve.lora_adapters,
+    }
+    for name, value in options.items():
+        if value:
+            raise UnsupportedConfigError(f"{name} is not supported for a vision-language model ({config.model_type})")
 
 
 def override_rope(serve: ServeConfig, config: PretrainedConfig) -> None:
@@ -165,7 +190,8 @@ def load_tokenizer(model_dir: Path, config: PretrainedConfig, trust_remote_code:
     )
     if tokenizer.pad_token_id is None:
         # TGI's fallback order: config pad, config eos, tokenizer eos, then a new [PAD] token.
-        fallback = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        text_config = config.get_text_config()  # a VLM's ids are its text model's
+        fallback = text_config.pad_token_id if text_config.pad_token_id is not None else text_config.eos_token_id
         if isinstance(fallback, list):
             fallback = fallback[0]
         if fallback is not None:
@@ -191,6 +217,9 @@ def load_module(
 ) -> torch.nn.Module:
     """The network: a forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
     returning .logits and .past_key_values (a DynamicCache), like a transformers causal LM."""
+    if is_vlm(config):  # refuse_unsupported let only the served families and options through
+        vlm = AutoModelForImageTextToText.from_pretrained(model_dir, config=config, dtype=dtype)
+        return vlm.to(device).eval()  # type: ignore[arg-type]
     # ---- Tensor-parallel dispatch point (models/tp_llama.py plugs in here) ----
     # Llama-family models take the TP path on one shard too (fused projections, no HF per-call overhead).
     # The family is read from tp_llama at each call, as check_shardable reads it: one set, narrowed in one place
@@ -266,7 +295,7 @@ def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int 
     """Every id that ends a sequence: generation_config's eos list (chat models have several), the
     config's and the tokenizer's."""
     ids: set[int] = set()
-    candidates: list[object] = [config.eos_token_id, tokenizer_eos]
+    candidates: list[object] = [config.get_text_config().eos_token_id, tokenizer_eos]  # a VLM's is its text model's
     try:
         candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
     except OSError:
@@ -280,9 +309,16 @@ def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int 
 
 
 def engine(
-    serve: ServeConfig, module: torch.nn.Module, shard: ShardConfig, tokenizer: PreTrainedTokenizerBase
+    serve: ServeConfig,
+    module: torch.nn.Module,
+    shard: ShardConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    processor: ProcessorMixin | None = None,
 ) -> Model:
-    """The paged engine for a tensor-parallel network (unless USE_FLASH_ATTENTION=false), else the padded one."""
+    """The paged engine for a tensor-parallel network (unless USE_FLASH_ATTENTION=false), the padded one with image
+    inputs for a vision-language model, else the padded one."""
+    if processor is not None:
+        return VlmCausalLM(module, shard, tokenizer, processor)
     if isinstance(module, TPCausalLM) and serve.use_flash_attention:
         return PagedCausalLM(module, shard, tokenizer, serve.paging())
     return CausalLM(module, shard, tokenizer)

@@ -34,7 +34,12 @@ from textgen_server.sampling.grammar import RowGrammars
 from textgen_server.sampling.stopping import StoppingCriteria
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import Self
+
+    from llguidance import LLMatcher
+
+    Row = tuple[list[int], LLMatcher | None, int]  # prepare_row's: prompt ids, grammar matcher, adapter index
 
 
 @dataclass
@@ -62,7 +67,11 @@ class CausalLMBatch(Batch):
     def from_pb(cls, pb: generate_pb2.Batch, model: Model) -> CausalLMBatch:
         if not pb.requests:
             raise InvalidRequestError("Batch must have at least one request")
-        rows = prepare_rows(pb.requests, lambda r: prepare_row(r, model))
+        return cls.from_rows(pb, model, prepare_rows(pb.requests, lambda r: prepare_row(r, model)))
+
+    @classmethod
+    def from_rows(cls, pb: generate_pb2.Batch, model: Model, rows: Sequence[Row]) -> Self:
+        """The batch of `pb`'s requests from their prepared rows (prompt ids, grammar matcher, adapter index)."""
         # Longest prompts first: rows of similar length stay neighbours, so decode attention can skip the
         # left padding of each group of rows (TPCausalLM's attention groups).
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
@@ -231,8 +240,11 @@ class CausalLM(Model[CausalLMBatch]):
     def batch_type(self) -> type[CausalLMBatch]:
         return CausalLMBatch
 
-    def forward(self, batch: CausalLMBatch, all_logits: bool) -> tuple[torch.Tensor, KVCache]:
-        """Logits [B, S, V] (S = 1 unless `all_logits`) and the grown KV cache."""
+    def forward(
+        self, batch: CausalLMBatch, all_logits: bool, inputs_embeds: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Logits [B, S, V] (S = 1 unless `all_logits`) and the grown KV cache; the module reads `inputs_embeds`
+        [B, S, H] where given (a VLM's prefill), else the batch's ids."""
         cache = batch.past_key_values if batch.past_key_values is not None else self._new_cache(batch)
         width = batch.attention_mask.shape[1] - batch.padding_right_offset
         kwargs: dict[str, object] = {}
@@ -241,8 +253,9 @@ class CausalLM(Model[CausalLMBatch]):
         if any(batch.adapter_indices):  # only modules that loaded adapters ever see such a row
             kwargs["adapter_indices"] = batch.adapter_indices
         kwargs[self._cache_keyword] = cache
+        inputs = {"input_ids": batch.input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         out = self.module(
-            input_ids=batch.input_ids,
+            **inputs,
             attention_mask=batch.attention_mask[:, :width],
             position_ids=batch.position_ids,
             use_cache=True,
