@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Accepted for drop-in compatibility with TGI's launcher; textgen sends no usage statistics.
     p.value("--usage-stats", str, "on", choices=["on", "off", "no-stack"])
     p.value("--payload-limit", USIZE, 2_000_000)
-    # Accepted for compatibility; textgen serves text models only, so no image is ever fetched.
+    # Accepted for compatibility: textgen fetches no image URL yet (images come as data URIs, bounded by
+    # --payload-limit), so nothing is fetched that it could bound.
     p.value("--max-image-fetch-size", USIZE, 1_073_741_824)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("print-schema", help="print the OpenAPI schema (JSON) and exit")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.meta
 
+from textgen_router.model_files import model_file
 from textgen_router.types import InferError
 
 if TYPE_CHECKING:
@@ -69,25 +70,11 @@ def _pick(template: Any) -> str | None:
     return None
 
 
-def _fetch(model_id: str, filename: str, revision: str | None) -> Path | None:
-    """A file of the model: from its local directory, else from the hub cache / hub (None when absent)."""
-    local = Path(model_id)
-    if local.is_dir():
-        path = local / filename
-        return path if path.is_file() else None
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return Path(hf_hub_download(model_id, filename, revision=revision))
-    except Exception:  # noqa: BLE001 - any hub failure means "this optional file is not there"
-        return None
-
-
 def find_chat_template(
     model_id: str, tokenizer_config_path: str | None = None, revision: str | None = None
 ) -> str | None:
     """The chat template to use for `model_id`, or None when it has none."""
-    chat_json = _fetch(model_id, "chat_template.json", revision)
+    chat_json = model_file(model_id, "chat_template.json", revision)
     if chat_json is not None:
         template = _pick((_read_json(chat_json) or {}).get("chat_template"))
         if template:
@@ -95,15 +82,15 @@ def find_chat_template(
     if tokenizer_config_path:
         config_path: Path | None = Path(tokenizer_config_path)
     else:
-        config_path = _fetch(model_id, "tokenizer_config.json", revision)
+        config_path = model_file(model_id, "tokenizer_config.json", revision)
     template = _pick((_read_json(config_path) or {}).get("chat_template")) if config_path else None
     if template:
         return template
     # transformers >= 4.43 saves the template as its own file next to the tokenizer config.
-    jinja_file = _fetch(model_id, "chat_template.jinja", revision)
+    jinja_file = model_file(model_id, "chat_template.jinja", revision)
     if jinja_file is not None:
         return jinja_file.read_text()
-    processor = _fetch(model_id, "processor_config.json", revision)
+    processor = model_file(model_id, "processor_config.json", revision)
     return _pick((_read_json(processor) or {}).get("chat_template")) if processor else None
 
 

@@ -46,6 +46,7 @@ from textgen_router.args import parse_args
 from textgen_router.backend import Backend, StartupError, connect_backend
 from textgen_router.chat_template import ChatTemplate
 from textgen_router.config import RouterConfig
+from textgen_router.images import ImagePrompts, is_multimodal
 from textgen_router.read_timeouts import ReadTimeoutProtocol
 from textgen_router.state import RouterState
 from textgen_router.tokenizer import Tokenizer, load_tokenizer
@@ -181,12 +182,14 @@ async def start(args: Namespace) -> Router:
             backend.max_input_tokens,
             backend.max_total_tokens,
         )
+        multimodal = is_multimodal(args.tokenizer_name, args.revision)
         validator = Validator(
             tokenizer,
             limits,
             args.validation_workers,
             ServedAdapters(args.tokenizer_name, names),
             grammar_support=not args.disable_grammar_support,
+            images=ImagePrompts(args.tokenizer_name, args.revision, args.validation_workers) if multimodal else None,
         )
         state = RouterState(
             infer=backend.infer,

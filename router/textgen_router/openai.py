@@ -90,7 +90,7 @@ async def chat_completions(request: Request) -> Response:
     metrics.REQUEST_COUNT.inc()
     template = _chat_template(request)
     try:
-        body.check_supported()
+        body.check_supported(state.validator.images is not None)
         chat = chat_input(body, template, _adapter_id(state, body.model))
     except InferError as err:
         return _rejected(err)
@@ -183,7 +183,7 @@ async def chat_tokenize(request: Request) -> Response:
     body = await read_json(request, ChatRequest)
     metrics.REQUEST_COUNT.inc()
     try:
-        body.check_supported()
+        body.check_supported(state.validator.images is not None)
         prompt = chat_input(body, _chat_template(request)).prompt
         tokens = await state.validator.token_list(prompt, add_special_tokens=False)
     except InferError as err:

@@ -138,13 +138,15 @@ class Message(BaseModel):
         return isinstance(self.content, list) and any(isinstance(chunk, ImageChunk) for chunk in self.content)
 
     def text(self) -> str:
-        """The content as one string, its text chunks joined (`ChatRequest.check_supported` refused images)."""
+        """The content as one string: chunks joined, an image as the Markdown `![](url)` (TGI's flattening,
+        which a vision-language model's validation turns back into an image; `ChatRequest.check_supported`
+        refuses images for any other model)."""
         content = self.content
         if not isinstance(content, list):
             return content or ""
-        texts = [chunk.text for chunk in content if isinstance(chunk, TextChunk)]
-        assert len(texts) == len(content), "image parts reach no template: check_supported refuses them"
-        return "".join(texts)
+        return "".join(
+            chunk.text if isinstance(chunk, TextChunk) else f"![]({chunk.image_url.url})" for chunk in content
+        )
 
 
 class StreamOptions(BaseModel):
@@ -186,17 +188,17 @@ class ChatRequest(BaseModel):
             raise PydanticCustomError("duplicate_field", "duplicate field `max_tokens`")
         return data
 
-    def check_supported(self) -> None:
-        """Reject what textgen does not implement rather than ignore it (422 `validation`)."""
+    def check_supported(self, multimodal: bool = False) -> None:
+        """Reject what textgen does not implement rather than ignore it (422 `validation`); `multimodal`: the
+        model reads images."""
         if self.n is not None and self.n != 1:
             raise ValidationError("`n` must be 1: one choice per request is supported")
         if self.logit_bias:
             raise ValidationError("`logit_bias` is not supported")
         if not self.messages:
             raise ValidationError("`messages` cannot be empty")
-        if any(message.has_image() for message in self.messages):
-            # TGI flattens the part into the text as `![](url)`, which a text model reads as the URL's characters
-            # and a vision model's template turns into an image; textgen serves text models only (for now), so
+        if not multimodal and any(message.has_image() for message in self.messages):
+            # TGI flattens the part into the text as `![](url)`, which a text model reads as the URL's characters:
             # the image would be silently ignored.
             raise ValidationError(
                 "image modality is not supported: this model reads text only, and an `image_url` content part "

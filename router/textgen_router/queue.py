@@ -100,12 +100,13 @@ class Entry:
 
 
 def request_pb(request_id: int, request: ValidRequest) -> generate_pb2.Request:
-    """The gRPC Request the shards receive for a validated request (text chunk + stringified inputs)."""
+    """The gRPC Request the shards receive for a validated request: its text, or its text and images, as
+    chunks, and the stringified inputs."""
     p, s = request.parameters, request.stopping_parameters
     return generate_pb2.Request(
         id=request_id,
         inputs=request.inputs,
-        input_chunks=generate_pb2.Input(chunks=[generate_pb2.InputChunk(text=request.inputs)]),
+        input_chunks=generate_pb2.Input(chunks=input_chunks(request)),
         truncate=request.truncate,
         add_special_tokens=request.add_special_tokens,
         parameters=generate_pb2.NextTokenChooserParameters(
@@ -365,3 +366,14 @@ class Queue:
         metrics.QUEUE_SIZE.set(len(self.entries))
         metrics.BATCH_NEXT_SIZE.observe(len(batch))
         return pb
+
+
+def input_chunks(request: ValidRequest) -> list[generate_pb2.InputChunk]:
+    if request.chunks is None:
+        return [generate_pb2.InputChunk(text=request.inputs)]
+    return [
+        generate_pb2.InputChunk(text=chunk)
+        if isinstance(chunk, str)
+        else generate_pb2.InputChunk(image=generate_pb2.Image(data=chunk.data, mimetype=chunk.mimetype))
+        for chunk in request.chunks
+    ]

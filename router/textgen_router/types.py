@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from textgen_pb import generate_pb2
+
+if TYPE_CHECKING:
+    from textgen_router.images import Image
 
 
 @dataclass
@@ -52,6 +56,7 @@ class ValidRequest:
     parameters: ChooserParameters
     stopping_parameters: StoppingParameters
     adapter_id: str | None = None  # a loaded LoRA adapter's name; None runs the base model
+    chunks: list[str | Image] | None = None  # the text and images of a prompt with images, in order
 
     @property
     def input_length(self) -> int:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from textgen_pb import generate_pb2
-from textgen_router import grammar, metrics, tokenization
+from textgen_router import grammar, images, metrics, tokenization
+from textgen_router.images import ImagePrompts
 from textgen_router.schemas import GenerateParameters
 from textgen_router.tokenization import Encoding
 from textgen_router.tokenizer import Tokenizer
@@ -102,8 +103,10 @@ class Validator:
         workers: int,
         adapters: ServedAdapters | None = None,
         grammar_support: bool = True,
+        images: ImagePrompts | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = images  # a vision-language model's processor: its markdown images are images
         self.limits = limits
         self.adapters = adapters or ServedAdapters()
         self.grammar_support = grammar_support  # False under --disable-grammar-support
@@ -132,6 +135,8 @@ class Validator:
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+        if self.images is not None:
+            self.images.close()
         if self._processes is not None:
             self._processes.shutdown(wait=False, cancel_futures=True)
 
@@ -185,9 +190,14 @@ class Validator:
         seed = _seed(p, best_of)
         top_n_tokens = self._top_n_tokens(p)
         self._check_inputs(inputs, p)
-        input_length, input_ids = await self._run(
-            tokenization.input_ids, inputs, add_special_tokens, p.truncate, self.limits.max_input_tokens
-        )
+        chunks = images.split(inputs) if self.images is not None else None
+        if chunks is not None and any(isinstance(chunk, images.Image) for chunk in chunks):
+            input_length, input_ids = await self._image_ids(chunks, add_special_tokens, p.truncate)
+        else:
+            chunks = None
+            input_length, input_ids = await self._run(
+                tokenization.input_ids, inputs, add_special_tokens, p.truncate, self.limits.max_input_tokens
+            )
         max_new_tokens = self._check_lengths(p, input_length)
         shard_grammar = self._grammar(p)
         metrics.REQUEST_INPUT_LENGTH.observe(input_length)
@@ -202,7 +212,23 @@ class Validator:
             parameters=_chooser(p, seed, shard_grammar),
             stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=list(p.stop)),
             adapter_id=adapter_id,
+            chunks=chunks,
         )
+
+    async def _image_ids(
+        self, chunks: list[images.Chunk], add_special_tokens: bool, truncate: int | None
+    ) -> tuple[int, list[int]]:
+        """input_ids' count and ids for a prompt with images: the processor's, truncated on the left (TGI's side)
+        but never into an image."""
+        assert self.images is not None
+        ids, first_image = await self.images.ids(chunks, add_special_tokens)
+        if truncate is not None and len(ids) > truncate:
+            if len(ids) - truncate > first_image:
+                raise ValidationError(
+                    f"the prompt with its images is {len(ids)} tokens: truncating it to {truncate} would cut an image"
+                )
+            ids = ids[len(ids) - truncate :]
+        return len(ids), ids if len(ids) <= self.limits.max_input_tokens else []
 
     def _grammar(self, p: GenerateParameters) -> grammar.ShardGrammar | None:
         if p.grammar is None:

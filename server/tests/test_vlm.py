@@ -4,32 +4,20 @@ mixed batches, after TGI's warmup (whose first request carries an image)."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
-import torch
-from PIL import Image
 from shard_helpers import chooser, generate_over_grpc, make_batch, make_request
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from testing.models import build_vlm
 from testing.shards import ShardHandle, ShardProcess
+from testing.vlm_oracle import VlmOracle, image_bytes
 from textgen_pb import generate_pb2 as pb
 from textgen_router.backend import warmup_batch
 from textgen_server.vlm_builder import VLM_ARCHS
 
 NEW_TOKENS = 8
-
-
-def image_bytes(seed: int, height: int, width: int, fmt: str = "PNG") -> bytes:
-    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
-    data = io.BytesIO()
-    Image.fromarray(pixels).save(data, format=fmt)
-    return data.getvalue()
 
 
 # (text, image, text) prompts: images of several sizes and formats, and one without an image
@@ -51,27 +39,8 @@ def vlm_request(request_id: int, before: str, image: bytes | None, after: str, t
     return request
 
 
-class Oracle:
-    """transformers' greedy generate with the model's processor, one request at a time."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.processor = AutoProcessor.from_pretrained(model_dir)
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-        self.image_token = self.processor.image_token
-
-    @torch.inference_mode()
-    def greedy(self, before: str, image: bytes | None, after: str) -> list[int]:
-        if image is None:
-            inputs = self.processor.tokenizer(before + after, return_tensors="pt")
-        else:
-            rgb = Image.open(io.BytesIO(image)).convert("RGB")
-            inputs = self.processor(text=before + self.image_token + after, images=[rgb], return_tensors="pt")
-        out = self.model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 @pytest.fixture(scope="module", params=VLM_ARCHS)
-def served(request: pytest.FixtureRequest) -> Iterator[tuple[ShardHandle, Oracle]]:
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[ShardHandle, VlmOracle]]:
     model_dir = build_vlm(request.param)
     with ShardProcess(model_dir) as handle:
         stub = handle.stub()
@@ -84,7 +53,7 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[ShardHandle, Oracle
             ),
             timeout=60,
         )
-        yield handle, Oracle(model_dir)
+        yield handle, VlmOracle(model_dir)
 
 
 def generate(stub, requests: list[pb.Request], batch_id: int) -> dict[int, list[int]]:  # type: ignore[no-untyped-def]
@@ -94,7 +63,7 @@ def generate(stub, requests: list[pb.Request], batch_id: int) -> dict[int, list[
 def test_each_request_alone_and_all_in_one_batch_give_transformers_tokens(served) -> None:  # type: ignore[no-untyped-def]
     handle, oracle = served
     stub = handle.stub()
-    expected = {i: oracle.greedy(*case) for i, case in enumerate(CASES)}
+    expected = {i: oracle.greedy(*case, NEW_TOKENS) for i, case in enumerate(CASES)}
     for i, case in enumerate(CASES):
         assert generate(stub, [vlm_request(i, *case)], batch_id=10 + i) == {i: expected[i]}
     mixed = generate(stub, [vlm_request(i, *case) for i, case in enumerate(CASES)], batch_id=20)
@@ -114,7 +83,7 @@ def test_a_bad_image_or_a_cut_image_refuses_its_request_only(served) -> None:  #
     assert "request 1: invalid image: cannot identify image file" in details
     assert "request 2: the prompt with its images is" in details and "truncating it to 4 would cut an image" in details
     assert "request 3" not in details
-    assert generate(stub, [vlm_request(3, *CASES[1])], batch_id=31) == {3: oracle.greedy(*CASES[1])}
+    assert generate(stub, [vlm_request(3, *CASES[1])], batch_id=31) == {3: oracle.greedy(*CASES[1], NEW_TOKENS)}
 
 
 def test_a_text_row_of_several_chunks_is_their_text_in_order(served) -> None:  # type: ignore[no-untyped-def]
@@ -123,4 +92,6 @@ def test_a_text_row_of_several_chunks_is_their_text_in_order(served) -> None:  #
     request.input_chunks.CopyFrom(
         pb.Input(chunks=[pb.InputChunk(text="No image here, "), pb.InputChunk(text="only text")])
     )
-    assert generate(handle.stub(), [request], batch_id=40) == {5: oracle.greedy("No image here, only text", None, "")}
+    assert generate(handle.stub(), [request], batch_id=40) == {
+        5: oracle.greedy("No image here, only text", None, "", NEW_TOKENS)
+    }

@@ -1,0 +1,136 @@
+"""The tiny vision-language models served by the real launcher, as a user starts it (no flag: the shard and the
+router read the family from config.json): markdown images with data URIs in `/generate`, `image_url` parts in
+chat, TGI's errors for bad images, and greedy tokens equal to transformers' `generate` with the model's processor."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from testing.launcher import LauncherProcess
+from testing.models import build_vlm
+from testing.vlm_oracle import VlmOracle, image_bytes
+from textgen_server.vlm_builder import VLM_ARCHS
+
+NEW_TOKENS = 8
+PNG, JPEG = image_bytes(0, 48, 80), image_bytes(1, 90, 40, "JPEG")
+
+
+def data_uri(image: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(image).decode()}"
+
+
+@pytest.fixture(scope="module", params=VLM_ARCHS)
+def served(
+    request: pytest.FixtureRequest, launcher: Callable[..., LauncherProcess]
+) -> Iterator[tuple[LauncherProcess, VlmOracle]]:
+    model_dir = build_vlm(request.param)
+    server = launcher(model_dir)
+    yield server, VlmOracle(model_dir)
+    server.stop()
+
+
+def generate(server: LauncherProcess, inputs: str, **parameters: object) -> httpx.Response:
+    body = {"inputs": inputs, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True, **parameters}}
+    return httpx.post(f"{server.base_url}/generate", json=body, timeout=120)
+
+
+def test_concurrent_requests_with_and_without_images_get_transformers_tokens(served) -> None:  # type: ignore[no-untyped-def]
+    server, oracle = served
+    cases = [
+        ("Look: ", PNG, "image/png", " what is it?"),
+        ("Here ", JPEG, "image/jpeg", " and then"),
+        ("No image here, only text", None, "", ""),
+    ]
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        "/generate",
+                        json={
+                            "inputs": before + (f"![]({data_uri(image, mime)})" if image else "") + after,
+                            "parameters": {"max_new_tokens": NEW_TOKENS, "details": True},
+                        },
+                    )
+                    for before, image, mime, after in cases
+                )
+            )
+
+    for (before, image, _, after), response in zip(cases, asyncio.run(send_all()), strict=True):
+        assert response.status_code == 200, response.text
+        tokens = [t["id"] for t in response.json()["details"]["tokens"]]
+        assert tokens == oracle.greedy(before, image, after, NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        (
+            "Look: ![](https://127.0.0.1:1/cat.png)",
+            "Could not fetch image: https://127.0.0.1:1/cat.png: textgen does not fetch image URLs yet",
+        ),
+        ("Look: ![](data:image/png;base64,%%%)", "base64 encoding is invalid: "),
+        ("Look: ![](data:image/png,abc)", "invalid image content: image/png,abc"),
+        ("Look: ![](ftp://host/cat.png)", "invalid image content: ftp://host/cat.png"),
+        (f"Look: ![]({data_uri(b'not an image', 'image/png')})", "invalid image: cannot identify image file"),
+    ],
+)
+def test_a_bad_image_is_a_422_and_the_server_stays_up(served, inputs: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    server, _ = served
+    response = generate(server, inputs)
+    assert response.status_code == 422
+    assert response.json()["error_type"] == "validation"
+    assert response.json()["error"].startswith(f"Input validation error: {message}")
+    assert generate(server, "Still up?").status_code == 200
+
+
+def test_truncation_may_drop_text_but_never_an_image(served) -> None:  # type: ignore[no-untyped-def]
+    server, oracle = served
+    inputs = "one two three four five six seven " + f"![]({data_uri(PNG, 'image/png')})"
+    refused = generate(server, inputs, truncate=3)
+    assert refused.status_code == 422
+    assert "truncating it to 3 would cut an image" in refused.json()["error"]
+    whole = generate(server, inputs)
+    assert whole.status_code == 200
+    assert [t["id"] for t in whole.json()["details"]["tokens"]] == oracle.greedy(
+        "one two three four five six seven ", PNG, "", NEW_TOKENS
+    )
+
+
+def test_markdown_with_alt_text_is_text_as_in_tgi(served) -> None:  # type: ignore[no-untyped-def]
+    server, oracle = served
+    inputs = "See ![a cat](https://example.invalid/cat.png)"
+    response = generate(server, inputs)
+    assert response.status_code == 200  # not fetched, not refused: only `![](...)` is an image
+    assert [t["id"] for t in response.json()["details"]["tokens"]] == oracle.greedy(inputs, None, "", NEW_TOKENS)
+
+
+def test_chat_image_url_parts_are_images(served) -> None:  # type: ignore[no-untyped-def]
+    server, _ = served
+    image = {"type": "image_url", "image_url": {"url": data_uri(PNG, "image/png")}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look: "}, image]}], "max_tokens": 4}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+    # the template's text holds the image as markdown, which the prompt's validation turned into an image
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    text_only = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Look: "}], "max_tokens": 4},
+        timeout=120,
+    )
+    assert prompt_tokens > text_only.json()["usage"]["prompt_tokens"] + 4  # an image is more than a few tokens
+    url = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/cat.png"}}
+    refused = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": [url]}], "max_tokens": 4},
+        timeout=120,
+    )
+    assert refused.status_code == 422
+    assert "textgen does not fetch image URLs yet" in refused.json()["error"]

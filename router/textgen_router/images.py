@@ -1,0 +1,161 @@
+"""A request's images, for a vision-language model: TGI's markdown images in `inputs`, and the prompt's token ids
+with each image expanded as the model's own processor expands it.
+
+- Which models: those whose `config.json` names a model type TGI's router parses images for (`VLM_MODEL_TYPES`);
+  for any other model a markdown image stays text, as in TGI.
+- `split(inputs)`: the text and images of `inputs`, in order. An image is TGI's `![](url)` (an empty alt text
+  only: `![alt](url)` is text). The url is a data URI, checked as TGI checks it (`data:<mime>;base64,<data>`,
+  TGI's errors and messages); an http(s) URL is refused with TGI's fetch error, since textgen does not fetch
+  images yet.
+- `ImagePrompts`: the model's processor (transformers, and torch under it) in worker processes, so that the
+  router's own process never imports them and a large image never stalls its event loop. It returns a prompt's
+  ids, images expanded (the real count, where TGI's router counts some families from a formula), and where the
+  first image's tokens start, which truncation must not reach (the shard refuses that too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import json
+import multiprocessing
+import re
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from textgen_router.model_files import model_file
+from textgen_router.types import ValidationError
+
+# TGI's router (`validation.rs`, `prepare_input`) parses images for these model types only.
+VLM_MODEL_TYPES = (
+    "idefics",
+    "mllama",
+    "idefics2",
+    "idefics3",
+    "gemma3",
+    "llama4",
+    "paligemma",
+    "llava_next",
+    "qwen2_vl",
+    "qwen2_5_vl",
+)
+IMAGE_MARKDOWN = re.compile(r"!\[\]\([^\)]*\)")  # TGI's
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image chunk as the shards receive it (generate.v3 `Image`)."""
+
+    data: bytes
+    mimetype: str
+
+
+Chunk = str | Image
+
+
+def is_multimodal(model_id: str, revision: str | None) -> bool:
+    """Whether the model's config.json names one of VLM_MODEL_TYPES."""
+    path = model_file(model_id, "config.json", revision)
+    if path is None:
+        return False
+    try:
+        return json.loads(path.read_text()).get("model_type") in VLM_MODEL_TYPES
+    except (OSError, ValueError):
+        return False
+
+
+def split(inputs: str) -> list[Chunk]:
+    """The text and images of `inputs` in order (no empty text pieces). Raises ValidationError (422)."""
+    chunks: list[Chunk] = []
+    start = 0
+    for match in IMAGE_MARKDOWN.finditer(inputs):
+        if match.start() > start:
+            chunks.append(inputs[start : match.start()])
+        chunks.append(image_at(match.group()[4:-1]))
+        start = match.end()
+    if start < len(inputs):
+        chunks.append(inputs[start:])
+    return chunks
+
+
+def image_at(url: str) -> Image:
+    """The image a markdown url names: a data URI decoded, as TGI checks it."""
+    if url.startswith(("http://", "https://")):
+        raise ValidationError(
+            f"Could not fetch image: {url}: textgen does not fetch image URLs yet; send the image as a data URI "
+            "(`![](data:image/png;base64,...)`)"
+        )
+    if not url.startswith("data:"):
+        raise ValidationError(f"invalid image content: {url}")
+    content = url[len("data:") :]
+    parts = content.split(";")
+    if len(parts) != 2 or not parts[1].startswith("base64,"):
+        raise ValidationError(f"invalid image content: {content}")
+    try:
+        data = base64.b64decode(parts[1][len("base64,") :], validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValidationError(f"base64 encoding is invalid: {err}") from None
+    return Image(data, parts[0])
+
+
+class ImagePrompts:
+    """The model's processor in `workers` worker processes (spawned, each loading it once)."""
+
+    def __init__(self, model_id: str, revision: str | None, workers: int) -> None:
+        self._pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_load_processor,
+            initargs=(model_id, revision),
+        )
+
+    async def ids(self, chunks: list[Chunk], add_special_tokens: bool) -> tuple[list[int], int]:
+        """The prompt's ids, images expanded, and the index of the first image's first token."""
+        loop = asyncio.get_running_loop()
+        texts_and_images = [c if isinstance(c, str) else c.data for c in chunks]
+        out = await loop.run_in_executor(self._pool, _expand, texts_and_images, add_special_tokens)
+        if isinstance(out, str):
+            raise ValidationError(out)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_PROCESSOR: Any = None
+
+
+def _load_processor(model_id: str, revision: str | None) -> None:
+    global _PROCESSOR
+    from transformers import AutoProcessor
+
+    _PROCESSOR = AutoProcessor.from_pretrained(model_id, revision=revision)
+
+
+def _expand(chunks: list[str | bytes], add_special_tokens: bool) -> tuple[list[int], int] | str:
+    """In a worker: the processor's ids for the prompt (an image token at each image) and where the first
+    image's span starts; or the 422 message of an image that does not decode."""
+    from PIL import Image as PILImage
+
+    processor = _PROCESSOR
+    images = []
+    for chunk in chunks:
+        if isinstance(chunk, bytes):
+            try:
+                image = PILImage.open(io.BytesIO(chunk))
+                image.load()
+            except Exception as err:  # noqa: BLE001 - whatever the decoder says is the image's problem
+                return f"invalid image: {err}"
+            images.append(image.convert("RGB"))
+    text = "".join(c if isinstance(c, str) else processor.image_token for c in chunks)
+    ids: list[int] = processor(text=text, images=images, add_special_tokens=add_special_tokens)["input_ids"][0]
+    tokenizer = processor.tokenizer
+    span = {tokenizer.convert_tokens_to_ids(processor.image_token)} | {
+        getattr(processor, name)
+        for name in ("fake_image_token_id", "global_image_token_id")
+        if hasattr(processor, name)
+    }
+    return list(ids), next(i for i, token in enumerate(ids) if token in span)
