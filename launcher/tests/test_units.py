@@ -234,6 +234,17 @@ def test_router_command_passes_limits_and_repeated_origins(monkeypatch: pytest.M
     env = router_env(args, 1, "NVIDIA A10G")
     assert env["API_KEY"] == "secret" and env["COMPUTE_TYPE"] == "1-nvidia-a10g"
     assert env["HUGGINGFACE_HUB_CACHE"] == "/data"
+    assert "--image-fetch-allowed-hosts" not in cmd and "--image-fetch-allow-link-local" not in cmd  # not given
+
+
+def test_router_command_passes_the_image_fetch_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """textgen's own flags (not TGI's): what a vision-language model's image URLs may reach."""
+    monkeypatch.setenv("IMAGE_FETCH_ALLOW_LINK_LOCAL", "true")
+    args = parse_args(["--model-id", "/models/m", "--image-fetch-allowed-hosts", "img.example.com,*.cdn.net"])
+    settings = Settings(num_shard=1, max_input_tokens=None, max_batch_prefill_tokens=512, quantize=None, cuda_graphs=[])
+    cmd = router_command(args, settings)
+    assert cmd[cmd.index("--image-fetch-allowed-hosts") + 1] == "img.example.com,*.cdn.net"
+    assert "--image-fetch-allow-link-local" in cmd
 
 
 @pytest.mark.parametrize(

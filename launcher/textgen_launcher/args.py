@@ -158,6 +158,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, _Builder]:
         help="Accepted for compatibility; textgen never sends usage statistics",
     )
     b.value("--payload-limit", type=USIZE, default="2000000", help="HTTP body limit in bytes")
+    b.value(
+        "--image-fetch-allowed-hosts",
+        default="",
+        help="Not TGI's: hosts a VLM's image URLs may name (comma-separated, *.example.com for subdomains; empty: any)",
+    )
+    b.flag(
+        "--image-fetch-allow-link-local",
+        help="Not TGI's: let image URLs resolve to link-local and cloud metadata addresses",
+    )
     b.flag("--enable-prefill-logprobs", help="Compute prompt logprobs (shard env REQUEST_LOGPROBS=1)")
     b.value(
         "-g",

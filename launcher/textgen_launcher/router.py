@@ -51,6 +51,8 @@ def router_command(args: argparse.Namespace, settings: Settings) -> list[str]:
         ("--otlp-service-name", args.otlp_service_name),
         # Not a TGI router flag: textgen's router refuses unknown adapters and lists the loaded ones.
         ("--lora-adapters", args.lora_adapters),
+        # Not TGI's: what a vision-language model's image URLs may reach (textgen_router.image_fetch).
+        ("--image-fetch-allowed-hosts", args.image_fetch_allowed_hosts or None),
     ):
         if value is not None:
             cmd += [flag, str(value)]
@@ -58,6 +60,7 @@ def router_command(args: argparse.Namespace, settings: Settings) -> list[str]:
         ("--disable-grammar-support", args.disable_grammar_support),
         ("--trust-remote-code", args.trust_remote_code),
         ("--json-output", args.json_output),
+        ("--image-fetch-allow-link-local", args.image_fetch_allow_link_local),
     ):
         if on:
             cmd.append(flag)

@@ -73,9 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     # Accepted for drop-in compatibility with TGI's launcher; textgen sends no usage statistics.
     p.value("--usage-stats", str, "on", choices=["on", "off", "no-stack"])
     p.value("--payload-limit", USIZE, 2_000_000)
-    # Accepted for compatibility: textgen fetches no image URL yet (images come as data URIs, bounded by
-    # --payload-limit), so nothing is fetched that it could bound.
     p.value("--max-image-fetch-size", USIZE, 1_073_741_824)
+    # Not TGI's: the hosts a vision-language model's image URLs may name (comma-separated; `*.example.com` for
+    # its subdomains; empty: any), and whether they may resolve to link-local or cloud metadata addresses
+    # (image_fetch.py).
+    p.value("--image-fetch-allowed-hosts", str, "")
+    p.flag("--image-fetch-allow-link-local")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("print-schema", help="print the OpenAPI schema (JSON) and exit")
     return parser

@@ -5,8 +5,8 @@ with each image expanded as the model's own processor expands it.
   for any other model a markdown image stays text, as in TGI.
 - `split(inputs)`: the text and images of `inputs`, in order. An image is TGI's `![](url)` (an empty alt text
   only: `![alt](url)` is text). The url is a data URI, checked as TGI checks it (`data:<mime>;base64,<data>`,
-  TGI's errors and messages); an http(s) URL is refused with TGI's fetch error, since textgen does not fetch
-  images yet.
+  TGI's errors and messages), or an http(s) URL, which `ImagePrompts.load` fetches (image_fetch.py: never an
+  open proxy).
 - `ImagePrompts`: the model's processor (transformers, and torch under it) in worker processes, so that the
   router's own process never imports them and a large image never stalls its event loop. It returns a prompt's
   ids, images expanded (the real count, where TGI's router counts some families from a formula), and where the
@@ -23,9 +23,11 @@ import json
 import multiprocessing
 import re
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+from textgen_router.image_fetch import FetchPolicy, fetch_image
 from textgen_router.model_files import model_file
 from textgen_router.types import ValidationError
 
@@ -53,7 +55,15 @@ class Image:
     mimetype: str
 
 
+@dataclass(frozen=True)
+class ImageUrl:
+    """An http(s) image URL, not fetched yet."""
+
+    url: str
+
+
 Chunk = str | Image
+Piece = str | Image | ImageUrl
 
 
 def is_multimodal(model_id: str, revision: str | None) -> bool:
@@ -67,9 +77,9 @@ def is_multimodal(model_id: str, revision: str | None) -> bool:
         return False
 
 
-def split(inputs: str) -> list[Chunk]:
+def split(inputs: str) -> list[Piece]:
     """The text and images of `inputs` in order (no empty text pieces). Raises ValidationError (422)."""
-    chunks: list[Chunk] = []
+    chunks: list[Piece] = []
     start = 0
     for match in IMAGE_MARKDOWN.finditer(inputs):
         if match.start() > start:
@@ -81,13 +91,10 @@ def split(inputs: str) -> list[Chunk]:
     return chunks
 
 
-def image_at(url: str) -> Image:
-    """The image a markdown url names: a data URI decoded, as TGI checks it."""
+def image_at(url: str) -> Image | ImageUrl:
+    """The image a markdown url names: a data URI decoded, as TGI checks it, or an http(s) URL to fetch."""
     if url.startswith(("http://", "https://")):
-        raise ValidationError(
-            f"Could not fetch image: {url}: textgen does not fetch image URLs yet; send the image as a data URI "
-            "(`![](data:image/png;base64,...)`)"
-        )
+        return ImageUrl(url)
     if not url.startswith("data:"):
         raise ValidationError(f"invalid image content: {url}")
     content = url[len("data:") :]
@@ -102,21 +109,46 @@ def image_at(url: str) -> Image:
 
 
 class ImagePrompts:
-    """The model's processor in `workers` worker processes (spawned, each loading it once)."""
+    """The model's processor in `workers` worker processes (spawned, each loading it once), and the policy its
+    image URLs are fetched under."""
 
-    def __init__(self, model_id: str, revision: str | None, workers: int) -> None:
-        self._pool = ProcessPoolExecutor(
-            max_workers=workers,
+    def __init__(self, model_id: str, revision: str | None, workers: int, fetch_policy: FetchPolicy) -> None:
+        self.fetch_policy = fetch_policy
+        self._model = (model_id, revision)
+        self._workers = workers
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            max_workers=self._workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_load_processor,
-            initargs=(model_id, revision),
+            initargs=self._model,
         )
+
+    def start(self) -> None:
+        """Start the workers now (each loads the processor: seconds), not on the first image request."""
+        for _ in range(self._workers):
+            self._pool.submit(int)
+
+    async def load(self, pieces: list[Piece]) -> list[Chunk]:
+        """`pieces` with every image URL fetched, all at once."""
+        fetched = await asyncio.gather(
+            *(fetch_image(p.url, self.fetch_policy) for p in pieces if isinstance(p, ImageUrl))
+        )
+        images = iter(Image(data, mimetype) for data, mimetype in fetched)
+        return [next(images) if isinstance(p, ImageUrl) else p for p in pieces]
 
     async def ids(self, chunks: list[Chunk], add_special_tokens: bool) -> tuple[list[int], int]:
         """The prompt's ids, images expanded, and the index of the first image's first token."""
         loop = asyncio.get_running_loop()
         texts_and_images = [c if isinstance(c, str) else c.data for c in chunks]
-        out = await loop.run_in_executor(self._pool, _expand, texts_and_images, add_special_tokens)
+        try:
+            out = await loop.run_in_executor(self._pool, _expand, texts_and_images, add_special_tokens)
+        except BrokenProcessPool:
+            # A worker died (an image too large for memory, a kill): the pool refuses all work from then on.
+            self._pool = self._new_pool()
+            raise ValidationError("the images could not be prepared: the worker preparing them died") from None
         if isinstance(out, str):
             raise ValidationError(out)
         return out
@@ -151,7 +183,10 @@ def _expand(chunks: list[str | bytes], add_special_tokens: bool) -> tuple[list[i
                 return f"invalid image: {err}"
             images.append(image.convert("RGB"))
     text = "".join(c if isinstance(c, str) else processor.image_token for c in chunks)
-    ids: list[int] = processor(text=text, images=images, add_special_tokens=add_special_tokens)["input_ids"][0]
+    try:
+        ids: list[int] = processor(text=text, images=images, add_special_tokens=add_special_tokens)["input_ids"][0]
+    except Exception as err:  # noqa: BLE001 - an image the processor cannot take (too small, odd mode) is a 422
+        return f"the images could not be prepared for the model: {err}"
     tokenizer = processor.tokenizer
     span = {tokenizer.convert_tokens_to_ids(processor.image_token)} | {
         getattr(processor, name)

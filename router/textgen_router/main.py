@@ -46,6 +46,7 @@ from textgen_router.args import parse_args
 from textgen_router.backend import Backend, StartupError, connect_backend
 from textgen_router.chat_template import ChatTemplate
 from textgen_router.config import RouterConfig
+from textgen_router.image_fetch import FetchPolicy
 from textgen_router.images import ImagePrompts, is_multimodal
 from textgen_router.read_timeouts import ReadTimeoutProtocol
 from textgen_router.state import RouterState
@@ -149,6 +150,12 @@ def _in_daemon_thread(fn: Callable[[Namespace], T], args: Namespace) -> asyncio.
     return asyncio.wrap_future(done)
 
 
+def fetch_policy(args: Namespace) -> FetchPolicy:
+    """What a vision-language model's image URLs may reach (textgen_router.image_fetch)."""
+    hosts = tuple(h.strip().lower() for h in args.image_fetch_allowed_hosts.split(",") if h.strip())
+    return FetchPolicy(args.max_image_fetch_size, hosts, args.image_fetch_allow_link_local)
+
+
 async def start(args: Namespace) -> Router:
     """Connect to the shards (warmup settles the token limits), load the tokenizer, build the app."""
     try:
@@ -189,7 +196,9 @@ async def start(args: Namespace) -> Router:
             args.validation_workers,
             ServedAdapters(args.tokenizer_name, names),
             grammar_support=not args.disable_grammar_support,
-            images=ImagePrompts(args.tokenizer_name, args.revision, args.validation_workers) if multimodal else None,
+            images=ImagePrompts(args.tokenizer_name, args.revision, args.validation_workers, fetch_policy(args))
+            if multimodal
+            else None,
         )
         state = RouterState(
             infer=backend.infer,

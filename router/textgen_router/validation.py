@@ -118,6 +118,9 @@ class Validator:
             max_workers=workers if tokenizer.is_fast else 1, thread_name_prefix="validation"
         )
         self._processes = self._start_processes() if tokenizer.is_fast else None
+        if images is not None:
+            with _bare_main():
+                images.start()
 
     def _start_processes(self) -> ProcessPoolExecutor:
         # spawn, not fork: the router runs grpc and executor threads, which a forked child would inherit broken.
@@ -190,11 +193,12 @@ class Validator:
         seed = _seed(p, best_of)
         top_n_tokens = self._top_n_tokens(p)
         self._check_inputs(inputs, p)
-        chunks = images.split(inputs) if self.images is not None else None
-        if chunks is not None and any(isinstance(chunk, images.Image) for chunk in chunks):
+        pieces = images.split(inputs) if self.images is not None else []
+        chunks = None
+        if self.images is not None and not all(isinstance(piece, str) for piece in pieces):
+            chunks = await self.images.load(pieces)
             input_length, input_ids = await self._image_ids(chunks, add_special_tokens, p.truncate)
         else:
-            chunks = None
             input_length, input_ids = await self._run(
                 tokenization.input_ids, inputs, add_special_tokens, p.truncate, self.limits.max_input_tokens
             )

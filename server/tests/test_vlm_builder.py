@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from testing.models import build_vlm
+from textgen_server import cli
 from textgen_server.vlm_builder import VLM_ARCHS, build_test_vlm
 
 PROMPT = "Look: <image> what is it?"
@@ -62,21 +62,16 @@ def test_rebuild_is_identical_and_reuse_is_free(arch: str, tmp_path: Path) -> No
     assert (rebuilt / ".textgen-build.json").stat().st_mtime_ns == stamp
 
 
-def test_cli_builds_a_vlm_and_refuses_another_size(tmp_path: Path) -> None:
-    built = subprocess.run(
-        ["textgen-server", "build-test-model", str(tmp_path / "m"), "--arch", "idefics3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert built.returncode == 0, built.stderr
+def test_cli_builds_a_vlm_and_refuses_another_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`textgen-server build-test-model DIR --arch idefics3`, run in this process (its subprocess start is
+    test_builder.py's)."""
+    for argv, code in (
+        ([str(tmp_path / "m"), "--arch", "idefics3"], 0),
+        ([str(tmp_path / "n"), "--arch", "llava_next", "--size", "small"], 2),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["build-test-model", *argv])
+        assert exited.value.code == code
     assert (tmp_path / "m" / "processor_config.json").is_file()
-    refused = subprocess.run(
-        ["textgen-server", "build-test-model", str(tmp_path / "n"), "--arch", "llava_next", "--size", "small"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert refused.returncode == 2
-    assert "llava_next is built at size tiny only" in refused.stdout
+    assert "llava_next is built at size tiny only" in capsys.readouterr().out
     assert not (tmp_path / "n").exists()

@@ -1,11 +1,14 @@
 """The tiny vision-language models served by the real launcher, as a user starts it (no flag: the shard and the
-router read the family from config.json): markdown images with data URIs in `/generate`, `image_url` parts in
-chat, TGI's errors for bad images, and greedy tokens equal to transformers' `generate` with the model's processor."""
+router read the family from config.json): markdown images, as data URIs or URLs of a loopback server, in
+`/generate`, `image_url` parts in chat, TGI's errors for bad images, and greedy tokens equal to transformers'
+`generate` with the model's processor."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import http.server
+import threading
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -72,8 +75,9 @@ def test_concurrent_requests_with_and_without_images_get_transformers_tokens(ser
     ("inputs", "message"),
     [
         (
-            "Look: ![](https://127.0.0.1:1/cat.png)",
-            "Could not fetch image: https://127.0.0.1:1/cat.png: textgen does not fetch image URLs yet",
+            "Look: ![](http://169.254.169.254/latest/meta-data/)",
+            "Could not fetch image: http://169.254.169.254/latest/meta-data/: 169.254.169.254 resolves to "
+            "169.254.169.254, a link-local or cloud metadata address",
         ),
         ("Look: ![](data:image/png;base64,%%%)", "base64 encoding is invalid: "),
         ("Look: ![](data:image/png,abc)", "invalid image content: image/png,abc"),
@@ -88,6 +92,41 @@ def test_a_bad_image_is_a_422_and_the_server_stays_up(served, inputs: str, messa
     assert response.json()["error_type"] == "validation"
     assert response.json()["error"].startswith(f"Input validation error: {message}")
     assert generate(server, "Still up?").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    """A loopback HTTP server of the JPEG image at /cat.jpg."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            found = self.path == "/cat.jpg"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "image/jpeg")
+            self.send_header("Content-Length", str(len(JPEG) if found else 0))
+            self.end_headers()
+            if found:
+                self.wfile.write(JPEG)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+
+
+def test_an_image_url_is_fetched(served, image_server: str) -> None:  # type: ignore[no-untyped-def]
+    server, oracle = served
+    response = generate(server, f"Here ![]({image_server}/cat.jpg) and then")
+    assert response.status_code == 200, response.text
+    assert [t["id"] for t in response.json()["details"]["tokens"]] == oracle.greedy(
+        "Here ", JPEG, " and then", NEW_TOKENS
+    )
+    missing = generate(server, f"![]({image_server}/dog.jpg)")
+    assert missing.status_code == 422
+    assert missing.json()["error"].endswith(f"Could not fetch image: {image_server}/dog.jpg: HTTP status 404")
 
 
 def test_truncation_may_drop_text_but_never_an_image(served) -> None:  # type: ignore[no-untyped-def]
@@ -126,11 +165,11 @@ def test_chat_image_url_parts_are_images(served) -> None:  # type: ignore[no-unt
         timeout=120,
     )
     assert prompt_tokens > text_only.json()["usage"]["prompt_tokens"] + 4  # an image is more than a few tokens
-    url = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/cat.png"}}
+    url = {"type": "image_url", "image_url": {"url": "http://169.254.169.254/cat.png"}}
     refused = httpx.post(
         f"{server.base_url}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": [url]}], "max_tokens": 4},
         timeout=120,
     )
     assert refused.status_code == 422
-    assert "textgen does not fetch image URLs yet" in refused.json()["error"]
+    assert "a link-local or cloud metadata address" in refused.json()["error"]
