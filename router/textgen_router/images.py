@@ -22,7 +22,7 @@ import io
 import json
 import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +117,7 @@ class ImagePrompts:
         self._model = (model_id, revision)
         self._workers = workers
         self._pool = self._new_pool()
+        self._starting: list[Future[int]] = []
 
     def _new_pool(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
@@ -127,9 +128,12 @@ class ImagePrompts:
         )
 
     def start(self) -> None:
-        """Start the workers now (each loads the processor: seconds), not on the first image request."""
-        for _ in range(self._workers):
-            self._pool.submit(int)
+        """Start the workers now (each loads the processor: seconds), not on the first image request; the
+        router starts them with the shards' warmup and awaits `ready` before it serves."""
+        self._starting = [self._pool.submit(int) for _ in range(self._workers)]
+
+    async def ready(self) -> None:
+        await asyncio.gather(*(asyncio.wrap_future(started) for started in self._starting))
 
     async def load(self, pieces: list[Piece]) -> list[Chunk]:
         """`pieces` with every image URL fetched, all at once."""

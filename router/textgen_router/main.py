@@ -52,7 +52,7 @@ from textgen_router.read_timeouts import ReadTimeoutProtocol
 from textgen_router.state import RouterState
 from textgen_router.tokenizer import Tokenizer, load_tokenizer
 from textgen_router.tracing import setup_tracing
-from textgen_router.validation import Limits, ServedAdapters, Validator
+from textgen_router.validation import Limits, ServedAdapters, Validator, bare_main
 
 logger = logging.getLogger("textgen_router")
 T = TypeVar("T")
@@ -150,6 +150,23 @@ def _in_daemon_thread(fn: Callable[[Namespace], T], args: Namespace) -> asyncio.
     return asyncio.wrap_future(done)
 
 
+def _start_images(args: Namespace) -> ImagePrompts | None:
+    """A vision-language model's processor workers, started (None for any other model)."""
+    if not is_multimodal(args.tokenizer_name, args.revision):
+        return None
+    images = ImagePrompts(args.tokenizer_name, args.revision, args.validation_workers, fetch_policy(args))
+    with bare_main():
+        images.start()
+    return images
+
+
+async def _images_ready(images: ImagePrompts, args: Namespace) -> None:
+    try:
+        await images.ready()
+    except Exception as err:  # noqa: BLE001 - whatever stopped a worker loading it, said in one line
+        raise StartFailed(f"Unable to load the processor of {args.tokenizer_name}: {err!r}") from None
+
+
 def fetch_policy(args: Namespace) -> FetchPolicy:
     """What a vision-language model's image URLs may reach (textgen_router.image_fetch)."""
     hosts = tuple(h.strip().lower() for h in args.image_fetch_allowed_hosts.split(",") if h.strip())
@@ -162,8 +179,10 @@ async def start(args: Namespace) -> Router:
         names = tuple(adapter.name for adapter in parse_lora_adapters(args.lora_adapters))
     except ValueError as err:
         raise StartFailed(str(err)) from None
-    # The tokenizer loads in a thread while the shards warm up (other processes: the cores really overlap).
-    # Awaited only after the backend, so a backend failure is still the error reported, as in TGI.
+    # The tokenizer loads in a thread while the shards warm up (other processes: the cores really overlap), and a
+    # vision-language model's processor workers start. Awaited only after the backend, so a backend failure is
+    # still the error reported, as in TGI.
+    images = _start_images(args)
     loading = _in_daemon_thread(_load_text, args)
     if router_gate.gated() and not await _in_daemon_thread(lambda _: router_gate.wait_until_open(), args):
         loading.cancel()
@@ -172,6 +191,8 @@ async def start(args: Namespace) -> Router:
         backend = await connect_backend(args.master_shard_uds_path, RouterConfig.from_args(args))
     except BaseException as err:
         loading.cancel()  # a cancelled future's outcome need not be retrieved
+        if images is not None:
+            images.close()
         if isinstance(err, StartupError):
             raise StartFailed(str(err)) from None
         raise
@@ -189,16 +210,15 @@ async def start(args: Namespace) -> Router:
             backend.max_input_tokens,
             backend.max_total_tokens,
         )
-        multimodal = is_multimodal(args.tokenizer_name, args.revision)
+        if images is not None:
+            await _images_ready(images, args)
         validator = Validator(
             tokenizer,
             limits,
             args.validation_workers,
             ServedAdapters(args.tokenizer_name, names),
             grammar_support=not args.disable_grammar_support,
-            images=ImagePrompts(args.tokenizer_name, args.revision, args.validation_workers, fetch_policy(args))
-            if multimodal
-            else None,
+            images=images,
         )
         state = RouterState(
             infer=backend.infer,

@@ -77,7 +77,7 @@ class ServedAdapters:
 
 
 @contextlib.contextmanager
-def _bare_main() -> Iterator[None]:
+def bare_main() -> Iterator[None]:
     """Processes spawned inside run none of the parent's main module.
 
     A spawned child first imports the parent's `__main__` (the `textgen-router` script, or textgen_router.main
@@ -118,9 +118,6 @@ class Validator:
             max_workers=workers if tokenizer.is_fast else 1, thread_name_prefix="validation"
         )
         self._processes = self._start_processes() if tokenizer.is_fast else None
-        if images is not None:
-            with _bare_main():
-                images.start()
 
     def _start_processes(self) -> ProcessPoolExecutor:
         # spawn, not fork: the router runs grpc and executor threads, which a forked child would inherit broken.
@@ -131,7 +128,7 @@ class Validator:
             initargs=(self._encoder.to_str(), self._encoder.encode_special_tokens),
         )
         # Started now rather than by the first long input, which would otherwise wait for the spawn.
-        with _bare_main():
+        with bare_main():
             for _ in range(self._workers):
                 pool.submit(int)
         return pool
