@@ -125,13 +125,15 @@ class StartFailed(Exception):
     """Start-up failed with this message; `textgen-router` prints `Error: <message>` and exits 1."""
 
 
-def _load_text(args: Namespace) -> tuple[Tokenizer, ChatTemplate]:
-    """The tokenizer and the chat template (both from files of the model: no shard involved)."""
+def _load_text(args: Namespace) -> tuple[Tokenizer, ChatTemplate, ImagePrompts | None]:
+    """The tokenizer, the chat template and a vision-language model's processor workers, started (all from files
+    of the model: no shard involved)."""
     try:
         tokenizer = load_tokenizer(args.tokenizer_name, args.revision, args.trust_remote_code)
     except (OSError, ValueError) as err:
         raise StartFailed(f"Unable to load the tokenizer of {args.tokenizer_name}: {err}") from None
-    return tokenizer, ChatTemplate.load(tokenizer, args.tokenizer_name, args.tokenizer_config_path, args.revision)
+    template = ChatTemplate.load(tokenizer, args.tokenizer_name, args.tokenizer_config_path, args.revision)
+    return tokenizer, template, _start_images(args)
 
 
 def _in_daemon_thread(fn: Callable[[Namespace], T], args: Namespace) -> asyncio.Future[T]:
@@ -180,9 +182,8 @@ async def start(args: Namespace) -> Router:
     except ValueError as err:
         raise StartFailed(str(err)) from None
     # The tokenizer loads in a thread while the shards warm up (other processes: the cores really overlap), and a
-    # vision-language model's processor workers start. Awaited only after the backend, so a backend failure is
-    # still the error reported, as in TGI.
-    images = _start_images(args)
+    # vision-language model's processor workers start there too. Awaited only after the backend, so a backend
+    # failure is still the error reported, as in TGI.
     loading = _in_daemon_thread(_load_text, args)
     if router_gate.gated() and not await _in_daemon_thread(lambda _: router_gate.wait_until_open(), args):
         loading.cancel()
@@ -191,8 +192,6 @@ async def start(args: Namespace) -> Router:
         backend = await connect_backend(args.master_shard_uds_path, RouterConfig.from_args(args))
     except BaseException as err:
         loading.cancel()  # a cancelled future's outcome need not be retrieved
-        if images is not None:
-            images.close()
         if isinstance(err, StartupError):
             raise StartFailed(str(err)) from None
         raise
@@ -202,7 +201,7 @@ async def start(args: Namespace) -> Router:
         if args.max_total_tokens is None:
             logger.info("Maximum total tokens defaulted to %d", backend.max_total_tokens)
         metrics.configure_length_buckets(backend.max_input_tokens, backend.max_total_tokens)
-        tokenizer, chat_template = await loading
+        tokenizer, chat_template, images = await loading
         limits = Limits(
             args.max_best_of,
             args.max_stop_sequences,
