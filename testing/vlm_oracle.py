@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,13 +27,16 @@ class VlmOracle:
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
         self.image_token: str = self.processor.image_token
 
+    def inputs(self, before: str, image: bytes | None, after: str) -> Any:
+        """The processor's tensors for `before`, the image (its processor's image token there), `after`."""
+        if image is None:
+            return self.processor.tokenizer(before + after, return_tensors="pt")
+        rgb = Image.open(io.BytesIO(image)).convert("RGB")
+        return self.processor(text=before + self.image_token + after, images=[rgb], return_tensors="pt")
+
     @torch.inference_mode()
     def greedy(self, before: str, image: bytes | None, after: str, new_tokens: int) -> list[int]:
-        """The tokens after `before`, the image (its processor's image token there), `after`."""
-        if image is None:
-            inputs = self.processor.tokenizer(before + after, return_tensors="pt")
-        else:
-            rgb = Image.open(io.BytesIO(image)).convert("RGB")
-            inputs = self.processor(text=before + self.image_token + after, images=[rgb], return_tensors="pt")
+        """The greedy tokens after `inputs(before, image, after)`."""
+        inputs = self.inputs(before, image, after)
         out = self.model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
         return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -9,8 +9,8 @@ with each image expanded as the model's own processor expands it.
   open proxy).
 - `ImagePrompts`: the model's processor (transformers, and torch under it) in worker processes, so that the
   router's own process never imports them and a large image never stalls its event loop. It returns a prompt's
-  ids, images expanded (the real count, where TGI's router counts some families from a formula), and where the
-  first image's tokens start, which truncation must not reach (the shard refuses that too).
+  ids, images expanded (the real count, where TGI's router counts some families from a formula), truncated as the
+  shards truncate them (textgen_common.image_prompts: never into an image).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+from textgen_common.image_prompts import image_span_ids, truncate_left
 from textgen_router.image_fetch import FetchPolicy, fetch_image
 from textgen_router.model_files import model_file
 from textgen_router.types import ValidationError
@@ -143,12 +144,12 @@ class ImagePrompts:
         images = iter(Image(data, mimetype) for data, mimetype in fetched)
         return [next(images) if isinstance(p, ImageUrl) else p for p in pieces]
 
-    async def ids(self, chunks: list[Chunk], add_special_tokens: bool) -> tuple[list[int], int]:
-        """The prompt's ids, images expanded, and the index of the first image's first token."""
+    async def ids(self, chunks: list[Chunk], add_special_tokens: bool, truncate: int | None) -> list[int]:
+        """The prompt's ids, images expanded, truncated as the shards truncate it (never into an image)."""
         loop = asyncio.get_running_loop()
         texts_and_images = [c if isinstance(c, str) else c.data for c in chunks]
         try:
-            out = await loop.run_in_executor(self._pool, _expand, texts_and_images, add_special_tokens)
+            out = await loop.run_in_executor(self._pool, _expand, texts_and_images, add_special_tokens, truncate)
         except BrokenProcessPool:
             # A worker died (an image too large for memory, a kill): the pool refuses all work from then on.
             self._pool = self._new_pool()
@@ -171,9 +172,9 @@ def _load_processor(model_id: str, revision: str | None) -> None:
     _PROCESSOR = AutoProcessor.from_pretrained(model_id, revision=revision)
 
 
-def _expand(chunks: list[str | bytes], add_special_tokens: bool) -> tuple[list[int], int] | str:
-    """In a worker: the processor's ids for the prompt (an image token at each image) and where the first
-    image's span starts; or the 422 message of an image that does not decode."""
+def _expand(chunks: list[str | bytes], add_special_tokens: bool, truncate: int | None) -> list[int] | str:
+    """In a worker: the processor's ids for the prompt (an image token at each image), truncated; or the 422
+    message of an image that does not decode, or of a truncation that would cut one."""
     from PIL import Image as PILImage
 
     processor = _PROCESSOR
@@ -191,10 +192,7 @@ def _expand(chunks: list[str | bytes], add_special_tokens: bool) -> tuple[list[i
         ids: list[int] = processor(text=text, images=images, add_special_tokens=add_special_tokens)["input_ids"][0]
     except Exception as err:  # noqa: BLE001 - an image the processor cannot take (too small, odd mode) is a 422
         return f"the images could not be prepared for the model: {err}"
-    tokenizer = processor.tokenizer
-    span = {tokenizer.convert_tokens_to_ids(processor.image_token)} | {
-        getattr(processor, name)
-        for name in ("fake_image_token_id", "global_image_token_id")
-        if hasattr(processor, name)
-    }
-    return list(ids), next(i for i, token in enumerate(ids) if token in span)
+    try:
+        return truncate_left(list(ids), truncate, image_span_ids(processor))
+    except ValueError as err:
+        return str(err)

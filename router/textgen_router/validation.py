@@ -190,11 +190,11 @@ class Validator:
         seed = _seed(p, best_of)
         top_n_tokens = self._top_n_tokens(p)
         self._check_inputs(inputs, p)
-        pieces = images.split(inputs) if self.images is not None else []
         chunks = None
-        if self.images is not None and not all(isinstance(piece, str) for piece in pieces):
-            chunks = await self.images.load(pieces)
-            input_length, input_ids = await self._image_ids(chunks, add_special_tokens, p.truncate)
+        if self.images is not None and images.IMAGE_MARKDOWN.search(inputs):
+            chunks = await self.images.load(images.split(inputs))
+            ids = await self.images.ids(chunks, add_special_tokens, p.truncate)
+            input_length, input_ids = len(ids), ids if len(ids) <= self.limits.max_input_tokens else []
         else:
             input_length, input_ids = await self._run(
                 tokenization.input_ids, inputs, add_special_tokens, p.truncate, self.limits.max_input_tokens
@@ -215,21 +215,6 @@ class Validator:
             adapter_id=adapter_id,
             chunks=chunks,
         )
-
-    async def _image_ids(
-        self, chunks: list[images.Chunk], add_special_tokens: bool, truncate: int | None
-    ) -> tuple[int, list[int]]:
-        """input_ids' count and ids for a prompt with images: the processor's, truncated on the left (TGI's side)
-        but never into an image."""
-        assert self.images is not None
-        ids, first_image = await self.images.ids(chunks, add_special_tokens)
-        if truncate is not None and len(ids) > truncate:
-            if len(ids) - truncate > first_image:
-                raise ValidationError(
-                    f"the prompt with its images is {len(ids)} tokens: truncating it to {truncate} would cut an image"
-                )
-            ids = ids[len(ids) - truncate :]
-        return len(ids), ids if len(ids) <= self.limits.max_input_tokens else []
 
     def _grammar(self, p: GenerateParameters) -> grammar.ShardGrammar | None:
         if p.grammar is None:

@@ -95,3 +95,15 @@ def test_a_text_row_of_several_chunks_is_their_text_in_order(served) -> None:  #
     assert generate(handle.stub(), [request], batch_id=40) == {
         5: oracle.greedy("No image here, only text", None, "", NEW_TOKENS)
     }
+
+
+def test_a_text_row_of_several_chunks_truncates_as_one_chunk_does(served) -> None:  # type: ignore[no-untyped-def]
+    """No image in the row, so nothing stops the left cut (the truncation rule found no image and once failed)."""
+    handle, _ = served
+    several = make_request(6, "unused", NEW_TOKENS, truncate=3)
+    several.input_chunks.CopyFrom(
+        pb.Input(chunks=[pb.InputChunk(text="No image here, "), pb.InputChunk(text="only text")])
+    )
+    one = make_request(7, "No image here, only text", NEW_TOKENS, truncate=3)
+    stub = handle.stub()
+    assert generate(stub, [several], batch_id=50)[6] == generate(stub, [one], batch_id=51)[7]

@@ -4,49 +4,31 @@ the model's own processor, offline (the oracle issue 38's serving will be checke
 from __future__ import annotations
 
 import hashlib
-import io
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from testing.models import build_vlm
+from testing.vlm_oracle import VlmOracle, image_bytes
 from textgen_server import cli
 from textgen_server.vlm_builder import VLM_ARCHS, build_test_vlm
-
-PROMPT = "Look: <image> what is it?"
-
-
-def png(seed: int, height: int, width: int) -> Image.Image:
-    """A random RGB image that went through PNG bytes, as a fetched image does."""
-    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
-    data = io.BytesIO()
-    Image.fromarray(pixels).save(data, format="PNG")
-    return Image.open(io.BytesIO(data.getvalue()))
-
-
-@torch.inference_mode()
-def greedy(model_dir: Path, image: Image.Image, new_tokens: int = 10) -> tuple[int, list[int]]:
-    """The prompt's length with the image's tokens expanded, and transformers' greedy tokens after it."""
-    processor = AutoProcessor.from_pretrained(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    inputs = processor(text=PROMPT, images=[image], return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    length = inputs["input_ids"].shape[1]
-    return length, out[0, length:].tolist()
 
 
 @pytest.mark.parametrize("arch", VLM_ARCHS)
 def test_transformers_generates_from_it_and_the_image_decides_the_tokens(arch: str) -> None:
-    model_dir = build_vlm(arch)
-    length, tokens = greedy(model_dir, png(0, 48, 80))
+    oracle = VlmOracle(build_vlm(arch))
+    prompt = ("Look: ", " what is it?")
+
+    def greedy(image: bytes) -> tuple[int, list[int]]:
+        """The prompt's length with the image's tokens expanded, and the greedy tokens after it."""
+        length = oracle.inputs(prompt[0], image, prompt[1])["input_ids"].shape[1]
+        return length, oracle.greedy(prompt[0], image, prompt[1], 10)
+
+    length, tokens = greedy(image_bytes(0, 48, 80))
     assert len(tokens) == 10
-    assert greedy(model_dir, png(0, 48, 80)) == (length, tokens)  # the same image: the same tokens
-    assert greedy(model_dir, png(1, 48, 80))[1] != tokens  # another image of that size: other tokens
-    assert greedy(model_dir, png(2, 90, 40))[0] != length  # another shape: another count of image tokens
+    assert greedy(image_bytes(0, 48, 80)) == (length, tokens)  # the same image: the same tokens
+    assert greedy(image_bytes(1, 48, 80))[1] != tokens  # another image of that size: other tokens
+    assert greedy(image_bytes(2, 90, 40))[0] != length  # another shape: another count of image tokens
 
 
 @pytest.mark.parametrize("arch", VLM_ARCHS)

@@ -5,10 +5,9 @@ float models (`textgen_server.builder`). Quantization is plain round-to-nearest 
 GPTQ or activation-aware AWQ search: what matters for a loader is the published tensor layout, and RTN is enough
 to keep the quantized model close to its float source (every weight within half a step of its float value).
 
-Contract: ``quantize_model_dir(src, out, method, bits, group_size, desc_act, sym, seed, lm_head) -> Path`` writes
-``out``
-(config.json with ``quantization_config``, model.safetensors, the tokenizer and generation config of ``src``)
-through a temporary directory plus rename, and returns at once when ``out`` already holds the same build
+Contract: ``quantize_model_dir(src, out, method, bits, group_size, desc_act, sym, seed, lm_head) -> Path``
+writes ``out`` (config.json with ``quantization_config``, model.safetensors, the tokenizer and generation config
+of ``src``) through a temporary directory plus rename, and returns at once when ``out`` already holds the same build
 (``quant-stamp.json`` says which). Deterministic for given arguments, source model and torch version.
 
 Layouts written, for every decoder projection ``p`` with float weight [N (out), K (in)], group size G:

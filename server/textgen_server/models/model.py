@@ -141,14 +141,22 @@ def request_text(request: generate_pb2.Request) -> str:
     return text
 
 
-def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
-    """The request's prompt token ids (truncated on the left to `truncate`), after checking everything about the
+def text_ids(request: generate_pb2.Request, model: Model) -> list[int]:
+    """The prompt's token ids, truncated on the left to `truncate` (TGI's side: the prompt's end matters)."""
+    ids: list[int] = model.tokenizer(request_text(request), add_special_tokens=request.add_special_tokens)["input_ids"]
+    if request.truncate and len(ids) > request.truncate:
+        ids = ids[len(ids) - request.truncate :]
+    return ids
+
+
+def prompt_ids(
+    request: generate_pb2.Request, model: Model, encode: Callable[[generate_pb2.Request], list[int]] | None = None
+) -> list[int]:
+    """The request's prompt token ids (`encode`'s, by default `text_ids`), after checking everything about the
     request that could refuse it: stopping and sampling values, the prompt and its length."""
     validate_stopping(request)
     validate_parameters(request.parameters)
-    ids: list[int] = model.tokenizer(request_text(request), add_special_tokens=request.add_special_tokens)["input_ids"]
-    if request.truncate and len(ids) > request.truncate:
-        ids = ids[len(ids) - request.truncate :]  # TGI truncates on the left: the prompt's end matters
+    ids = encode(request) if encode is not None else text_ids(request, model)
     max_input_tokens = model.config.max_input_tokens
     if max_input_tokens is not None and len(ids) > max_input_tokens:
         raise InvalidRequestError(f"`inputs` must have less than {max_input_tokens} tokens. Given: {len(ids)}")
@@ -157,9 +165,12 @@ def prompt_ids(request: generate_pb2.Request, model: Model) -> list[int]:
     return ids
 
 
-def prepare_row(request: generate_pb2.Request, model: Model) -> tuple[list[int], LLMatcher | None, int]:
-    """The request's prompt ids, a matcher at its grammar's start when it has one, and its LoRA adapter index."""
-    ids = prompt_ids(request, model)
+def prepare_row(
+    request: generate_pb2.Request, model: Model, encode: Callable[[generate_pb2.Request], list[int]] | None = None
+) -> tuple[list[int], LLMatcher | None, int]:
+    """The request's prompt ids (prompt_ids), a matcher at its grammar's start when it has one, and its LoRA
+    adapter index."""
+    ids = prompt_ids(request, model, encode)
     matcher = model.grammar_compiler.compile(request.parameters) if request.parameters.grammar else None
     return ids, matcher, model.adapter_index(request)
 

@@ -22,16 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from textgen_common.image_prompts import image_span_ids, truncate_left
 from textgen_pb import generate_pb2
 from textgen_server.models.causal_lm import CausalLM, CausalLMBatch
-from textgen_server.models.model import (
-    InvalidRequestError,
-    Model,
-    prepare_row,
-    prepare_rows,
-    validate_parameters,
-    validate_stopping,
-)
+from textgen_server.models.model import InvalidRequestError, Model, prepare_row, prepare_rows
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -89,12 +83,7 @@ class VlmCausalLM(CausalLM):
         found = tokenizer.convert_tokens_to_ids(self.image_token)
         assert isinstance(found, int)
         self.image_token_id = found
-        # The tokens an image's span can start with: its image tokens, and the tags some families put around them.
-        self.image_span_ids = {found} | {
-            getattr(processor, name)
-            for name in ("fake_image_token_id", "global_image_token_id")
-            if hasattr(processor, name)
-        }
+        self.image_span_ids = image_span_ids(processor)
 
     @property
     def batch_type(self) -> type[VlmCausalLMBatch]:
@@ -105,29 +94,21 @@ class VlmCausalLM(CausalLM):
         chunks = request.input_chunks.chunks if request.HasField("input_chunks") else []
         if len(chunks) <= 1 and not any(chunk.WhichOneof("chunk") == "image" for chunk in chunks):
             return (*prepare_row(request, self), None)
-        validate_stopping(request)
-        validate_parameters(request.parameters)
-        text = "".join(chunk.text if chunk.WhichOneof("chunk") == "text" else self.image_token for chunk in chunks)
-        images = [open_image(chunk.image.data) for chunk in chunks if chunk.WhichOneof("chunk") == "image"]
-        inputs = self.processor(
-            text=text, images=images or None, return_tensors="pt", add_special_tokens=request.add_special_tokens
-        )
-        ids: list[int] = inputs.pop("input_ids")[0].tolist()
-        inputs.pop("attention_mask", None)
-        if request.truncate and len(ids) > request.truncate:
-            # TGI truncates on the left; the text before the first image may go, never an image's tokens.
-            cut = len(ids) - request.truncate
-            if cut > next(i for i, t in enumerate(ids) if t in self.image_span_ids):
-                raise InvalidRequestError(
-                    f"the prompt with its images is {len(ids)} tokens: truncating it to {request.truncate} would "
-                    "cut an image"
-                )
-            ids = ids[cut:]
-        limit = self.config.max_input_tokens
-        if limit is not None and len(ids) > limit:
-            raise InvalidRequestError(f"`inputs` must have less than {limit} tokens. Given: {len(ids)}")
-        matcher = self.grammar_compiler.compile(request.parameters) if request.parameters.grammar else None
-        return ids, matcher, self.adapter_index(request), dict(inputs) if images else None
+        inputs: ImageInputs = {}
+
+        def encode(request: generate_pb2.Request) -> list[int]:
+            """The processor's ids for the chunks (the image token at each image); its pixel tensors to `inputs`."""
+            text = "".join(c.text if c.WhichOneof("chunk") == "text" else self.image_token for c in chunks)
+            images = [open_image(c.image.data) for c in chunks if c.WhichOneof("chunk") == "image"]
+            out = self.processor(
+                text=text, images=images or None, return_tensors="pt", add_special_tokens=request.add_special_tokens
+            )
+            ids: list[int] = out.pop("input_ids")[0].tolist()
+            out.pop("attention_mask", None)
+            inputs.update(out)
+            return truncate_left(ids, request.truncate, self.image_span_ids)
+
+        return (*prepare_row(request, self, encode), inputs or None)
 
     def forward(
         self, batch: CausalLMBatch, all_logits: bool, inputs_embeds: torch.Tensor | None = None
