@@ -84,6 +84,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from textgen_server.servicer import serve
     from textgen_server.utils.memory import keep_freed_memory
 
+    # What the imports made (torch, transformers: ~300k objects) lives as long as the process. Frozen now, the
+    # collections during the load, and the full one before the KV pool is sized, walk only what the load makes.
+    gc.freeze()
     keep_freed_memory()
     if config.otlp_endpoint:
         setup_tracing(config.otlp_endpoint, config.otlp_service_name)

@@ -6,7 +6,10 @@ network, its LoRA adapters, and the engine that serves it, each a function below
 `get_model`.
 
 This module imports torch and transformers at its top: `textgen-server serve` (cli.py) imports it only after
-`ServeConfig.check` passed, so a configuration it cannot honour fails at once, not after those imports.
+`ServeConfig.check` passed, so a configuration it cannot honour fails at once, not after those imports. transformers'
+model loading and processors (`modeling_utils`, `processing_utils`: scipy among them, about 1.3 s of a 2-core
+Zen 3's start) are imported by the two paths that need them, a network transformers builds and a VLM's processor;
+a Llama-family shard uses neither.
 """
 
 from __future__ import annotations
@@ -18,19 +21,10 @@ import logging
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoProcessor,
-    AutoTokenizer,
-    GenerationConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerBase,
-    ProcessorMixin,
-)
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from textgen_server.adapters import load_adapters
 from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
@@ -45,6 +39,9 @@ from textgen_server.models.paged_lm import PagedCausalLM
 from textgen_server.models.tp_llama import TPCausalLM, check_shardable, load_tp_model
 from textgen_server.models.vlm_causal_lm import VLM_MODEL_TYPES, VlmCausalLM
 from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
+
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +59,7 @@ def get_model(serve: ServeConfig) -> Model:
     dtype = shard_dtype(serve, device, quant)
     override_rope(serve, config)
     tokenizer = load_tokenizer(model_dir, config, serve.trust_remote_code)
-    processor = AutoProcessor.from_pretrained(model_dir) if is_vlm(config) else None  # images to the VLM's inputs
+    processor = load_processor(model_dir) if is_vlm(config) else None  # images to the VLM's inputs
     dist.barrier()
     module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code, quant)
     attach_adapters(serve, module, config, dist)
@@ -203,6 +200,13 @@ def load_tokenizer(model_dir: Path, config: PretrainedConfig, trust_remote_code:
     return tokenizer
 
 
+def load_processor(model_dir: Path) -> ProcessorMixin:
+    """A vision-language model's own processor: its images to pixel values and its prompts' image tokens."""
+    from transformers import AutoProcessor  # see the module's docstring
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
 # ---- module ----
 
 
@@ -218,6 +222,8 @@ def load_module(
     """The network: a forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)
     returning .logits and .past_key_values (a DynamicCache), like a transformers causal LM."""
     if is_vlm(config):  # refuse_unsupported let only the served families and options through
+        from transformers import AutoModelForImageTextToText  # see the module's docstring
+
         vlm = AutoModelForImageTextToText.from_pretrained(model_dir, config=config, dtype=dtype)
         return vlm.to(device).eval()  # type: ignore[arg-type]
     # ---- Tensor-parallel dispatch point (models/tp_llama.py plugs in here) ----
@@ -232,6 +238,8 @@ def load_module(
             raise UnsupportedConfigError(f"--sharded over {dist.world_size} shards: {error}") from error
         return load_tp_model(model_dir, config, dtype, device, dist, quant)
     # ---- end of the dispatch point ----
+    from transformers import AutoModelForCausalLM  # see the module's docstring
+
     # `config`, not the directory's: it carries a ROPE_SCALING override.
     module = AutoModelForCausalLM.from_pretrained(
         model_dir, config=config, dtype=dtype, trust_remote_code=trust_remote_code
