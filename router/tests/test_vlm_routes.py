@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import httpx
+import psutil
 import pytest
 
 from testing.launcher import LauncherProcess
@@ -172,3 +173,24 @@ def test_chat_image_url_parts_are_images(served) -> None:  # type: ignore[no-unt
     )
     assert refused.status_code == 422
     assert "a link-local or cloud metadata address" in refused.json()["error"]
+
+
+def test_a_dead_image_worker_fails_one_request_and_the_next_gets_new_workers(served) -> None:  # type: ignore[no-untyped-def]
+    server, oracle = served
+    launcher = psutil.Process(server.process.pid)
+    router = next(p for p in launcher.children() if "textgen-router" in " ".join(p.cmdline()))
+    forkserver = next(p for p in router.children() if "forkserver" in " ".join(p.cmdline()))
+    workers = forkserver.children()  # the image workers fork from the preloaded server
+    assert workers
+    workers[0].kill()
+    workers[0].wait(10)
+    inputs = f"Look: ![]({data_uri(PNG, 'image/png')}) what is it?"
+    failed = generate(server, inputs)
+    assert failed.status_code == 422
+    assert failed.json()["error"].endswith("the images could not be prepared: the worker preparing them died")
+    again = generate(server, inputs)
+    assert again.status_code == 200, again.text
+    assert [t["id"] for t in again.json()["details"]["tokens"]] == oracle.greedy(
+        "Look: ", PNG, " what is it?", NEW_TOKENS
+    )
+    assert not set(forkserver.children()) & set(workers)  # the broken pool's workers are gone
