@@ -7,11 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import Gemma3Config
+from transformers import AutoConfig, Gemma3Config
 
 from testing.models import build_vlm
 from textgen_server.config import ServeConfig, UnsupportedConfigError
-from textgen_server.loader import get_model
+from textgen_server.loader import get_model, refuse_for_vlm
 
 
 def test_a_vision_language_family_not_served_is_refused_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
@@ -39,3 +39,9 @@ def test_what_the_vlm_engine_cannot_honour_is_refused(option: dict[str, object],
     serve = ServeConfig(str(build_vlm("llava_next")), **option)  # type: ignore[arg-type]
     with pytest.raises(UnsupportedConfigError, match=f"{name} is not supported for a vision-language model \\(llava"):
         get_model(serve)
+
+
+def test_a_sharded_vlm_needs_the_paged_engine() -> None:
+    serve = ServeConfig(str(build_vlm("llava_next")), sharded=True, use_flash_attention=False)
+    with pytest.raises(UnsupportedConfigError, match="--sharded is not supported for a vision-language model"):
+        refuse_for_vlm(serve, AutoConfig.from_pretrained(serve.model_id))

@@ -1,6 +1,8 @@
-"""A real shard serving the tiny vision-language models (models/vlm_causal_lm.py) over generate.v3: images as input
-chunks, greedy tokens equal to transformers' `generate` with the model's own processor (float32), alone and in
-mixed batches, after TGI's warmup (whose first request carries an image)."""
+"""A real shard serving the tiny vision-language models over generate.v3, on the paged engine (models/paged_vlm.py)
+and the padded one (models/vlm_causal_lm.py): images as input chunks, greedy tokens equal to transformers'
+`generate` with the model's own processor (float32), alone and in mixed batches, after TGI's warmup (whose first
+request carries an image); on the paged engine also with the prompt's prefill chunked through its images and
+with a prefix-cache hit that ends inside an image."""
 
 from __future__ import annotations
 
@@ -8,13 +10,14 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from shard_helpers import chooser, generate_over_grpc, make_batch, make_request
+from shard_helpers import chooser, generate_on_ranks, generate_over_grpc, make_batch, make_request
 
 from testing.models import build_vlm
 from testing.shards import ShardHandle, ShardProcess
 from testing.vlm_oracle import VlmOracle, image_bytes
 from textgen_pb import generate_pb2 as pb
 from textgen_router.backend import warmup_batch
+from textgen_server.models.paged_vlm import text_model_aliases
 from textgen_server.vlm_builder import VLM_ARCHS
 
 NEW_TOKENS = 8
@@ -39,10 +42,14 @@ def vlm_request(request_id: int, before: str, image: bytes | None, after: str, t
     return request
 
 
-@pytest.fixture(scope="module", params=VLM_ARCHS)
+ENGINES = {"paged": {}, "padded": {"USE_FLASH_ATTENTION": "false"}}
+
+
+@pytest.fixture(scope="module", params=[(arch, engine) for arch in VLM_ARCHS for engine in ENGINES], ids="-".join)
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[ShardHandle, VlmOracle]]:
-    model_dir = build_vlm(request.param)
-    with ShardProcess(model_dir) as handle:
+    arch, engine = request.param
+    model_dir = build_vlm(arch)
+    with ShardProcess(model_dir, env=ENGINES[engine]) as handle:
         stub = handle.stub()
         stub.Warmup(
             pb.WarmupRequest(
@@ -107,3 +114,81 @@ def test_a_text_row_of_several_chunks_truncates_as_one_chunk_does(served) -> Non
     one = make_request(7, "No image here, only text", NEW_TOKENS, truncate=3)
     stub = handle.stub()
     assert generate(stub, [several], batch_id=50)[6] == generate(stub, [one], batch_id=51)[7]
+
+
+BLOCK_SIZE, BUDGET = 16, 16  # the paged engine's blocks; a prefill budget smaller than an image's tokens
+
+
+@pytest.fixture(scope="module", params=VLM_ARCHS)
+def paged(request: pytest.FixtureRequest) -> Iterator[tuple[ShardHandle, VlmOracle]]:
+    """The paged engine as TGI v3's router drives it with prefix caching and chunking on."""
+    model_dir = build_vlm(request.param)
+    env = {"PREFIX_CACHING": "1", "PREFILL_CHUNKING": "1", "TEXTGEN_KV_CACHE_TOKENS": "4096"}
+    with ShardProcess(model_dir, env=env) as handle:
+        stub = handle.stub()
+        info = stub.Info(pb.InfoRequest())
+        assert (info.requires_padding, info.block_size, info.use_prefix_caching, info.support_chunking) == (
+            False,
+            BLOCK_SIZE,
+            True,
+            True,
+        )
+        warmup = make_batch(0, [make_request(0, "_test " * 8, 2)])
+        stub.Warmup(pb.WarmupRequest(batch=warmup, max_prefill_tokens=BUDGET), timeout=60)
+        yield handle, VlmOracle(model_dir)
+
+
+def with_blocks(request: pb.Request, prompt_tokens: int, blocks: list[int]) -> pb.Request:
+    """`request` with the blocks of its prompt and new tokens, as TGI's router gives them (`blocks` first)."""
+    needed = -(-(prompt_tokens + request.stopping_parameters.max_new_tokens - 1) // BLOCK_SIZE)
+    request.blocks.extend(blocks[:needed])
+    request.slots.extend(b * BLOCK_SIZE + i for b in request.blocks for i in range(BLOCK_SIZE))
+    return request
+
+
+def test_paged_chunks_through_an_image_and_a_prefix_hit_inside_one_give_transformers_tokens(paged) -> None:  # type: ignore[no-untyped-def]
+    handle, oracle = paged
+    stub = handle.stub()
+    first_text, second_text = (CASES[0][0], CASES[0][1], " what is it?"), (CASES[0][0], CASES[0][1], " and then?")
+    first_ids = oracle.inputs(*first_text)["input_ids"][0].tolist()
+    second_ids = oracle.inputs(*second_text)["input_ids"][0].tolist()
+    image_at = [p for p, token in enumerate(second_ids) if token == oracle.model.config.image_token_id]
+    # A cached prefix that ends inside the image: the rest of the image's tokens are computed after the hit.
+    cache_len = (image_at[0] // BLOCK_SIZE + 1) * BLOCK_SIZE
+    assert image_at[0] < cache_len < image_at[-1] and first_ids[:cache_len] == second_ids[:cache_len]
+    assert len(first_ids) > 2 * BUDGET  # the first prompt's prefill takes several chunks, its image's tokens too
+
+    first = with_blocks(vlm_request(1, *first_text), len(first_ids), list(range(1, 64)))
+    first.chunk_len = BUDGET
+    assert generate_over_grpc(stub, make_batch(60, [first])) == {1: oracle.greedy(*first_text, NEW_TOKENS)}
+
+    reused = list(first.blocks[: cache_len // BLOCK_SIZE])
+    second = with_blocks(vlm_request(2, *second_text), len(second_ids), reused + list(range(64, 128)))
+    second.cache_len = cache_len
+    second.chunk_len = BUDGET
+    assert generate_over_grpc(stub, make_batch(61, [second])) == {2: oracle.greedy(*second_text, NEW_TOKENS)}
+
+
+@pytest.mark.parametrize("arch", VLM_ARCHS)
+def test_two_shards_split_the_text_model_and_give_transformers_tokens(arch: str) -> None:
+    """The language model split as any Llama's, the vision tower whole on each rank."""
+    model_dir = build_vlm(arch)
+    oracle = VlmOracle(model_dir)
+    with ShardProcess(model_dir, num_shard=2) as handle:
+        got, _ = generate_on_ranks(handle, [vlm_request(i, *case) for i, case in enumerate(CASES)])
+    assert got == {i: oracle.greedy(*case, NEW_TOKENS) for i, case in enumerate(CASES)}
+
+
+def test_the_text_model_is_read_under_each_checkpoint_layout_s_names() -> None:
+    layouts = {
+        "language_model.model.": "language_model.lm_head.weight",  # llava-hf's (and transformers' save)
+        "model.language_model.": "lm_head.weight",  # transformers 4.52-4.57's saves
+        "model.text_model.": "lm_head.weight",  # idefics3's
+    }
+    for prefix, head in layouts.items():
+        names = [f"{prefix}embed_tokens.weight", f"{prefix}layers.0.mlp.up_proj.weight", head, "vision.x"]
+        aliases = text_model_aliases(names, tied=False)
+        assert aliases["model.layers.0.mlp.up_proj.weight"] == [f"{prefix}layers.0.mlp.up_proj.weight"]
+        assert head == "lm_head.weight" or aliases["lm_head.weight"] == [head]
+        tied = text_model_aliases(names, tied=True)["lm_head.weight"]
+        assert tied[-1] == f"{prefix}embed_tokens.weight"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from textgen_server.adapters import load_adapters
@@ -36,8 +37,10 @@ from textgen_server.models import tp_llama
 from textgen_server.models.causal_lm import CausalLM
 from textgen_server.models.model import Model
 from textgen_server.models.paged_lm import PagedCausalLM
+from textgen_server.models.paged_vlm import PagedVlm, drop_language_model, text_model_aliases
 from textgen_server.models.tp_llama import TPCausalLM, check_shardable, load_tp_model
-from textgen_server.models.vlm_causal_lm import VLM_MODEL_TYPES, VlmCausalLM
+from textgen_server.models.vlm_causal_lm import VlmCausalLM
+from textgen_server.models.vlm_inputs import VLM_MODEL_TYPES
 from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 
 if TYPE_CHECKING:
@@ -62,11 +65,14 @@ def get_model(serve: ServeConfig) -> Model:
     processor = load_processor(model_dir) if is_vlm(config) else None  # images to the VLM's inputs
     dist.barrier()
     module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code, quant)
+    vision = None
+    if processor is not None and serve.use_flash_attention:
+        module, vision = split_vlm(module, model_dir, config, dtype, device, dist)
     attach_adapters(serve, module, config, dist)
     release_freed_memory()
     dist.barrier()
     shard = shard_config(serve, model_dir, config, tokenizer, module, dtype, device, dist)
-    return engine(serve, module, shard, tokenizer, processor)
+    return engine(serve, module, shard, tokenizer, processor, vision)
 
 
 # ---- device and dtype ----
@@ -133,15 +139,19 @@ def is_vlm(config: PretrainedConfig) -> bool:
 
 def refuse_for_vlm(serve: ServeConfig, config: PretrainedConfig) -> None:
     """UnsupportedConfigError for a vision-language family this shard does not serve (some, as gemma3, mllama
-    and llama4, would load as causal LMs and read an image's markdown as text), or an option its engine (the
-    padded one, models/vlm_causal_lm.py) cannot honour."""
+    and llama4, would load as causal LMs and read an image's markdown as text), or an option its engines
+    (models/paged_vlm.py, models/vlm_causal_lm.py) cannot honour; only the paged one shards."""
     if config.model_type not in VLM_MODEL_TYPES:
         raise UnsupportedConfigError(
             f"{serve.model_id} is a vision-language model ({config.model_type}), which this shard cannot run: "
             f"of those textgen serves {' and '.join(VLM_MODEL_TYPES)}"
         )
+    if serve.sharded and not serve.use_flash_attention:
+        raise UnsupportedConfigError(
+            f"--sharded is not supported for a vision-language model ({config.model_type}) on the padded engine "
+            "(USE_FLASH_ATTENTION=false)"
+        )
     options = {
-        "--sharded": serve.sharded,
         "--quantize": serve.quantize,
         "--speculate": serve.speculate,
         "LORA_ADAPTERS": serve.lora_adapters,
@@ -248,6 +258,27 @@ def load_module(
     return module.to(device).eval()  # type: ignore[arg-type]
 
 
+def split_vlm(
+    vlm: torch.nn.Module,
+    model_dir: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: DistInfo,
+) -> tuple[TPCausalLM, torch.nn.Module]:
+    """A VLM for the paged engine: its language model on tp_llama, read from the checkpoint under its own names
+    (this rank's share), and the transformers module without it (the vision tower and projector, whole)."""
+    text_config = config.get_text_config()
+    names = [name for path in sorted(model_dir.glob("*.safetensors")) for name in safe_open(str(path), "pt").keys()]
+    aliases = text_model_aliases(names, text_config.tie_word_embeddings)
+    try:
+        check_shardable(text_config, dist.world_size)
+    except ValueError as error:
+        raise UnsupportedConfigError(f"--sharded over {dist.world_size} shards: {error}") from error
+    text = load_tp_model(model_dir, text_config, dtype, device, dist, aliases=aliases)
+    return text, drop_language_model(vlm)
+
+
 # glibc keeps in its heap what the load freed (whole tensors read to be split or unpacked, a quantized weight's
 # unpacked integers): ~300 MiB of a 1b GPTQ shard's RSS. Given back before the KV pool is sized from free memory.
 _MALLOC_TRIM: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
@@ -322,10 +353,14 @@ def engine(
     shard: ShardConfig,
     tokenizer: PreTrainedTokenizerBase,
     processor: ProcessorMixin | None = None,
+    vision: torch.nn.Module | None = None,
 ) -> Model:
-    """The paged engine for a tensor-parallel network (unless USE_FLASH_ATTENTION=false), the padded one with image
-    inputs for a vision-language model, else the padded one."""
+    """The paged engine for a tensor-parallel network (unless USE_FLASH_ATTENTION=false), with image inputs for a
+    vision-language model (`vision`: its tower, split_vlm), else the padded one (with image inputs for a VLM)."""
     if processor is not None:
+        if vision is not None:
+            assert isinstance(module, TPCausalLM)
+            return PagedVlm(module, shard, tokenizer, serve.paging(), vision, processor)
         return VlmCausalLM(module, shard, tokenizer, processor)
     if isinstance(module, TPCausalLM) and serve.use_flash_attention:
         return PagedCausalLM(module, shard, tokenizer, serve.paging())

@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -184,6 +184,11 @@ class Model(ABC, Generic[B]):
         self.all_special_ids = set(tokenizer.all_special_ids)
         # LoRA adapter name -> index (>= 1) in the model's adapters; set by models that load adapters.
         self.adapters: dict[str, int] = {}
+
+    def prepare(self, request: generate_pb2.Request) -> tuple[list[int], LLMatcher | None, int, Any]:
+        """prepare_row's (ids, matcher, adapter index) and what else the engine keeps of the request until its
+        prefill (a vision-language model's images; None here)."""
+        return (*prepare_row(request, self), None)
 
     def adapter_index(self, request: generate_pb2.Request) -> int:
         """The request's LoRA adapter: 0 (the base model) when it names none or the model itself, else its

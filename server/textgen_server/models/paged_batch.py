@@ -28,10 +28,10 @@ from textgen_server.models.model import (
     InvalidRequestError,
     KVCacheFullError,
     Model,
-    prepare_row,
     prepare_rows,
     rows_to_keep,
 )
+from textgen_server.models.vlm_inputs import RowImages
 from textgen_server.sampling.chooser import HeterogeneousNextTokenChooser
 from textgen_server.sampling.grammar import RowGrammars
 from textgen_server.sampling.stopping import StoppingCriteria
@@ -54,6 +54,7 @@ class _Row:
     own_blocks: bool
     cache_len: int
     chunk_len: int
+    images: RowImages | None  # a vision-language model's (models/paged_vlm.py)
 
 
 def _blocks_needed(tokens: int, block_size: int) -> int:
@@ -127,6 +128,8 @@ class PagedBatch(Batch):
     # chunk_lengths[i] = 1 + len(speculative_ids[i]) once decoding), and the index its guesses come from.
     speculative_ids: list[list[int]]
     ngrams: list[NGramIndex]
+    # A vision-language model's: each row's images until its prompt's last image token is computed, else None.
+    images: list[RowImages | None]
     _block_table_tensor: torch.Tensor | None = field(default=None, init=False)
 
     @classmethod
@@ -136,9 +139,9 @@ class PagedBatch(Batch):
         pool: KVPool = model.pool  # type: ignore[attr-defined]  # a paged model (models/paged_lm.py)
 
         def check(request: generate_pb2.Request) -> tuple[_Row, int]:
-            ids, matcher, adapter = prepare_row(request, model)
+            ids, matcher, adapter, images = model.prepare(request)
             blocks, wanted, cache_len, chunk = _place(request, ids, pool)
-            return _Row(ids, matcher, adapter, blocks, False, cache_len, chunk), wanted
+            return _Row(ids, matcher, adapter, blocks, False, cache_len, chunk, images), wanted
 
         checked = prepare_rows(pb.requests, check)
         rows = [row for row, _ in checked]
@@ -183,6 +186,7 @@ class PagedBatch(Batch):
             prompt_logprobs={},
             speculative_ids=[[] for _ in rows],
             ngrams=[NGramIndex() for _ in rows],
+            images=[row.images for row in rows],
         )
 
     def to_pb(self) -> generate_pb2.CachedBatch:
@@ -274,4 +278,5 @@ _ROW_LISTS = (
     "adapter_indices",
     "speculative_ids",
     "ngrams",
+    "images",
 )

@@ -147,14 +147,9 @@ class PagedCausalLM(Model[PagedBatch]):
         segments = None
         if any(batch.adapter_indices):
             segments = AdapterSegments.of(batch.adapter_indices, batch.chunk_lengths, input_ids.device)
-        logits = None
-        if self.graphs is not None and len(input_ids) == len(batch) and segments is None and not want_prompt_logprobs:
-            longest = max(c + n for c, n in zip(batch.cache_lengths, batch.chunk_lengths, strict=True))
-            logits = self.graphs.run(input_ids, positions, step, longest)
-        if logits is None:
-            logits = self.module.forward_paged(
-                input_ids, positions, step, None if want_prompt_logprobs else picked.to(input_ids.device), segments
-            )
+        logits = self._logits(
+            batch, input_ids, positions, step, None if want_prompt_logprobs else picked.to(input_ids.device), segments
+        )
         if want_prompt_logprobs:
             self._keep_prompt_logprobs(batch, logits, [0, *ends])
             logits = logits.index_select(0, picked.to(logits.device))
@@ -178,6 +173,24 @@ class PagedCausalLM(Model[PagedBatch]):
             batch.release()
             return generations, None, (forward_ns, time.perf_counter_ns() - decode_start)
         return generations, batch, (forward_ns, time.perf_counter_ns() - decode_start)
+
+    def _logits(
+        self,
+        batch: PagedBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: PagedStep,
+        logits_index: torch.Tensor | None,
+        segments: AdapterSegments | None,
+    ) -> torch.Tensor:
+        """The step's logits at `logits_index` (None: every token's): replayed from a CUDA graph where one fits
+        (decode steps only), else the module's eager forward."""
+        if self.graphs is not None and len(input_ids) == len(batch) and segments is None and logits_index is not None:
+            longest = max(c + n for c, n in zip(batch.cache_lengths, batch.chunk_lengths, strict=True))
+            logits = self.graphs.run(input_ids, positions, step, longest)
+            if logits is not None:
+                return logits
+        return self.module.forward_paged(input_ids, positions, step, logits_index, segments)
 
     def _step(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedStep]:
         """The step's flat token ids and positions, and where attention reads and writes. Everything attention

@@ -476,11 +476,15 @@ class TPCausalLM(nn.Module):
         step: PagedStep,
         logits_index: torch.Tensor | None,
         segments: AdapterSegments | None,
+        image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The paged engine's forward: `input_ids`/`position_ids` [T] are every row's new tokens one row after
         another; their keys and values are written to `step.slots`. Returns the logits [N, V] of the tokens
-        `logits_index` picks (None: all T)."""
+        `logits_index` picks (None: all T). `image_embeds`: (indices into T, their embeddings [n, H]), which
+        replace those tokens' own (a VLM's image features at its image tokens, models/paged_vlm.py)."""
         hidden = self.embed_tokens(input_ids)
+        if image_embeds is not None:
+            hidden[image_embeds[0]] = image_embeds[1].to(hidden.dtype)
         cos, sin = self.rotary(hidden, position_ids)
         hidden, pending = self._layers(hidden, cos, sin, step, segments)
         if logits_index is not None:
@@ -528,12 +532,16 @@ def load_tp_model(
     device: torch.device,
     dist: DistInfo,
     quant: QuantConfig | None = None,
+    aliases: dict[str, list[str]] | None = None,
 ) -> TPCausalLM:
     """This rank's share of a Llama-family model; ValueError if the architecture or sizes cannot be split.
 
-    `quant`: the checkpoint's projections are stored quantized (layers/quantization.py)."""
+    `quant`: the checkpoint's projections are stored quantized (layers/quantization.py). `aliases`: where the
+    checkpoint stores the tensors under other names (Weights), the tied head's among them; by default a tied
+    head is the embedding."""
     check_shardable(config, dist.world_size)
-    aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
+    if aliases is None:
+        aliases = {"lm_head.weight": ["model.embed_tokens.weight"]} if config.tie_word_embeddings else {}
     weights = Weights.from_dir(Path(model_dir), device, dtype, dist.rank, dist.world_size, aliases, quant)
     model = TPCausalLM(config, weights, dist, device).eval()
     linears = [m for m in model.modules() if isinstance(m, Linear)]

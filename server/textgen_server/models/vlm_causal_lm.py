@@ -1,31 +1,23 @@
 """Vision-language models on the padded engine (TGI's VlmCausalLM), for llava_next and idefics3.
 
-A request's generate.v3 input chunks, text and images in order, become one prompt: each image chunk is the
-family's image token (its processor's `image_token`) at its place, and the model's own processor expands those
-tokens to the count the family gives an image and prepares its pixels, as transformers' `generate` gets them. A
-row without images is tokenized as on every other engine. The prefill embeds the padded prompt, puts each row's
-image features (the model's `get_image_features`) at its image tokens, and runs the language model on those
-embeddings; decode steps are CausalLM's, reading the KV cache only. Images are kept until the batch's prefill
-and then dropped; the padded engine never chunks a prefill, so an image is always embedded whole.
-
-Truncation (on the left, as TGI's) may drop text before the first image but never an image's tokens: a request
-whose `truncate` would is refused (TGI's shard fails there with "Image is truncated"). TGI's warmup request, its
-text as long as `truncate` and an image after it, loses the start of its text.
+Prompts and image features are models/vlm_inputs.py's. The prefill embeds the padded prompt, puts each row's
+image features at its image tokens, and runs the language model on those embeddings; decode steps are CausalLM's,
+reading the KV cache only. Images are kept until the batch's prefill and then dropped; the padded engine never
+chunks a prefill, so an image is always embedded whole. TGI's warmup request, its text as long as `truncate` and
+an image after it, loses the start of its text.
 """
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
 
-from textgen_common.image_prompts import image_span_ids, truncate_left
 from textgen_pb import generate_pb2
 from textgen_server.models.causal_lm import CausalLM, CausalLMBatch
-from textgen_server.models.model import InvalidRequestError, Model, prepare_row, prepare_rows
+from textgen_server.models.model import InvalidRequestError, Model, prepare_rows
+from textgen_server.models.vlm_inputs import ImageInputs, VlmPrompts
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -33,11 +25,6 @@ if TYPE_CHECKING:
 
     from textgen_server.config import ShardConfig
     from textgen_server.models.kv_cache import KVCache
-
-# The families served, by config.json's model_type.
-VLM_MODEL_TYPES = ("llava_next", "idefics3")
-
-ImageInputs = dict[str, torch.Tensor]  # a row's processor outputs but its ids: pixel_values and their sizes or mask
 
 
 @dataclass
@@ -78,37 +65,14 @@ class VlmCausalLM(CausalLM):
         processor: ProcessorMixin,
     ) -> None:
         super().__init__(module, config, tokenizer)
-        self.processor = processor
-        self.image_token: str = getattr(processor, "image_token")  # noqa: B009 (each family's processor has one)
-        found = tokenizer.convert_tokens_to_ids(self.image_token)
-        assert isinstance(found, int)
-        self.image_token_id = found
-        self.image_span_ids = image_span_ids(processor)
+        self.prompts = VlmPrompts(tokenizer, processor)
 
     @property
     def batch_type(self) -> type[VlmCausalLMBatch]:
         return VlmCausalLMBatch
 
     def prepare(self, request: generate_pb2.Request) -> tuple[list[int], LLMatcher | None, int, ImageInputs | None]:
-        """prepare_row's (ids, matcher, adapter index) and the row's image inputs (None without images)."""
-        chunks = request.input_chunks.chunks if request.HasField("input_chunks") else []
-        if len(chunks) <= 1 and not any(chunk.WhichOneof("chunk") == "image" for chunk in chunks):
-            return (*prepare_row(request, self), None)
-        inputs: ImageInputs = {}
-
-        def encode(request: generate_pb2.Request) -> list[int]:
-            """The processor's ids for the chunks (the image token at each image); its pixel tensors to `inputs`."""
-            text = "".join(c.text if c.WhichOneof("chunk") == "text" else self.image_token for c in chunks)
-            images = [open_image(c.image.data) for c in chunks if c.WhichOneof("chunk") == "image"]
-            out = self.processor(
-                text=text, images=images or None, return_tensors="pt", add_special_tokens=request.add_special_tokens
-            )
-            ids: list[int] = out.pop("input_ids")[0].tolist()
-            out.pop("attention_mask", None)
-            inputs.update(out)
-            return truncate_left(ids, request.truncate, self.image_span_ids)
-
-        return (*prepare_row(request, self, encode), inputs or None)
+        return self.prompts.prepare(request, self)
 
     def forward(
         self, batch: CausalLMBatch, all_logits: bool, inputs_embeds: torch.Tensor | None = None
@@ -124,26 +88,8 @@ class VlmCausalLM(CausalLM):
         module: Any = self.module  # a transformers image-text-to-text model
         embeds = module.get_input_embeddings()(input_ids)
         for row, inputs in enumerate(images):
-            if inputs is None:
-                continue
-            on_device = {
-                k: v.to(self.config.device, self.config.dtype if v.is_floating_point() else v.dtype)
-                for k, v in inputs.items()
-            }
-            out = module.get_image_features(**on_device, return_dict=True)
-            features = torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype)
-            at = input_ids[row] == self.image_token_id
-            if int(at.sum()) != features.shape[0]:
-                raise RuntimeError(f"{int(at.sum())} image tokens for {features.shape[0]} image features")
-            embeds[row, at] = features
+            if inputs is not None:
+                at = input_ids[row] == self.prompts.image_token_id
+                features = self.prompts.features(module, inputs, int(at.sum()), self.config.dtype)
+                embeds[row, at] = features.to(embeds.dtype)
         return embeds
-
-
-def open_image(data: bytes) -> Image.Image:
-    """An image chunk's bytes decoded (any format PIL reads; the chunk's mimetype is not trusted, as in TGI)."""
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise InvalidRequestError(f"invalid image: {error}") from None
-    return image.convert("RGB")
