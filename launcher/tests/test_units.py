@@ -133,7 +133,9 @@ def test_attention_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_attention(odd_head, None) == ("paged", "0")
     falcon = parse_config({**LLAMA_7B, "model_type": "falcon"})
     assert resolve_attention(falcon, None) == ("paged", "0")
-    assert resolve_attention(parse_config({**LLAMA_7B, "vision_config": {}}), None) == ("flashinfer", "0")
+    # Unlike TGI, a VLM keeps the prefix cache (images are keyed by their bytes); a seq2seq model does not.
+    assert resolve_attention(parse_config({**LLAMA_7B, "vision_config": {}}), None) == ("flashinfer", "true")
+    assert resolve_attention(parse_config({**LLAMA_7B, "is_encoder_decoder": True}), None) == ("flashinfer", "0")
     monkeypatch.setenv("ATTENTION", "flashdecoding")
     monkeypatch.setenv("PREFIX_CACHING", "1")
     assert resolve_attention(odd_head, None) == ("flashdecoding", "1")

@@ -1,6 +1,8 @@
 """TGI's `resolve_attention`: the ATTENTION and PREFIX_CACHING values every shard inherits.
 
-An explicit ATTENTION / PREFIX_CACHING in the environment always wins.
+An explicit ATTENTION / PREFIX_CACHING in the environment always wins. One difference from TGI: a vision-language
+model keeps prefix caching (TGI turns it off for every VLM), for the router keys an image's tokens by the image
+(textgen_router.images.cache_key) and the shards embed any run of a prompt's positions alike (models/paged_vlm.py).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ def resolve_attention(config: ModelConfig | None, lora_adapters: str | None) -> 
     attention = os.environ.get("ATTENTION")
     prefix_caching = os.environ.get("PREFIX_CACHING")
     if config is not None:
-        if prefix_caching is None and (config.is_vlm or config.is_encoder_decoder):
-            logger.info("Disabling prefix caching because of %s model", "VLM" if config.is_vlm else "seq2seq")
+        if prefix_caching is None and config.is_encoder_decoder:
+            logger.info("Disabling prefix caching because of seq2seq model")
             prefix_caching = "0"
         if config.head_dim in FLASHINFER_HEAD_DIMS:
             if lora_adapters and prefix_caching is None:

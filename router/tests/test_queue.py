@@ -7,6 +7,7 @@ import pytest
 from textgen_pb import generate_pb2
 from textgen_router import metrics
 from textgen_router.block_allocator import RadixAllocator, SimpleAllocator
+from textgen_router.images import cache_key
 from textgen_router.queue import Entry, Queue
 from textgen_router.types import ChooserParameters, StoppingParameters, ValidRequest
 
@@ -194,6 +195,26 @@ def test_a_cached_prefix_is_not_computed_again_and_counts_nothing_in_the_prefill
     assert batch.requests[0].cache_len == 8 and batch.size == 2 and batch.max_tokens == 5
     r = batch.requests[0]
     assert list(r.slots[:8]) == [b * 4 + i for b in r.blocks[:2] for i in range(4)]  # the slots cover the prefix
+
+
+def test_a_prompt_with_images_shares_cached_blocks_only_with_the_same_images() -> None:
+    image_token, cat, dog = 9, b"cat pixels", b"dog pixels"  # two images of one size: the same placeholder ids
+    ids = [1, 2, 3, image_token, image_token, image_token, image_token, image_token, 4, 5]
+
+    def with_image(image: bytes) -> Entry:
+        e = entry(len(ids), 2)
+        e.request.input_ids = ids
+        e.request.cache_key = cache_key(ids, image_token, [image])
+        return e
+
+    assert cache_key(ids, image_token, [cat])[:3] == ids[:3] and min(cache_key(ids, image_token, [cat])) < 0
+    q = paged()
+    q.append(with_image(cat))
+    prefilled_and_released(q, q.next_batch(None, None, 100, 100)[0])  # caches 2 whole blocks: 8 tokens
+    q.append(with_image(dog))
+    assert q.next_batch(None, None, 100, 100)[1].requests[0].cache_len == 0  # the image's block differs
+    q.append(with_image(cat))
+    assert q.next_batch(None, None, 100, 100)[1].requests[0].cache_len == 8  # through the same image
 
 
 def test_a_whole_cached_prompt_still_computes_its_last_token() -> None:

@@ -29,10 +29,11 @@ def data_uri(image: bytes, mime: str) -> str:
 
 @pytest.fixture(scope="module")
 def served(launcher: Callable[..., LauncherProcess]) -> Iterator[tuple[LauncherProcess, VlmOracle]]:
-    """llava_next behind the launcher. The router's part is the same for every family (the family is in the
-    processor it runs); server/tests/test_vlm.py serves each family over gRPC against the same oracle."""
+    """llava_next behind the launcher, with the prefix cache on. The router's part is the same for every family
+    (the family is in the processor it runs); server/tests/test_vlm.py serves each family over gRPC against the
+    same oracle."""
     model_dir = build_vlm("llava_next")
-    server = launcher(model_dir)
+    server = launcher(model_dir, env={"PREFIX_CACHING": "1"})  # on CPU TGI's default is off (paged attention)
     yield server, VlmOracle(model_dir)
     server.stop()
 
@@ -69,6 +70,17 @@ def test_concurrent_requests_with_and_without_images_get_transformers_tokens(ser
         assert response.status_code == 200, response.text
         tokens = [t["id"] for t in response.json()["details"]["tokens"]]
         assert tokens == oracle.greedy(before, image, after, NEW_TOKENS)
+
+
+def test_the_prefix_cache_shares_an_image_s_blocks_only_with_the_same_image(served) -> None:  # type: ignore[no-untyped-def]
+    server, oracle = served
+    other = image_bytes(5, 48, 80)  # PNG's size: the same placeholder ids, other pixels
+    before = "An opening sentence long enough to fill a whole block of the cache or two. Look: "
+    for image in (PNG, other, PNG):  # the second would read the first's KV if placeholders matched
+        response = generate(server, f"{before}![]({data_uri(image, 'image/png')}) what is it?")
+        assert response.status_code == 200, response.text
+        tokens = [t["id"] for t in response.json()["details"]["tokens"]]
+        assert tokens == oracle.greedy(before, image, " what is it?", NEW_TOKENS)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import io
 import json
 import multiprocessing
@@ -152,8 +153,11 @@ class ImagePrompts:
         images = iter(Image(data, mimetype) for data, mimetype in fetched)
         return [next(images) if isinstance(p, ImageUrl) else p for p in pieces]
 
-    async def ids(self, chunks: list[Chunk], add_special_tokens: bool, truncate: int | None) -> list[int]:
-        """The prompt's ids, images expanded, truncated as the shards truncate it (never into an image)."""
+    async def ids(
+        self, chunks: list[Chunk], add_special_tokens: bool, truncate: int | None
+    ) -> tuple[list[int], list[int]]:
+        """The prompt's ids, images expanded, truncated as the shards truncate it (never into an image), and its
+        prefix-cache key (`cache_key`)."""
         loop = asyncio.get_running_loop()
         texts_and_images = [c if isinstance(c, str) else c.data for c in chunks]
         try:
@@ -180,9 +184,11 @@ def _load_processor(model_id: str, revision: str | None) -> None:
     _PROCESSOR = AutoProcessor.from_pretrained(model_id, revision=revision)
 
 
-def _expand(chunks: list[str | bytes], add_special_tokens: bool, truncate: int | None) -> list[int] | str:
-    """In a worker: the processor's ids for the prompt (an image token at each image), truncated; or the 422
-    message of an image that does not decode, or of a truncation that would cut one."""
+def _expand(
+    chunks: list[str | bytes], add_special_tokens: bool, truncate: int | None
+) -> tuple[list[int], list[int]] | str:
+    """In a worker: the processor's ids for the prompt (an image token at each image), truncated, and their
+    prefix-cache key; or the 422 message of an image that does not decode, or of a truncation that would cut one."""
     from PIL import Image as PILImage
 
     processor = _PROCESSOR
@@ -201,6 +207,27 @@ def _expand(chunks: list[str | bytes], add_special_tokens: bool, truncate: int |
     except Exception as err:  # noqa: BLE001 - an image the processor cannot take (too small, odd mode) is a 422
         return f"the images could not be prepared for the model: {err}"
     try:
-        return truncate_left(list(ids), truncate, image_span_ids(processor))
+        ids = truncate_left(list(ids), truncate, image_span_ids(processor))
     except ValueError as err:
         return str(err)
+    image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return ids, cache_key(ids, image_token_id, [c for c in chunks if isinstance(c, bytes)])
+
+
+def cache_key(ids: list[int], image_token_id: int, images: list[bytes]) -> list[int]:
+    """`ids` as the prefix cache looks them up: each image token's key is drawn from the bytes of the prompt's
+    images and its place among its image tokens, a negative number that no token id equals. So a cached prefix
+    runs through an image only for a prompt with the same images (a different image of the same size has the
+    same placeholder ids, but not the same KV). Keyed by all of the prompt's images, not only those before a
+    token: a prompt that adds an image after the same first one shares the text before the first image only."""
+    digest = hashlib.sha256()
+    for image in images:
+        digest.update(hashlib.sha256(image).digest())
+    seed = int.from_bytes(digest.digest()[:8], "little")
+    key = list(ids)
+    ordinal = 0
+    for i, token in enumerate(ids):
+        if token == image_token_id:
+            key[i] = -1 - (seed + ordinal) % 2**62
+            ordinal += 1
+    return key

@@ -308,7 +308,7 @@ class Queue:
             request = entry.request
             tokens = request.input_length + request.stopping_parameters.max_new_tokens + self.speculate - 1
             # Prefill logprobs need every prompt token computed: no lookup, and nothing cached afterwards.
-            prompt = None if request.decoder_input_details else request.input_ids
+            prompt = None if request.decoder_input_details else request.prefix_key
             allocation = allocator.allocate(tokens, prompt)
             if allocation is None:
                 self.entries.appendleft(entry)

@@ -57,6 +57,12 @@ class ValidRequest:
     stopping_parameters: StoppingParameters
     adapter_id: str | None = None  # a loaded LoRA adapter's name; None runs the base model
     chunks: list[str | Image] | None = None  # the text and images of a prompt with images, in order
+    cache_key: list[int] | None = None  # a prompt with images: its prefix-cache key (images.cache_key)
+
+    @property
+    def prefix_key(self) -> list[int]:
+        """What the prefix cache looks the prompt up by: its ids, an image's tokens keyed by the image."""
+        return self.input_ids if self.cache_key is None else self.cache_key
 
     @property
     def input_length(self) -> int:

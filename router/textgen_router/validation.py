@@ -190,10 +190,10 @@ class Validator:
         seed = _seed(p, best_of)
         top_n_tokens = self._top_n_tokens(p)
         self._check_inputs(inputs, p)
-        chunks = None
+        chunks, cache_key = None, None
         if self.images is not None and images.IMAGE_MARKDOWN.search(inputs):
             chunks = await self.images.load(images.split(inputs))
-            ids = await self.images.ids(chunks, add_special_tokens, p.truncate)
+            ids, cache_key = await self.images.ids(chunks, add_special_tokens, p.truncate)
             input_length, input_ids = len(ids), ids if len(ids) <= self.limits.max_input_tokens else []
         else:
             input_length, input_ids = await self._run(
@@ -214,6 +214,7 @@ class Validator:
             stopping_parameters=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=list(p.stop)),
             adapter_id=adapter_id,
             chunks=chunks,
+            cache_key=cache_key,
         )
 
     def _grammar(self, p: GenerateParameters) -> grammar.ShardGrammar | None:
