@@ -66,7 +66,7 @@ def get_model(serve: ServeConfig) -> Model:
     dist.barrier()
     module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code, quant)
     vision = None
-    if processor is not None and serve.use_flash_attention:
+    if processor is not None and vlm_is_paged(serve, config):
         module, vision = split_vlm(module, model_dir, config, dtype, device, dist)
     attach_adapters(serve, module, config, dist)
     release_freed_memory()
@@ -146,10 +146,10 @@ def refuse_for_vlm(serve: ServeConfig, config: PretrainedConfig) -> None:
             f"{serve.model_id} is a vision-language model ({config.model_type}), which this shard cannot run: "
             f"of those textgen serves {' and '.join(VLM_MODEL_TYPES)}"
         )
-    if serve.sharded and not serve.use_flash_attention:
+    if serve.sharded and not vlm_is_paged(serve, config):
         raise UnsupportedConfigError(
             f"--sharded is not supported for a vision-language model ({config.model_type}) on the padded engine "
-            "(USE_FLASH_ATTENTION=false)"
+            f"(USE_FLASH_ATTENTION=false, or a {config.get_text_config().model_type} language model)"
         )
     options = {
         "--quantize": serve.quantize,
@@ -159,6 +159,12 @@ def refuse_for_vlm(serve: ServeConfig, config: PretrainedConfig) -> None:
     for name, value in options.items():
         if value:
             raise UnsupportedConfigError(f"{name} is not supported for a vision-language model ({config.model_type})")
+
+
+def vlm_is_paged(serve: ServeConfig, config: PretrainedConfig) -> bool:
+    """Whether a vision-language model runs on the paged engine: its language model is of a tensor-parallel
+    family (tp_llama's), unless USE_FLASH_ATTENTION=false; else the padded one runs the transformers module."""
+    return serve.use_flash_attention and config.get_text_config().model_type in tp_llama.TP_MODEL_TYPES
 
 
 def override_rope(serve: ServeConfig, config: PretrainedConfig) -> None:
@@ -267,16 +273,18 @@ def split_vlm(
     dist: DistInfo,
 ) -> tuple[TPCausalLM, torch.nn.Module]:
     """A VLM for the paged engine: its language model on tp_llama, read from the checkpoint under its own names
-    (this rank's share), and the transformers module without it (the vision tower and projector, whole)."""
+    (this rank's share), and the transformers module without it (the vision tower and projector, whole). The
+    transformers language model goes before tp_llama's loads, so the peak is the checkpoint's size, once."""
     text_config = config.get_text_config()
-    names = [name for path in sorted(model_dir.glob("*.safetensors")) for name in safe_open(str(path), "pt").keys()]
-    aliases = text_model_aliases(names, text_config.tie_word_embeddings)
     try:
         check_shardable(text_config, dist.world_size)
     except ValueError as error:
         raise UnsupportedConfigError(f"--sharded over {dist.world_size} shards: {error}") from error
-    text = load_tp_model(model_dir, text_config, dtype, device, dist, aliases=aliases)
-    return text, drop_language_model(vlm)
+    vision = drop_language_model(vlm)
+    release_freed_memory()
+    names = [name for path in sorted(model_dir.glob("*.safetensors")) for name in safe_open(str(path), "pt").keys()]
+    aliases = text_model_aliases(names, text_config.tie_word_embeddings)
+    return load_tp_model(model_dir, text_config, dtype, device, dist, aliases=aliases), vision
 
 
 # glibc keeps in its heap what the load freed (whole tensors read to be split or unpacked, a quantized weight's

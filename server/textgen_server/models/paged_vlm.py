@@ -1,8 +1,9 @@
 """Vision-language models on the paged engine: llava_next and idefics3 with prefix caching and chunked prefill.
 
 The text model is tp_llama's (the VLM checkpoint's language model, read under its own names; split across
-shards as any Llama), and the vision tower and projector are the transformers module's, whole on every rank
-(its language model dropped at load). Prompts and image features are models/vlm_inputs.py's.
+shards as any Llama; a language model of another family runs on the padded engine, loader.vlm_is_paged), and
+the vision tower and projector are the transformers module's, whole on every rank (its language model dropped
+at load). Prompts and image features are models/vlm_inputs.py's.
 
 A step embeds its tokens and puts image features at the image tokens it computes. Features are a function of
 the pixels alone, so a prefill may be chunked anywhere, an image's tokens across chunks too, and a prefix-cache
