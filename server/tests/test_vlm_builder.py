@@ -44,16 +44,16 @@ def test_rebuild_is_identical_and_reuse_is_free(arch: str, tmp_path: Path) -> No
     assert (rebuilt / ".textgen-build.json").stat().st_mtime_ns == stamp
 
 
-def test_cli_builds_a_vlm_and_refuses_another_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_builds_a_vlm_and_refuses_an_unknown_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`textgen-server build-test-model DIR --arch idefics3`, run in this process (its subprocess start is
     test_builder.py's)."""
     for argv, code in (
         ([str(tmp_path / "m"), "--arch", "idefics3"], 0),
-        ([str(tmp_path / "n"), "--arch", "llava_next", "--size", "small"], 2),
+        ([str(tmp_path / "n"), "--arch", "llava_next", "--size", "1b"], 2),
     ):
         with pytest.raises(SystemExit) as exited:
             cli.main(["build-test-model", *argv])
         assert exited.value.code == code
     assert (tmp_path / "m" / "processor_config.json").is_file()
-    assert "llava_next is built at size tiny only" in capsys.readouterr().out
+    assert "unknown vision-language size '1b'; expected one of tiny, small" in capsys.readouterr().out
     assert not (tmp_path / "n").exists()

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("out_dir")
     # Choices are checked by the builder (importing it here would cost every subcommand its torch import).
     build.add_argument("--arch", default="llama", help="llama | gpt2 | mistral | qwen2 | llava_next | idefics3")
-    build.add_argument("--size", default="tiny", help="tiny | small | 1b (vision-language archs: tiny only)")
+    build.add_argument("--size", default="tiny", help="tiny | small | 1b (vision-language archs: tiny | small)")
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--lora-adapter", metavar="ADAPTER_DIR", help="also write a random PEFT LoRA adapter here")
     build.add_argument("--lora-rank", type=int, default=8)
@@ -122,9 +122,9 @@ def run_build(args: argparse.Namespace) -> int:
 
     try:
         if args.arch in VLM_ARCHS:
-            if args.size != "tiny" or args.lora_adapter:
-                raise ValueError(f"{args.arch} is built at size tiny only, without a LoRA adapter")
-            model_dir = build_test_vlm(args.out_dir, args.arch, seed=args.seed)
+            if args.lora_adapter:
+                raise ValueError(f"{args.arch} is built without a LoRA adapter")
+            model_dir = build_test_vlm(args.out_dir, args.arch, seed=args.seed, size=args.size)
         else:
             model_dir = build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
         print(model_dir)

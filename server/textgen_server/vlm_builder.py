@@ -1,18 +1,23 @@
-"""Builds tiny vision-language models offline: seeded random weights, the project's trained tokenizer with the
+"""Builds small vision-language models offline: seeded random weights, the project's trained tokenizer with the
 family's image tokens, the family's own image processor and processor, and a chat template.
 
 A built directory is what the hub holds for such a model (``config.json``, ``model.safetensors``, the tokenizer
 files, ``processor_config.json``), so that ``AutoProcessor`` and ``AutoModelForImageTextToText`` load it as is:
 transformers' ``generate`` with the model's own processor is the oracle of a VLM's tokens (issue 38), and these
-are the models it runs on. Families, at one size each (tiny: seconds to build, for tests):
+are the models it runs on. Families:
 
-- ``llava_next``: a CLIP tower over 32-pixel tiles of 8-pixel patches, anyres grids of 32/64 pixels, the image
-  newline; text a tiny Llama.
-- ``idefics3`` (SmolVLM): its own tower over 32-pixel tiles, images split into tiles plus a global one, a pixel
-  shuffle by 2 (4 tokens a tile); text a tiny Llama.
+- ``llava_next``: a CLIP tower over square tiles, anyres grids of one or two tiles a side, the image newline;
+  text a Llama.
+- ``idefics3`` (SmolVLM): its own tower over square tiles, images split into tiles plus a global one, a pixel
+  shuffle by 2; text a Llama.
+
+Sizes (``VLM_SIZES``): ``tiny`` (32-pixel tiles of 8-pixel patches, a 2-layer tower, builder.py's tiny Llama:
+seconds to build, for tests) and ``small`` (224-pixel tiles of 16-pixel patches, a 12-layer 768-wide tower of
+~86M parameters, builder.py's small Llama: ~200M in all, about SmolVLM-256M's size, for benchmark/vlm_load.py).
 
 Not built: ``qwen2_vl``, whose processor requires a video processor, which transformers provides only with
-torchvision (not a dependency of textgen).
+torchvision (not a dependency of textgen; the package registry's torchvision wheels are CUDA builds, which do
+not import beside a CPU torch).
 
 Contract: ``build_test_vlm(out_dir, arch, seed) -> Path`` is deterministic for a given ``VLM_BUILDER_VERSION``,
 Python minor version (the tokenizer's corpus) and torch version, and returns at once when ``out_dir`` holds the
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +75,36 @@ IMAGE_TOKENS = {
     "llava_next": ["<image>"],
     "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"],
 }
-TILE, PATCH = 32, 8  # pixels: the towers' input side and patch side (16 patches a tile)
-GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # llava_next's anyres resolutions (tiles of TILE)
-SHUFFLE = 2  # idefics3's pixel shuffle: (TILE / PATCH)^2 / SHUFFLE^2 = 4 tokens a tile
 
 
-def tokenizer_for(arch: str) -> PreTrainedTokenizerFast:
-    """The tiny model's trained tokenizer with the family's image tokens added as special tokens."""
-    raw = train_tokenizer(SIZE_DIMS["tiny"].vocab, SIZE_DIMS["tiny"].corpus, add_bos=True)
+@dataclass(frozen=True)
+class VlmSize:
+    """One size: the text model's (builder.SIZE_DIMS) and the tower's tile and patch sides and shape."""
+
+    text: str
+    tile: int  # pixels: the tower's input side
+    patch: int
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+
+
+VLM_SIZES = {
+    "tiny": VlmSize("tiny", tile=32, patch=8, hidden=32, layers=2, heads=4, intermediate=64),
+    "small": VlmSize("small", tile=224, patch=16, hidden=768, layers=12, heads=12, intermediate=3072),
+}
+SHUFFLE = 2  # idefics3's pixel shuffle: (tile / patch)^2 / SHUFFLE^2 tokens a tile
+
+
+def grid_pinpoints(size: VlmSize) -> list[list[int]]:
+    """llava_next's anyres resolutions: one or two tiles a side."""
+    return [[size.tile, 2 * size.tile], [2 * size.tile, size.tile], [2 * size.tile, 2 * size.tile]]
+
+
+def tokenizer_for(arch: str, text: str) -> PreTrainedTokenizerFast:
+    """The `text` size's trained tokenizer with the family's image tokens added as special tokens."""
+    raw = train_tokenizer(SIZE_DIMS[text].vocab, SIZE_DIMS[text].corpus, add_bos=True)
     return PreTrainedTokenizerFast(
         tokenizer_object=raw,
         bos_token=BOS,
@@ -84,13 +112,13 @@ def tokenizer_for(arch: str) -> PreTrainedTokenizerFast:
         pad_token=PAD,
         additional_special_tokens=[IM_START, IM_END, *IMAGE_TOKENS[arch]],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=SIZE_DIMS["tiny"].max_positions,
+        model_max_length=SIZE_DIMS[text].max_positions,
     )
 
 
-def text_config(tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
-    """The tiny Llama of builder.py, its vocabulary grown to hold the image tokens (even: 2 shards split it)."""
-    dims = dataclasses.replace(SIZE_DIMS["tiny"], vocab=len(tokenizer) + len(tokenizer) % 2)
+def text_config(tokenizer: PreTrainedTokenizerFast, text: str) -> PretrainedConfig:
+    """builder.py's Llama of size `text`, its vocabulary grown to hold the image tokens (even: 2 shards split it)."""
+    dims = dataclasses.replace(SIZE_DIMS[text], vocab=len(tokenizer) + len(tokenizer) % 2)
     return model_config("llama", dims, special_token_ids(tokenizer.backend_tokenizer))
 
 
@@ -100,35 +128,38 @@ def token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
     return found
 
 
-# The towers' shape: small, but deep enough that every part of them changes the tokens.
-VISION: dict[str, Any] = dict(
-    image_size=TILE,
-    patch_size=PATCH,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    initializer_range=INIT_STD,
-)
+def vision(size: VlmSize) -> dict[str, Any]:
+    """The tower's config fields; the tiny one small, but deep enough that every part of it changes the tokens."""
+    return dict(
+        image_size=size.tile,
+        patch_size=size.patch,
+        hidden_size=size.hidden,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        intermediate_size=size.intermediate,
+        initializer_range=INIT_STD,
+    )
 
 
-def llava_next(tokenizer: PreTrainedTokenizerFast) -> tuple[PreTrainedModel, ProcessorMixin]:
+def llava_next(tokenizer: PreTrainedTokenizerFast, size: VlmSize) -> tuple[PreTrainedModel, ProcessorMixin]:
     config = LlavaNextConfig(
-        text_config=text_config(tokenizer),
-        vision_config=CLIPVisionConfig(projection_dim=32, **VISION),
+        text_config=text_config(tokenizer, size.text),
+        vision_config=CLIPVisionConfig(projection_dim=size.hidden, **vision(size)),
         image_token_index=token_id(tokenizer, "<image>"),
-        image_grid_pinpoints=GRID_PINPOINTS,
+        image_grid_pinpoints=grid_pinpoints(size),
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
-        image_seq_length=(TILE // PATCH) ** 2,
+        image_seq_length=(size.tile // size.patch) ** 2,
     )
     image_processor = LlavaNextImageProcessor(
-        size={"shortest_edge": TILE}, crop_size={"height": TILE, "width": TILE}, image_grid_pinpoints=GRID_PINPOINTS
+        size={"shortest_edge": size.tile},
+        crop_size={"height": size.tile, "width": size.tile},
+        image_grid_pinpoints=grid_pinpoints(size),
     )
     processor = LlavaNextProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        patch_size=PATCH,
+        patch_size=size.patch,
         vision_feature_select_strategy="default",
         image_token="<image>",
         num_additional_image_tokens=1,  # CLIP's class token, which the "default" strategy drops
@@ -137,18 +168,20 @@ def llava_next(tokenizer: PreTrainedTokenizerFast) -> tuple[PreTrainedModel, Pro
     return LlavaNextForConditionalGeneration(config), processor
 
 
-def idefics3(tokenizer: PreTrainedTokenizerFast) -> tuple[PreTrainedModel, ProcessorMixin]:
+def idefics3(tokenizer: PreTrainedTokenizerFast, size: VlmSize) -> tuple[PreTrainedModel, ProcessorMixin]:
     config = Idefics3Config(
-        text_config=text_config(tokenizer),
-        vision_config=Idefics3VisionConfig(**VISION),
+        text_config=text_config(tokenizer, size.text),
+        vision_config=Idefics3VisionConfig(**vision(size)),
         scale_factor=SHUFFLE,
         image_token_id=token_id(tokenizer, "<image>"),
     )
-    image_processor = Idefics3ImageProcessor(size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE})
+    image_processor = Idefics3ImageProcessor(
+        size={"longest_edge": 2 * size.tile}, max_image_size={"longest_edge": size.tile}
+    )
     processor = Idefics3Processor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        image_seq_len=(TILE // PATCH) ** 2 // SHUFFLE**2,
+        image_seq_len=(size.tile // size.patch) ** 2 // SHUFFLE**2,
         chat_template=CHAT_TEMPLATE,
     )
     return Idefics3ForConditionalGeneration(config), processor
@@ -157,21 +190,25 @@ def idefics3(tokenizer: PreTrainedTokenizerFast) -> tuple[PreTrainedModel, Proce
 FAMILIES = {"llava_next": llava_next, "idefics3": idefics3}
 
 
-def build_test_vlm(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
-    """Build (or reuse) the tiny `arch` VLM in `out_dir`; returns the directory. ValueError for an unknown arch."""
+def build_test_vlm(out_dir: str | Path, arch: str, seed: int = 0, size: str = "tiny") -> Path:
+    """Build (or reuse) the `arch` VLM of `size` in `out_dir`; returns the directory. ValueError for an unknown
+    arch or size."""
     if arch not in VLM_ARCHS:
         raise ValueError(f"unknown vision-language arch {arch!r}; expected one of {', '.join(VLM_ARCHS)}")
+    if size not in VLM_SIZES:
+        raise ValueError(f"unknown vision-language size {size!r}; expected one of {', '.join(VLM_SIZES)}")
     out = Path(out_dir)
-    stamp = {"vlm_builder_version": VLM_BUILDER_VERSION, "arch": arch, "seed": seed}
+    stamp = {"vlm_builder_version": VLM_BUILDER_VERSION, "arch": arch, "seed": seed, "size": size}
     if is_built(out, stamp):
         return out
     # Built beside the target and renamed at the end, as builder.build_test_model does.
     tmp = out.with_name(f"{out.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = tokenizer_for(arch)
+    dims = VLM_SIZES[size]
+    tokenizer = tokenizer_for(arch, dims.text)
     torch.manual_seed(seed)
-    model, processor = FAMILIES[arch](tokenizer)
+    model, processor = FAMILIES[arch](tokenizer, dims)
     model.eval().save_pretrained(tmp, safe_serialization=True)
     processor.save_pretrained(tmp)
     return publish(tmp, out, stamp)
