@@ -6,6 +6,7 @@ that they run and print their figures."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def run_script(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPat
         spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARK / f"{name}.py")
         assert spec is not None and spec.loader is not None
         script = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, script)  # where dataclasses look a script's classes up
         spec.loader.exec_module(script)
         capsys.readouterr()
         script.main(list(args))
