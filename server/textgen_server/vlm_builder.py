@@ -19,9 +19,9 @@ Not built: ``qwen2_vl``, whose processor requires a video processor, which trans
 torchvision (not a dependency of textgen; the package registry's torchvision wheels are CUDA builds, which do
 not import beside a CPU torch).
 
-Contract: ``build_test_vlm(out_dir, arch, seed) -> Path`` is deterministic for a given ``VLM_BUILDER_VERSION``,
-Python minor version (the tokenizer's corpus) and torch version, and returns at once when ``out_dir`` holds the
-same build (the stamp of ``builder.publish``).
+Contract: ``build_test_vlm(out_dir, arch, seed, size) -> Path`` is deterministic for a given
+``VLM_BUILDER_VERSION``, Python minor version (the tokenizer's corpus) and torch version, and returns at once when
+``out_dir`` holds the same build (the stamp of ``builder.publish``).
 """
 
 from __future__ import annotations
