@@ -1,10 +1,28 @@
-"""A vision-language prompt's token ids as the router and the shards both treat them (the router counts them, the
-shards run them): which tokens open an image's span, and TGI's left truncation, which may drop the text before
-the first image but never an image's tokens."""
+"""A vision-language prompt as the router and the shards both treat it (the router counts its tokens, the shards
+run them): an image chunk's bytes decoded, which tokens open an image's span, and TGI's left truncation, which may
+drop the text before the first image but never an image's tokens."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+
+def open_image(data: bytes) -> Image:
+    """An image's bytes decoded to RGB (any format PIL reads: a chunk's mimetype is not trusted, as in TGI).
+    ValueError `invalid image: ...` for bytes the decoder refuses, whatever it raises: they come from a client."""
+    import io
+
+    from PIL import Image as PILImage  # the router's own process never decodes an image
+
+    try:
+        image = PILImage.open(io.BytesIO(data))
+        image.load()
+    except Exception as error:  # noqa: BLE001 - PIL raises OSError, ValueError, SyntaxError, DecompressionBombError
+        raise ValueError(f"invalid image: {error}") from None
+    return image.convert("RGB")
 
 
 def image_span_ids(processor: Any) -> set[int]:

@@ -19,7 +19,6 @@ import asyncio
 import base64
 import binascii
 import hashlib
-import io
 import json
 import multiprocessing
 import re
@@ -28,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from textgen_common.image_prompts import image_span_ids, truncate_left
+from textgen_common.image_prompts import image_span_ids, open_image, truncate_left
 from textgen_router.image_fetch import FetchPolicy, fetch_image
 from textgen_router.model_files import model_file
 from textgen_router.types import ValidationError
@@ -189,18 +188,11 @@ def _expand(
 ) -> tuple[list[int], list[int]] | str:
     """In a worker: the processor's ids for the prompt (an image token at each image), truncated, and their
     prefix-cache key; or the 422 message of an image that does not decode, or of a truncation that would cut one."""
-    from PIL import Image as PILImage
-
     processor = _PROCESSOR
-    images = []
-    for chunk in chunks:
-        if isinstance(chunk, bytes):
-            try:
-                image = PILImage.open(io.BytesIO(chunk))
-                image.load()
-            except Exception as err:  # noqa: BLE001 - whatever the decoder says is the image's problem
-                return f"invalid image: {err}"
-            images.append(image.convert("RGB"))
+    try:
+        images = [open_image(chunk) for chunk in chunks if isinstance(chunk, bytes)]
+    except ValueError as err:
+        return str(err)
     text = "".join(c if isinstance(c, str) else processor.image_token for c in chunks)
     try:
         ids: list[int] = processor(text=text, images=images, add_special_tokens=add_special_tokens)["input_ids"][0]

@@ -184,13 +184,20 @@ class PagedCausalLM(Model[PagedBatch]):
         segments: AdapterSegments | None,
     ) -> torch.Tensor:
         """The step's logits at `logits_index` (None: every token's): replayed from a CUDA graph where one fits
-        (decode steps only), else the module's eager forward."""
-        if self.graphs is not None and len(input_ids) == len(batch) and segments is None and logits_index is not None:
+        (decode steps only, with no token embedded otherwise), else the module's eager forward."""
+        embeds = self._image_embeds(batch)
+        plain = segments is None and embeds is None and logits_index is not None
+        if self.graphs is not None and len(input_ids) == len(batch) and plain:
             longest = max(c + n for c, n in zip(batch.cache_lengths, batch.chunk_lengths, strict=True))
             logits = self.graphs.run(input_ids, positions, step, longest)
             if logits is not None:
                 return logits
-        return self.module.forward_paged(input_ids, positions, step, logits_index, segments)
+        return self.module.forward_paged(input_ids, positions, step, logits_index, segments, embeds)
+
+    def _image_embeds(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Embeddings that replace some of the step's tokens' own, and their indices among the step's tokens: a
+        vision-language model's image features (models/paged_vlm.py); none for a text model."""
+        return None
 
     def _step(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedStep]:
         """The step's flat token ids and positions, and where attention reads and writes. Everything attention

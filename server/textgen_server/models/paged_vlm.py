@@ -31,8 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
     from textgen_server.config import PagingConfig, ShardConfig
-    from textgen_server.layers.lora import AdapterSegments
-    from textgen_server.models.tp_llama import PagedStep, TPCausalLM
+    from textgen_server.models.tp_llama import TPCausalLM
 
 
 class PagedVlm(PagedCausalLM):
@@ -58,23 +57,9 @@ class PagedVlm(PagedCausalLM):
         positions = [p for p, token in enumerate(ids) if token == self.prompts.image_token_id]
         return ids, matcher, adapter, RowImages(inputs, positions)
 
-    def _logits(
-        self,
-        batch: PagedBatch,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        step: PagedStep,
-        logits_index: torch.Tensor | None,
-        segments: AdapterSegments | None,
-    ) -> torch.Tensor:
-        embeds = self._image_embeds(batch)
-        if embeds is None:
-            return super()._logits(batch, input_ids, positions, step, logits_index, segments)
-        return self.module.forward_paged(input_ids, positions, step, logits_index, segments, embeds)
-
     def _image_embeds(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The image features this step's tokens take and their indices among them (None: none); a row whose
-        last image token this step computes lets its images go."""
+        """The image features this step's image tokens take; a row whose last image token this step computes lets
+        its images go."""
         where: list[int] = []
         what: list[torch.Tensor] = []
         start = 0  # the row's first token in the step (rows feed their chunks one after another)

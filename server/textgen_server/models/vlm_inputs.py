@@ -14,16 +14,14 @@ whose `truncate` would is refused (TGI's shard fails there with "Image is trunca
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image, UnidentifiedImageError
 
-from textgen_common.image_prompts import image_span_ids, truncate_left
+from textgen_common.image_prompts import image_span_ids, open_image, truncate_left
 from textgen_pb import generate_pb2
-from textgen_server.models.model import InvalidRequestError, Model, prepare_row
+from textgen_server.models.model import Model, prepare_row
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -90,13 +88,3 @@ class VlmPrompts:
         if count != features.shape[0]:
             raise RuntimeError(f"{count} image tokens for {features.shape[0]} image features")
         return features
-
-
-def open_image(data: bytes) -> Image.Image:
-    """An image chunk's bytes decoded (any format PIL reads; the chunk's mimetype is not trusted, as in TGI)."""
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise InvalidRequestError(f"invalid image: {error}") from None
-    return image.convert("RGB")
