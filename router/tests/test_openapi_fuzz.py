@@ -10,13 +10,16 @@ plugin, which depends on pytest internals that change between pytest releases.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from router_fixtures import API_KEY, PAYLOAD_LIMIT, RouterProcess
+from router_fixtures import API_KEY, MAX_INPUT_TOKENS, PAYLOAD_LIMIT, ROUTER_FLAGS, RouterProcess
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -24,6 +27,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
+from testing.shards import ShardProcess
 
 EXAMPLES_PER_OPERATION = 16
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -36,6 +41,19 @@ EDGE_CASES: list[dict[str, Any]] = [
     {"body": b'{"inputs": "' + b"x" * PAYLOAD_LIMIT + b'"}', "media_type": "application/json"},
 ]
 pytestmark = pytest.mark.timeout(600)
+# A generated request that leaves out `max_new_tokens` generates up to --max-total-tokens: on the shared router
+# (512) each such request took ~2 s of a 2-core box, most of this test's 34-50 s. The fuzz is about the API's
+# shapes, not long generations, so it has a router of its own whose total is just above the input limit.
+FUZZ_MAX_TOTAL_TOKENS = MAX_INPUT_TOKENS + 32
+FUZZ_FLAGS = (*ROUTER_FLAGS, "--max-total-tokens", str(FUZZ_MAX_TOTAL_TOKENS))  # the last one counts
+
+
+@pytest.fixture(scope="module")
+def router(tiny_llama: Path) -> Iterator[RouterProcess]:
+    """The shared router's flags (conftest `router`) but FUZZ_MAX_TOTAL_TOKENS; the test checks that it applied."""
+    with ShardProcess(tiny_llama) as shard:
+        with RouterProcess(shard.socket, tiny_llama, FUZZ_FLAGS) as proc:
+            yield proc
 
 
 def fuzz(operation: schemathesis.APIOperation) -> None:
@@ -63,6 +81,7 @@ def test_every_response_conforms_to_the_spec(router: RouterProcess) -> None:
     schema = schemathesis.openapi.from_url(f"{router.base_url}/api-doc/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 14  # every route of routes.py and openai.py is in the spec
+    assert httpx.get(f"{router.base_url}/info", timeout=10).json()["max_total_tokens"] == FUZZ_MAX_TOTAL_TOKENS
     failures: dict[str, BaseException] = {}
     for operation in operations:
         try:
