@@ -1,8 +1,9 @@
 """A bounded property-based fuzz of the HTTP API, generated from the router's own OpenAPI spec (schemathesis),
-against the shared real router + shard (conftest `router`). Every operation gets a fixed number of generated
-requests, valid and invalid; each response must be no 5xx and must conform to the spec: a documented status,
-content type and body schema (SSE events included). A failure means the server or openapi_spec.py is wrong: fix
-that rather than loosen the checks. Derandomized, so a run is the same run every time.
+against a real router + shard of its own (the shared router's flags, a lower --max-total-tokens). Every operation
+gets a fixed number of generated requests, valid and invalid; each response must be no 5xx and must conform to the
+spec: a documented status, content type and body schema (SSE events included). A failure means the server or
+openapi_spec.py is wrong: fix that rather than loosen the checks. Derandomized, so a run is the same run every
+time.
 
 The operations are driven from one test with hypothesis directly rather than through schemathesis' pytest
 plugin, which depends on pytest internals that change between pytest releases.
