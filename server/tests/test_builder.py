@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,16 @@ def test_cli_rejects_an_unknown_arch_in_one_line(tmp_path: Path) -> None:
     assert "unknown arch 'bloom'" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "m").exists()
+    # Refused before the builders' imports: torch is never imported (-X importtime lists every module imported).
+    traced = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "textgen_server.cli", "build-test-model", str(tmp_path / "m")]
+        + ["--arch", "llava_next", "--size", "1b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert traced.returncode == 2 and "unknown size '1b'; expected one of tiny, small" in traced.stdout
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in traced.stderr.splitlines() if line.startswith("import time")
+    }
+    assert "textgen_server.build_choices" in imported and "torch" not in imported

@@ -17,8 +17,8 @@ from testing.shards import ShardHandle, ShardProcess
 from testing.vlm_oracle import VlmOracle, image_bytes
 from textgen_pb import generate_pb2 as pb
 from textgen_router.backend import warmup_batch
+from textgen_server.build_choices import VLM_ARCHS
 from textgen_server.models.paged_vlm import text_model_aliases
-from textgen_server.vlm_builder import VLM_ARCHS
 
 NEW_TOKENS = 8
 

@@ -11,7 +11,8 @@ import pytest
 from testing.models import build_vlm
 from testing.vlm_oracle import VlmOracle, image_bytes
 from textgen_server import cli
-from textgen_server.vlm_builder import VLM_ARCHS, build_test_vlm
+from textgen_server.build_choices import VLM_ARCHS, VLM_SIZE_NAMES
+from textgen_server.vlm_builder import VLM_SIZES, build_test_vlm
 
 
 @pytest.mark.parametrize("arch", VLM_ARCHS)
@@ -55,5 +56,12 @@ def test_cli_builds_a_vlm_and_refuses_an_unknown_size(tmp_path: Path, capsys: py
             cli.main(["build-test-model", *argv])
         assert exited.value.code == code
     assert (tmp_path / "m" / "processor_config.json").is_file()
-    assert "unknown vision-language size '1b'; expected one of tiny, small" in capsys.readouterr().out
+    assert "unknown size '1b'; expected one of tiny, small" in capsys.readouterr().out
     assert not (tmp_path / "n").exists()
+
+
+def test_the_cli_checks_the_builders_own_sizes(tmp_path: Path) -> None:
+    """The CLI checks names from build_choices before it imports the builder: they must be the builder's."""
+    assert tuple(VLM_SIZES) == VLM_SIZE_NAMES
+    with pytest.raises(ValueError, match="unknown vision-language size '1b'; expected one of tiny, small"):
+        build_test_vlm(tmp_path / "x", "llava_next", size="1b")

@@ -39,10 +39,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from textgen_server.build_choices import TEXT_ARCHS, TEXT_SIZES, check_choice
+
 BUILDER_VERSION = 1
 
-ARCHS = ("llama", "gpt2", "mistral", "qwen2")
-SIZES = ("tiny", "small", "1b")
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -282,7 +282,7 @@ def model_config(arch: str, d: Dims, ids: dict[str, int]) -> PretrainedConfig:
         return MistralConfig(sliding_window=None, **llama_like)
     if arch == "qwen2":
         return Qwen2Config(**llama_like)  # q/k/v projections carry a bias in Qwen2
-    raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(TEXT_ARCHS)}")
 
 
 MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
@@ -311,10 +311,8 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
     arch: llama | gpt2 | mistral | qwen2. size: tiny (seconds, for tests) | small (~110M, benchmarks) |
     1b (GPU measurements only). Raises ValueError for an unknown arch or size.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
+    check_choice("arch", arch, TEXT_ARCHS)
+    check_choice("size", size, TEXT_SIZES)
     out = Path(out_dir)
     stamp = {"builder_version": BUILDER_VERSION, "arch": arch, "size": size, "seed": seed}
     if is_built(out, stamp):

@@ -15,6 +15,7 @@ import os
 import sys
 
 from textgen_common.logs import setup_logging
+from textgen_server.build_choices import TEXT_ARCHS, TEXT_SIZES, VLM_ARCHS, VLM_SIZE_NAMES, check_build
 from textgen_server.config import DTYPES, ServeConfig, UnsupportedConfigError
 
 logger = logging.getLogger("textgen_server.cli")
@@ -55,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     build = commands.add_parser("build-test-model", help="build a small random model with a local tokenizer")
     build.add_argument("out_dir")
-    # Choices are checked by the builder (importing it here would cost every subcommand its torch import).
-    build.add_argument("--arch", default="llama", help="llama | gpt2 | mistral | qwen2 | llava_next | idefics3")
-    build.add_argument("--size", default="tiny", help="tiny | small | 1b (vision-language archs: tiny | small)")
+    # Choices are checked by run_build (as argparse choices the message would not be the builders' one line).
+    build.add_argument("--arch", default="llama", help=" | ".join(TEXT_ARCHS + VLM_ARCHS))
+    build.add_argument(
+        "--size", default="tiny", help=f"{' | '.join(TEXT_SIZES)} (vision-language archs: {' | '.join(VLM_SIZE_NAMES)})"
+    )
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--lora-adapter", metavar="ADAPTER_DIR", help="also write a random PEFT LoRA adapter here")
     build.add_argument("--lora-rank", type=int, default=8)
@@ -117,20 +120,26 @@ def run_download(args: argparse.Namespace) -> int:
 
 
 def run_build(args: argparse.Namespace) -> int:
+    try:
+        # Checked before the builders' imports (torch, transformers), so that a wrong request fails at once.
+        check_build(args.arch, args.size)
+        if args.arch in VLM_ARCHS and args.lora_adapter:
+            raise ValueError(f"{args.arch} is built without a LoRA adapter")
+    except ValueError as err:
+        logger.error("%s", err)
+        return 2
     from textgen_server.builder import build_test_adapter, build_test_model
-    from textgen_server.vlm_builder import VLM_ARCHS, build_test_vlm
+    from textgen_server.vlm_builder import build_test_vlm
 
     try:
         if args.arch in VLM_ARCHS:
-            if args.lora_adapter:
-                raise ValueError(f"{args.arch} is built without a LoRA adapter")
             model_dir = build_test_vlm(args.out_dir, args.arch, seed=args.seed, size=args.size)
         else:
             model_dir = build_test_model(args.out_dir, arch=args.arch, size=args.size, seed=args.seed)
         print(model_dir)
         if args.lora_adapter:
             print(build_test_adapter(args.lora_adapter, model_dir, rank=args.lora_rank, seed=args.lora_seed))
-    except ValueError as err:  # an unknown arch or size: one line, not a traceback
+    except ValueError as err:  # a refusal of a builder's own: one line, not a traceback
         logger.error("%s", err)
         return 2
     return 0

@@ -51,6 +51,7 @@ from transformers import (
     ProcessorMixin,
 )
 
+from textgen_server.build_choices import VLM_ARCHS, VLM_SIZE_NAMES, check_choice
 from textgen_server.builder import (
     BOS,
     CHAT_TEMPLATE,
@@ -68,7 +69,6 @@ from textgen_server.builder import (
 )
 
 VLM_BUILDER_VERSION = 1
-VLM_ARCHS = ("llava_next", "idefics3")
 
 # Each family's tokens beyond the text model's, as its hub checkpoints name them.
 IMAGE_TOKENS = {
@@ -193,10 +193,8 @@ FAMILIES = {"llava_next": llava_next, "idefics3": idefics3}
 def build_test_vlm(out_dir: str | Path, arch: str, seed: int = 0, size: str = "tiny") -> Path:
     """Build (or reuse) the `arch` VLM of `size` in `out_dir`; returns the directory. ValueError for an unknown
     arch or size."""
-    if arch not in VLM_ARCHS:
-        raise ValueError(f"unknown vision-language arch {arch!r}; expected one of {', '.join(VLM_ARCHS)}")
-    if size not in VLM_SIZES:
-        raise ValueError(f"unknown vision-language size {size!r}; expected one of {', '.join(VLM_SIZES)}")
+    check_choice("vision-language arch", arch, VLM_ARCHS)
+    check_choice("vision-language size", size, VLM_SIZE_NAMES)
     out = Path(out_dir)
     stamp = {"vlm_builder_version": VLM_BUILDER_VERSION, "arch": arch, "seed": seed, "size": size}
     if is_built(out, stamp):
