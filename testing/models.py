@@ -8,11 +8,24 @@ vision-language models of `textgen_server.vlm_builder`.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MODEL_CACHE_ROOT = Path(os.environ.get("TEXTGEN_TEST_MODELS", Path.home() / ".cache" / "textgen-test-models"))
+
+
+def edited_copy(model_dir: Path, at: Path, name: str, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of `model_dir` at `at` whose JSON file `name` (config.json, ...) `edit` changed in place."""
+    shutil.copytree(model_dir, at)
+    settings = json.loads((at / name).read_text())
+    edit(settings)
+    (at / name).write_text(json.dumps(settings))
+    return at
 
 
 def build_model(arch: str, size: str = "tiny") -> Path:

@@ -1,15 +1,15 @@
 """get_model: from the serve options to a loaded `Model` (one shard of it when sharded).
 
 The shard's assembly, one step above `models/` (which holds the engines and networks it assembles, and imports
-nothing back from here): the device and dtype, the refusals of what this shard cannot run, the tokenizer, the
-network, its LoRA adapters, and the engine that serves it, each a function below, called in that order by
-`get_model`.
+nothing back from here): the config (model_config.py), the device and dtype, the refusals of what this shard cannot
+run, the tokenizer, the network, its LoRA adapters, and the engine that serves it, each a function below, called in
+that order by `get_model`.
 
 This module imports torch and transformers at its top: `textgen-server serve` (cli.py) imports it only after
 `ServeConfig.check` passed, so a configuration it cannot honour fails at once, not after those imports. transformers'
 model loading and processors (`modeling_utils`, `processing_utils`: scipy among them, about 1.3 s of a 2-core
 Zen 3's start) are imported by the two paths that need them, a network transformers builds and a VLM's processor;
-a Llama-family shard uses neither.
+a Llama-family shard uses neither, nor, from its second start on, its family's config class (model_config.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from textgen_server.adapters import load_adapters
 from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
@@ -33,6 +33,7 @@ from textgen_server.hub import resolve_model_dir
 from textgen_server.layers.quantization import read_quant_config
 from textgen_server.layers.quantized_weight import QuantConfig
 from textgen_server.layers.rotary import override_rope_scaling
+from textgen_server.model_config import load_config
 from textgen_server.models import tp_llama
 from textgen_server.models.causal_lm import CausalLM
 from textgen_server.models.model import Model
@@ -56,7 +57,7 @@ def get_model(serve: ServeConfig) -> Model:
     device = shard_device(dist.rank)
     # a local dir, or the snapshot download-weights fetched
     model_dir = resolve_model_dir(serve.model_id, serve.revision)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=serve.trust_remote_code)
+    config = load_config(model_dir, serve.trust_remote_code)  # kept across starts for tp_llama's families
     refuse_unsupported(serve, config)
     quant = quantization(serve, model_dir, config)
     dtype = shard_dtype(serve, device, quant)
@@ -198,8 +199,16 @@ def quantization(serve: ServeConfig, model_dir: Path, config: PretrainedConfig) 
 
 def load_tokenizer(model_dir: Path, config: PretrainedConfig, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     """The model's tokenizer, padding and truncating on the left, with a pad token in every case."""
+    # Given the config, AutoTokenizer does not load the family's config class (model_config.py). A plain config
+    # stands in for it only where tokenizer_config.json names the tokenizer's class: without one AutoTokenizer
+    # picks the class by the config's type, so it is left to load the family's class itself.
+    given = config if type(config) is not PretrainedConfig or names_tokenizer_class(model_dir) else None
     tokenizer = AutoTokenizer.from_pretrained(
-        model_dir, trust_remote_code=trust_remote_code, padding_side="left", truncation_side="left"
+        model_dir,
+        config=given,
+        trust_remote_code=trust_remote_code,
+        padding_side="left",
+        truncation_side="left",
     )
     if tokenizer.pad_token_id is None:
         # TGI's fallback order: config pad, config eos, tokenizer eos, then a new [PAD] token.
@@ -214,6 +223,14 @@ def load_tokenizer(model_dir: Path, config: PretrainedConfig, trust_remote_code:
         else:
             tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     return tokenizer
+
+
+def names_tokenizer_class(model_dir: Path) -> bool:
+    """Whether the model's tokenizer_config.json names its tokenizer's class."""
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def load_processor(model_dir: Path) -> ProcessorMixin:

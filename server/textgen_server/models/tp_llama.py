@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.cpu_ops import ops_for
@@ -333,6 +332,16 @@ class Attention(nn.Module):
         return out
 
 
+def activation(name: str) -> nn.Module:
+    """transformers' activation `name` (ACT2FN): SiLU, which these families use, without importing
+    transformers.activations (it imports transformers' model loading: model_config.py); any other from there."""
+    if name in ("silu", "swish"):
+        return nn.SiLU()
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
 class MLP(nn.Module):
     """act(gate) * up in one fused column matmul, then a row-parallel down projection."""
 
@@ -342,7 +351,7 @@ class MLP(nn.Module):
             weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=f"{prefix}.gate_proj.bias" in weights
         )
         self.down = RowParallelLinear.load(weights, f"{prefix}.down_proj", f"{prefix}.down_proj.bias" in weights, dist)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
         # textgen::silu_mul (fused_ops.cpp): silu(gate) * up in one op, the same bits.
         self.fused_silu = config.hidden_act == "silu" and ops_for(weights.dtype, weights.device)
 

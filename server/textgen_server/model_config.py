@@ -1,0 +1,65 @@
+"""The model's config as a shard reads it, kept across starts for the families tp_llama runs.
+
+transformers' `AutoConfig` resolves a checkpoint's `config.json` into its family's config class: the family's
+defaults for what the file leaves out, and the RoPE parameters in transformers 5's form. For Llama, Mistral and
+Qwen2 that class imports transformers' type validators, which import `transformers.activations` and through it
+transformers' model loading, `torch.distributed.tensor` (with sympy) and accelerate: about 1.2 s of a tiny Llama
+shard's 5-6 s start on a 2-core Zen 3 (benchmark/README.md, "Start-up and the test suite"), for nothing the shard
+runs. `AutoTokenizer` loads that class too unless it is given a config.
+
+So for those families (tp_llama.TP_MODEL_TYPES, without a vision tower: textgen's own networks run them) the
+shard serves a plain `PretrainedConfig` holding every attribute of the resolved config (`to_dict`), and keeps that
+dictionary in one file per config under TEXTGEN_CACHE_DIR (textgen_common/cache_dir.py; empty: nothing is kept),
+named after a hash of the bytes of `config.json` and transformers' version. A later start reads it without the
+family's class. Every start serves the same kind of object, kept or not: the first start converts what
+`AutoConfig` made. Other families, vision-language models and `--trust-remote-code` get `AutoConfig`'s own
+object, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+from textgen_common.cache_dir import cache_dir, write_whole
+from textgen_server.models import tp_llama
+
+logger = logging.getLogger(__name__)
+
+
+def load_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
+    """`model_dir`'s config: a kept copy's where an earlier start left one, else `AutoConfig`'s (see above)."""
+    path = None if trust_remote_code else _cache_file(model_dir)
+    if path is not None:
+        with contextlib.suppress(OSError, ValueError):  # none kept yet, or unreadable: resolved again below
+            kept = json.loads(path.read_text())
+            if kept.get("model_type") in tp_llama.TP_MODEL_TYPES:  # a family textgen still runs itself
+                return PretrainedConfig.from_dict(kept)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if trust_remote_code or config.model_type not in tp_llama.TP_MODEL_TYPES or getattr(config, "vision_config", None):
+        return config
+    resolved = config.to_dict()
+    if path is not None:
+        try:
+            write_whole(path, json.dumps(resolved))
+        except OSError as error:  # a read-only cache: the next start resolves it again
+            logger.warning("Could not keep the resolved config in %s: %s", path, error)
+    return PretrainedConfig.from_dict(resolved)
+
+
+def _cache_file(model_dir: Path) -> Path | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    try:
+        raw = (model_dir / "config.json").read_bytes()
+    except OSError:
+        return None  # AutoConfig names what is missing
+    key = hashlib.sha256(raw + importlib.metadata.version("transformers").encode()).hexdigest()[:32]
+    return root / "configs" / f"{key}.json"
