@@ -148,7 +148,7 @@ def test_stream_and_chat_routes(server: LauncherProcess) -> None:
     assert events[-1]["generated_text"] == whole["generated_text"]
     chat = httpx.post(
         f"{server.base_url}/v1/chat/completions",
-        json={"model": "tgi", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+        json={"model": "tgi", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0},
         timeout=120,
     )
     assert chat.status_code == 200, chat.text

@@ -87,7 +87,7 @@ def test_every_route_answers(first: Container) -> None:
     assert generated["details"]["generated_tokens"] == 8 and generated["generated_text"]
     events = stream(url, 8)
     assert len(events) == 8 and events[-1]["generated_text"] == generated["generated_text"]
-    chat = {"model": "tgi", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+    chat = {"model": "tgi", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0}
     completion = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()
     assert completion["choices"][0]["message"]["role"] == "assistant"
     assert completion["usage"]["completion_tokens"] == 5

@@ -165,7 +165,10 @@ def test_markdown_with_alt_text_is_text_as_in_tgi(served) -> None:  # type: igno
 def test_chat_image_url_parts_are_images(served) -> None:  # type: ignore[no-untyped-def]
     server, _ = served
     image = {"type": "image_url", "image_url": {"url": data_uri(PNG, "image/png")}}
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look: "}, image]}], "max_tokens": 4}
+    # temperature 0: greedy. Unset, a chat request samples (OpenAI's and TGI's default) with a random seed, and a
+    # sampled end-of-sequence ended it after one token in one CI run.
+    content = [{"type": "text", "text": "Look: "}, image]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 4
