@@ -5,6 +5,7 @@ AutoConfig's own."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,16 @@ def test_a_tp_family_s_config_is_kept_with_every_value_autoconfig_resolves(
     # A kept file that cannot be read is resolved again.
     kept.write_text("{")
     assert_same_as_autoconfig(load_config(model_dir, trust_remote_code=False), model_dir)
+
+
+def test_a_second_directory_with_the_same_config_gets_its_own_name(
+    tiny_llama: Path, kept_in: Path, tmp_path: Path
+) -> None:
+    load_config(tiny_llama, trust_remote_code=False)
+    twin = Path(shutil.copytree(tiny_llama, tmp_path / "twin"))
+    config = load_config(twin, trust_remote_code=False)
+    assert len(list((kept_in / "configs").iterdir())) == 1  # one file for both
+    assert_same_as_autoconfig(config, twin)
 
 
 def test_other_configs_are_autoconfig_s_own_and_not_kept(tiny_gpt2: Path, kept_in: Path) -> None:

@@ -40,7 +40,9 @@ def load_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
         with contextlib.suppress(OSError, ValueError):  # none kept yet, or unreadable: resolved again below
             kept = json.loads(path.read_text())
             if kept.get("model_type") in tp_llama.TP_MODEL_TYPES:  # a family textgen still runs itself
-                return PretrainedConfig.from_dict(kept)
+                # Another directory may hold the same config.json (a fine-tune of one base): the name is this one's,
+                # as AutoConfig gives it (AutoTokenizer matches some hub names against it).
+                return PretrainedConfig.from_dict({**kept, "_name_or_path": str(model_dir)})
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if trust_remote_code or config.model_type not in tp_llama.TP_MODEL_TYPES or getattr(config, "vision_config", None):
         return config
