@@ -10,6 +10,7 @@ whole or not at all (a temporary file beside it, then a rename), so a reader nev
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -21,6 +22,15 @@ def cache_dir() -> Path | None:
     """The directory TEXTGEN_CACHE_DIR names now; None where it is set empty."""
     root = os.environ.get(ENV, str(Path.home() / ".cache" / "textgen"))
     return Path(root) if root else None
+
+
+def kept_file(kind: str, identity: str) -> Path | None:
+    """The file of `kind` kept for `identity` (everything that changes what it holds), `{kind}-{hash}.json` under
+    the directory; None where TEXTGEN_CACHE_DIR is set empty."""
+    root = cache_dir()
+    if root is None:
+        return None
+    return root / f"{kind}-{hashlib.sha1(identity.encode()).hexdigest()[:16]}.json"
 
 
 def write_whole(path: Path, text: str) -> None:

@@ -16,7 +16,6 @@ transformers and tokenizers. A later start reads that file with `tokenizers` alo
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import tokenizers
 
-from textgen_common.cache_dir import cache_dir, write_whole
+from textgen_common.cache_dir import cache_dir, kept_file, write_whole
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -87,9 +86,8 @@ def _model_dir(name: str | Path, revision: str | None) -> Path | None:
 
 
 def _cache_file(name: str | Path, revision: str | None, trust_remote_code: bool) -> Path | None:
-    root = cache_dir()
-    if root is None:
-        return None
+    if cache_dir() is None:
+        return None  # nothing is kept: the directory is not listed either
     directory = _model_dir(name, revision)
     if directory is None:
         return None
@@ -105,7 +103,7 @@ def _cache_file(name: str | Path, revision: str | None, trust_remote_code: bool)
         with contextlib.suppress(OSError):
             stat = entry.stat()
             key.append(f"{entry.name} {stat.st_size} {stat.st_mtime_ns}")
-    return root / f"tokenizer-{hashlib.sha1(chr(10).join(key).encode()).hexdigest()[:16]}.json"
+    return kept_file("tokenizer", "\n".join(key))
 
 
 def _read(path: Path) -> Tokenizer | None:

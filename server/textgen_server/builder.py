@@ -43,7 +43,6 @@ from textgen_server.build_choices import TEXT_ARCHS, TEXT_SIZES, check_choice
 
 BUILDER_VERSION = 1
 
-
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]

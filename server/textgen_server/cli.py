@@ -125,13 +125,9 @@ def run_build(args: argparse.Namespace) -> int:
         check_build(args.arch, args.size)
         if args.arch in VLM_ARCHS and args.lora_adapter:
             raise ValueError(f"{args.arch} is built without a LoRA adapter")
-    except ValueError as err:
-        logger.error("%s", err)
-        return 2
-    from textgen_server.builder import build_test_adapter, build_test_model
-    from textgen_server.vlm_builder import build_test_vlm
+        from textgen_server.builder import build_test_adapter, build_test_model
+        from textgen_server.vlm_builder import build_test_vlm
 
-    try:
         if args.arch in VLM_ARCHS:
             model_dir = build_test_vlm(args.out_dir, args.arch, seed=args.seed, size=args.size)
         else:
@@ -139,7 +135,7 @@ def run_build(args: argparse.Namespace) -> int:
         print(model_dir)
         if args.lora_adapter:
             print(build_test_adapter(args.lora_adapter, model_dir, rank=args.lora_rank, seed=args.lora_seed))
-    except ValueError as err:  # a refusal of a builder's own: one line, not a traceback
+    except ValueError as err:  # a refusal, the CLI's or a builder's: one line, not a traceback
         logger.error("%s", err)
         return 2
     return 0

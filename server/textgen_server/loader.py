@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from textgen_server.adapters import load_adapters
 from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
@@ -202,7 +203,8 @@ def load_tokenizer(model_dir: Path, config: PretrainedConfig, trust_remote_code:
     # Given the config, AutoTokenizer does not load the family's config class (model_config.py). A plain config
     # stands in for it only where tokenizer_config.json names the tokenizer's class: without one AutoTokenizer
     # picks the class by the config's type, so it is left to load the family's class itself.
-    given = config if type(config) is not PretrainedConfig or names_tokenizer_class(model_dir) else None
+    named = get_tokenizer_config(model_dir).get("tokenizer_class")  # what AutoTokenizer reads first
+    given = config if type(config) is not PretrainedConfig or named else None
     tokenizer = AutoTokenizer.from_pretrained(
         model_dir,
         config=given,
@@ -223,14 +225,6 @@ def load_tokenizer(model_dir: Path, config: PretrainedConfig, trust_remote_code:
         else:
             tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     return tokenizer
-
-
-def names_tokenizer_class(model_dir: Path) -> bool:
-    """Whether the model's tokenizer_config.json names its tokenizer's class."""
-    try:
-        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class"))
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def load_processor(model_dir: Path) -> ProcessorMixin:

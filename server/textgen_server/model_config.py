@@ -27,7 +27,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-from textgen_common.cache_dir import cache_dir, write_whole
+from textgen_common.cache_dir import kept_file, write_whole
 from textgen_server.models import tp_llama
 
 logger = logging.getLogger(__name__)
@@ -56,12 +56,9 @@ def load_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
 
 
 def _cache_file(model_dir: Path) -> Path | None:
-    root = cache_dir()
-    if root is None:
-        return None
     try:
         raw = (model_dir / "config.json").read_bytes()
     except OSError:
         return None  # AutoConfig names what is missing
-    key = hashlib.sha256(raw + importlib.metadata.version("transformers").encode()).hexdigest()[:32]
-    return root / "configs" / f"{key}.json"
+    digest = hashlib.sha256(raw).hexdigest()
+    return kept_file("config", f"{digest}|transformers {importlib.metadata.version('transformers')}")

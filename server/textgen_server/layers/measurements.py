@@ -14,7 +14,6 @@ Ranks that load at once may both write: each write merges with the file as it is
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import platform
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from textgen_common.cache_dir import cache_dir, write_whole
+from textgen_common.cache_dir import kept_file, write_whole
 from textgen_server.layers.cpu_ops import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -39,11 +38,8 @@ def cpu_model_name() -> str:
 
 def cache_file(last_level_cache: int) -> Path | None:
     """This CPU's and torch's file under TEXTGEN_CACHE_DIR; None where the variable is set empty."""
-    root = cache_dir()
-    if root is None:
-        return None
     identity = f"{cpu_model_name()}|{' '.join(sorted(cpu_flags()))}|{last_level_cache}|torch {torch.__version__}"
-    return root / f"cpu-measurements-{hashlib.sha1(identity.encode()).hexdigest()[:16]}.json"
+    return kept_file("cpu-measurements", identity)
 
 
 class Measurements:
