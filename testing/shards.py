@@ -128,7 +128,8 @@ class ShardHandle:
                 time.sleep(0.1)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM every rank, SIGKILL what is left after `timeout`, close channels, remove logs."""
+        """SIGTERM every rank, SIGKILL what is left after `timeout`, close channels, remove logs and the socket
+        files a killed rank leaves in /tmp."""
         for channel in self._channels:
             channel.close()
         self._channels.clear()
@@ -142,7 +143,7 @@ class ShardHandle:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
-        for path in self.log_paths:
+        for path in [*self.log_paths, *map(Path, self.sockets)]:
             path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.log_paths[0].parent.rmdir()
