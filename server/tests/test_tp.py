@@ -234,6 +234,11 @@ def _layers_against_full(dist: DistInfo, layer_dir: Path) -> None:
     emb = VocabParallelEmbedding.load(mine, "emb.weight", dist)
     assert emb.weight.shape[0] == (6 if dist.rank == 0 else 5)
     torch.testing.assert_close(emb(ids), F.embedding(ids, full.get_tensor("emb.weight")))
+    # Mapped rows stay float32 as stored; a bfloat16 lookup gives the bits of a table converted at load.
+    mine_bf16 = Weights.from_dir(layer_dir, CPU, torch.bfloat16, dist.rank, dist.world_size)
+    mapped = VocabParallelEmbedding.load(mine_bf16, "emb.weight", dist, mapped=True)
+    assert mapped.weight.dtype == torch.float32 and mapped.weight.shape == emb.weight.shape
+    assert torch.equal(mapped(ids), F.embedding(ids, full.get_tensor("emb.weight").bfloat16()))
 
     for name, gathered in (("emb.weight", False), ("head.weight", True)):
         head = ParallelLMHead.load(mine, name, dist)

@@ -86,3 +86,34 @@ def test_loaded_tensors_do_not_keep_the_file_mapped(model_dir: Path) -> None:
     maps = Path("/proc/self/maps").read_text()
     assert str(model_dir) not in maps
     assert torch.equal(kept[0], torch.arange(35.0).reshape(7, 5)) and torch.equal(kept[1], torch.arange(4))
+
+
+def _mapping_of(address: int) -> str:
+    """The /proc/self/maps line whose range holds `address`."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return line
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+@pytest.mark.parametrize("start, stop", [(0, 2000), (1000, 2000), (1999, 2000)])
+def test_mapped_rows_are_the_stored_rows_in_a_map_of_the_file(tmp_path: Path, start: int, stop: int) -> None:
+    # 2000 x 7 floats: most row starts are not page-aligned, and the table follows another tensor in the file.
+    table = torch.randn(2000, 7)
+    save_file({"a": torch.arange(5.0), "table": table}, str(tmp_path / "model.safetensors"))
+    file_bytes = (tmp_path / "model.safetensors").read_bytes()
+    w = Weights.from_dir(tmp_path, CPU, torch.bfloat16)
+    rows = w.mapped_rows("table", start, stop)
+    del w
+    gc.collect()
+    assert rows is not None and rows.dtype == torch.float32  # the stored dtype: a lookup converts
+    assert torch.equal(rows, table[start:stop])
+    assert _mapping_of(rows.data_ptr()).endswith(str(tmp_path / "model.safetensors"))
+    rows.add_(1.0)  # private: a write changes this process's copy of the page, never the file
+    assert (tmp_path / "model.safetensors").read_bytes() == file_bytes
+
+
+def test_no_mapped_rows_off_the_cpu_or_for_an_empty_block(model_dir: Path) -> None:
+    assert Weights.from_dir(model_dir, torch.device("meta"), torch.float32).mapped_rows("a.weight", 0, 7) is None
+    assert Weights.from_dir(model_dir, CPU, torch.float32).mapped_rows("a.weight", 7, 7) is None

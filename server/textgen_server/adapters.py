@@ -118,7 +118,7 @@ def load_adapters(
             f"{config.model_type!r} is served by transformers, which applies no adapter"
         )
     shapes = base_shapes(config)
-    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.dtype
     for index, adapter in enumerate(adapters, start=1):
         path = adapter_dir(adapter)
         lora = LoraConfig.load(path, adapter.name)

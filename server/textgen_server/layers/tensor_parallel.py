@@ -139,27 +139,37 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split in ceil(V / world) blocks (the last block may be short).
 
     Each rank looks up the ids it owns, writes zeros for the others, and one all_reduce assembles the rows.
+    Rows come out in `dtype`, whatever dtype `weight` is held in.
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, dist: DistInfo) -> None:
+    def __init__(self, weight: torch.Tensor, vocab_start: int, dist: DistInfo, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.vocab_start = vocab_start
         self.vocab_end = vocab_start + weight.shape[0]
         self.dist = dist
+        self.dtype = dtype
 
     @classmethod
-    def load(cls, weights: Weights, name: str, dist: DistInfo) -> VocabParallelEmbedding:
+    def load(cls, weights: Weights, name: str, dist: DistInfo, mapped: bool = False) -> VocabParallelEmbedding:
+        """`mapped`: on a CPU, hold this rank's rows as a map of the file in the stored dtype
+        (`Weights.mapped_rows`): a step reads one row per token, so the table costs the rows used, not
+        vocabulary x hidden (131 MB in bfloat16 for a 1B Llama). Converting a looked-up row gives the bits
+        converting the table would. Not for a table the LM head shares: the head reads all of it every step."""
         vocab = weights.get_shape(name)[0]
         block = (vocab + dist.world_size - 1) // dist.world_size
-        return cls(weights.get_partial_sharded(name, dim=0), dist.rank * block, dist)
+        start, stop = dist.rank * block, min((dist.rank + 1) * block, vocab)
+        rows = weights.mapped_rows(name, start, stop) if mapped else None
+        if rows is None:
+            rows = weights.get_partial_sharded(name, dim=0)
+        return cls(rows, start, dist, weights.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.dist.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).to(self.dtype)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local_ids, self.weight).to(self.dtype).masked_fill(outside.unsqueeze(-1), 0.0)
         return self.dist.all_reduce(out)
 
 

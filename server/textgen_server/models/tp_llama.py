@@ -409,7 +409,9 @@ class TPCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, weights: Weights, dist: DistInfo, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding.load(weights, "model.embed_tokens.weight", dist)
+        self.embed_tokens = VocabParallelEmbedding.load(
+            weights, "model.embed_tokens.weight", dist, mapped=not config.tie_word_embeddings
+        )
         self.windows = _layer_windows(config)
         self.head_dim = head_size(config)
         self.kv_heads = config.num_key_value_heads // dist.world_size  # this shard's
@@ -517,7 +519,7 @@ class TPCausalLM(nn.Module):
 
     def pool_shape(self, block_size: int) -> PoolShape:
         """The shape of one block of this shard's KV pool."""
-        return PoolShape(len(self.layers), block_size, self.kv_heads, self.head_dim, self.embed_tokens.weight.dtype)
+        return PoolShape(len(self.layers), block_size, self.kv_heads, self.head_dim, self.embed_tokens.dtype)
 
     def _masks(self, attention_mask: torch.Tensor, seq_len: int) -> dict[int | None, torch.Tensor | None]:
         """One mask per distinct window size; None (SDPA's own causal path) when nothing needs masking."""

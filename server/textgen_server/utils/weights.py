@@ -9,6 +9,8 @@ eetq row scale spans the whole tensor; what each rank holds after the load is st
 
 from __future__ import annotations
 
+import json
+import mmap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,7 @@ class Weights:
     as `model.embed_tokens.weight`). Floating tensors are converted to `dtype`, and every tensor is copied to
     `device` as memory of its own: a view into the memory-mapped file would keep the whole file mapped, and
     with it the pages read to build what replaced a weight (a fused or reordered copy), for as long as any
-    view lives.
+    view lives. `mapped_rows` is the one exception: a map of its own over just one tensor's rows.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class Weights:
         self.world_size = world_size
         self.aliases = aliases or {}
         self.quant = quant  # the checkpoint's projections are stored quantized (layers/quantization.py)
+        self._files = files
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._routing: dict[str, int] = {}
         for i, handle in enumerate(self._handles):
@@ -109,6 +112,33 @@ class Weights:
     def get_tensor(self, name: str) -> torch.Tensor:
         """The whole tensor (for replicated weights such as norms)."""
         return self._finish(self.get_slice(name)[:])
+
+    def mapped_rows(self, name: str, start: int, stop: int) -> torch.Tensor | None:
+        """Rows [start, stop) of the 2-D float tensor `name`, in its stored dtype, as a private copy-on-write map
+        of those bytes of the file; None off the CPU or for an empty block.
+
+        For a table read a few rows at a time (the token embedding: one row per token), whose rows then cost
+        memory only once a lookup reads them, and as page cache the kernel can take back. Nothing reads the
+        map at load, so none of the whole file's pages are counted to the process.
+        """
+        if self.device.type != "cpu" or stop <= start:
+            return None
+        real = self._resolve(name)
+        path = self._files[self._routing[real]]
+        with path.open("rb") as file:
+            header_len = int.from_bytes(file.read(8), "little")
+            entry = json.loads(file.read(header_len))[real]
+            cols = entry["shape"][1]
+            dtype = self.get_slice(real)[:0].dtype  # an empty read gives the stored dtype as torch's
+            row_bytes = cols * dtype.itemsize
+            offset = 8 + header_len + entry["data_offsets"][0] + start * row_bytes
+            aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+            length = offset - aligned + (stop - start) * row_bytes
+            table = mmap.mmap(file.fileno(), length, access=mmap.ACCESS_COPY, offset=aligned)
+        # One lookup reads one row: the kernel's read-ahead would bring in (and count) its neighbours too.
+        table.madvise(mmap.MADV_RANDOM)
+        rows = torch.frombuffer(table, dtype=dtype, count=(stop - start) * cols, offset=offset - aligned)
+        return rows.view(stop - start, cols)
 
     def get_partial_sharded(self, name: str, dim: int) -> torch.Tensor:
         """This rank's block of `name` along `dim` (0 or 1); block = ceil(size / world), the last may be short."""
