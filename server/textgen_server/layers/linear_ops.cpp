@@ -17,8 +17,9 @@
 //   - bfloat16: vdpbf16ps a value pair (the pair's odd product added, then its even one, each rounded to
 //     float32), the sum rounded once to bf16. That is how oneDNN's bf16 matmul sums on AVX512-BF16 CPUs
 //     where it splits K into runs of that length, and so F.linear's bits; linear_choice.py checks the bits on
-//     each shape before this kernel may serve, and finds the k_chunk that gives them. (On AVX2 oneDNN's bf16
-//     sums come in another order, which no run length reproduces: no bf16 kernel there.)
+//     each shape before this kernel may serve, and finds the k_chunk that gives them. (On AVX2, F.linear's one
+//     bf16 row is torch's own gemv, eight interleaved accumulators per output, which no run length reproduces;
+//     a kernel in its order ran no faster than torch's, benchmark/README.md: no bf16 kernel there.)
 // textgen::gemv_supported(dtype) -> bool: whether the library was built with the instructions `dtype` needs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
