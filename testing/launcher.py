@@ -105,9 +105,13 @@ class LauncherProcess:
         ]
         self.started = time.monotonic()
         with os.fdopen(fd, "wb") as log_file:
-            self.process = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=launcher_env(env), start_new_session=True
-            )
+            try:
+                self.process = subprocess.Popen(
+                    cmd, stdout=log_file, stderr=subprocess.STDOUT, env=launcher_env(env), start_new_session=True
+                )
+            except BaseException:  # no launcher (or `make test-fast` refusing it): no log to keep
+                self.log_path.unlink()
+                raise
 
     @property
     def log(self) -> str:

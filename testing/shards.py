@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,11 +64,16 @@ class ShardHandle:
     """Running shard processes (one per rank) serving one model on `{uds_path}-{rank}` sockets."""
 
     def __init__(
-        self, uds_path: str, processes: list[subprocess.Popen | PreloadedProcess], log_paths: list[Path]
+        self,
+        uds_path: str,
+        processes: list[subprocess.Popen | PreloadedProcess],
+        log_paths: list[Path],
+        log_dir: Path,
     ) -> None:
         self.uds_path = uds_path
         self.processes = processes
         self.log_paths = log_paths
+        self.log_dir = log_dir
         self.sockets = [f"{uds_path}-{rank}" for rank in range(len(processes))]
         self.urls = [f"unix://{path}" for path in self.sockets]
         self._channels: list[grpc.Channel] = []
@@ -143,10 +149,9 @@ class ShardHandle:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
-        for path in [*self.log_paths, *map(Path, self.sockets)]:
+        for path in map(Path, self.sockets):
             path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self.log_paths[0].parent.rmdir()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def spawn_shards(
@@ -163,20 +168,24 @@ def spawn_shards(
     master_port = str(free_port())
     processes: list[subprocess.Popen | PreloadedProcess] = []
     log_paths: list[Path] = []
-    for rank in range(num_shard):
-        child_env = {k: v for k, v in os.environ.items() if k not in OUTPUT_VARS}
-        child_env.update({"RANK": str(rank), "WORLD_SIZE": str(num_shard)})
-        if num_shard > 1:
-            child_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port})
-        child_env.update(env or {})
-        cmd = [sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path", uds_path]
-        if num_shard > 1:
-            cmd.append("--sharded")
-        cmd.extend(extra_args)
-        log_path = log_dir / f"rank-{rank}.log"
-        processes.append(start_process(cmd, child_env, log_path))
-        log_paths.append(log_path)
-    handle = ShardHandle(uds_path, processes, log_paths)
+    try:
+        for rank in range(num_shard):
+            child_env = {k: v for k, v in os.environ.items() if k not in OUTPUT_VARS}
+            child_env.update({"RANK": str(rank), "WORLD_SIZE": str(num_shard)})
+            if num_shard > 1:
+                child_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port})
+            child_env.update(env or {})
+            cmd = [sys.executable, "-m", "textgen_server.cli", "serve", str(model_dir), "--uds-path", uds_path]
+            if num_shard > 1:
+                cmd.append("--sharded")
+            cmd.extend(extra_args)
+            log_path = log_dir / f"rank-{rank}.log"
+            processes.append(start_process(cmd, child_env, log_path))
+            log_paths.append(log_path)
+    except BaseException:  # a rank that cannot start (or `make test-fast` refusing it): the others and the logs go
+        ShardHandle(uds_path, processes, log_paths, log_dir).stop()
+        raise
+    handle = ShardHandle(uds_path, processes, log_paths, log_dir)
     try:
         handle.wait_ready(timeout)
     except BaseException:

@@ -80,7 +80,9 @@ class RouterProcess(contextlib.AbstractContextManager):
         ]
         self.env = {**os.environ, **(env or {})}
         self.timeout = timeout
-        self.log_path = Path(tempfile.mkstemp(prefix="tg-router-", suffix=".log")[1])
+        fd, log_name = tempfile.mkstemp(prefix="tg-router-", suffix=".log")
+        os.close(fd)  # start_process opens the log by name
+        self.log_path = Path(log_name)
         self.process: subprocess.Popen | PreloadedProcess | None = None
 
     @property
@@ -88,11 +90,11 @@ class RouterProcess(contextlib.AbstractContextManager):
         return self.log_path.read_text(errors="replace")
 
     def __enter__(self) -> RouterProcess:
-        self.process = start_process(self.cmd, self.env, self.log_path)
         try:
+            self.process = start_process(self.cmd, self.env, self.log_path)
             self.wait_healthy()
-        except BaseException:
-            self.stop()
+        except BaseException:  # no __exit__ after a failed __enter__ (a start that fails or `make test-fast` refuses)
+            self.__exit__()
             raise
         return self
 

@@ -42,15 +42,23 @@ POOL_TOKENS = 8192
 def shard(tiny_llama: Path, otlp_collector):  # type: ignore[no-untyped-def]
     _, port = otlp_collector
     uds_path = f"/tmp/tg-srv-{uuid.uuid4().hex[:8]}"
-    Path(f"{uds_path}-0").write_text("stale")  # left by a crashed run: the shard must replace it
-    with ShardProcess(
-        tiny_llama,
-        uds_path=uds_path,
-        extra_args=["--max-input-tokens", str(MAX_INPUT_TOKENS), "--otlp-endpoint", f"http://127.0.0.1:{port}"],
-        # Export spans within 0.1 s instead of 5 s; a KV pool of a known size; prompt logprobs computed.
-        env={"OTEL_BSP_SCHEDULE_DELAY": "100", "TEXTGEN_KV_CACHE_TOKENS": str(POOL_TOKENS), "REQUEST_LOGPROBS": "1"},
-    ) as handle:
-        yield handle
+    stale = Path(f"{uds_path}-0")
+    stale.write_text("stale")  # left by a crashed run: the shard must replace it
+    try:
+        with ShardProcess(
+            tiny_llama,
+            uds_path=uds_path,
+            extra_args=["--max-input-tokens", str(MAX_INPUT_TOKENS), "--otlp-endpoint", f"http://127.0.0.1:{port}"],
+            # Export spans within 0.1 s instead of 5 s; a KV pool of a known size; prompt logprobs computed.
+            env={
+                "OTEL_BSP_SCHEDULE_DELAY": "100",
+                "TEXTGEN_KV_CACHE_TOKENS": str(POOL_TOKENS),
+                "REQUEST_LOGPROBS": "1",
+            },
+        ) as handle:
+            yield handle
+    finally:
+        stale.unlink(missing_ok=True)  # the shard's socket, or the stand-in where no shard started
 
 
 @pytest.fixture(scope="module")
