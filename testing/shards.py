@@ -60,20 +60,18 @@ def shard_stub(socket_path: str) -> Iterator[Any]:
         channel.close()
 
 
+def log_path(log_dir: Path, rank: int) -> Path:
+    """Where rank `rank` of a ShardHandle writes its output."""
+    return log_dir / f"rank-{rank}.log"
+
+
 class ShardHandle:
     """Running shard processes (one per rank) serving one model on `{uds_path}-{rank}` sockets."""
 
-    def __init__(
-        self,
-        uds_path: str,
-        processes: list[subprocess.Popen | PreloadedProcess],
-        log_paths: list[Path],
-        log_dir: Path,
-    ) -> None:
+    def __init__(self, uds_path: str, processes: list[subprocess.Popen | PreloadedProcess], log_dir: Path) -> None:
         self.uds_path = uds_path
         self.processes = processes
-        self.log_paths = log_paths
-        self.log_dir = log_dir
+        self.log_dir = log_dir  # rank r logs to log_path(log_dir, r)
         self.sockets = [f"{uds_path}-{rank}" for rank in range(len(processes))]
         self.urls = [f"unix://{path}" for path in self.sockets]
         self._channels: list[grpc.Channel] = []
@@ -96,7 +94,7 @@ class ShardHandle:
 
     def log_text(self, rank: int = 0) -> str:
         try:
-            return self.log_paths[rank].read_text(errors="replace")
+            return log_path(self.log_dir, rank).read_text(errors="replace")
         except FileNotFoundError:
             return ""
 
@@ -167,7 +165,6 @@ def spawn_shards(
     log_dir = Path(tempfile.mkdtemp(prefix="tg-shard-logs-"))
     master_port = str(free_port())
     processes: list[subprocess.Popen | PreloadedProcess] = []
-    log_paths: list[Path] = []
     try:
         for rank in range(num_shard):
             child_env = {k: v for k, v in os.environ.items() if k not in OUTPUT_VARS}
@@ -179,13 +176,11 @@ def spawn_shards(
             if num_shard > 1:
                 cmd.append("--sharded")
             cmd.extend(extra_args)
-            log_path = log_dir / f"rank-{rank}.log"
-            processes.append(start_process(cmd, child_env, log_path))
-            log_paths.append(log_path)
+            processes.append(start_process(cmd, child_env, log_path(log_dir, rank)))
     except BaseException:  # a rank that cannot start (or `make test-fast` refusing it): the others and the logs go
-        ShardHandle(uds_path, processes, log_paths, log_dir).stop()
+        ShardHandle(uds_path, processes, log_dir).stop()
         raise
-    handle = ShardHandle(uds_path, processes, log_paths, log_dir)
+    handle = ShardHandle(uds_path, processes, log_dir)
     try:
         handle.wait_ready(timeout)
     except BaseException:

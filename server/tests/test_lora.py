@@ -7,9 +7,7 @@ base model (through concatenation and filtering), must be the token peft's model
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from operator import methodcaller
@@ -20,6 +18,7 @@ import pytest
 import torch
 from shard_helpers import make_batch, make_request
 
+from testing.models import edited_copy
 from testing.shards import ShardHandle, ShardProcess
 from textgen_pb import generate_pb2
 from textgen_server.builder import build_test_adapter
@@ -164,10 +163,7 @@ def test_an_adapter_the_shard_did_not_load_is_refused(shards: ShardHandle) -> No
 def test_adapters_that_do_not_fit_fail_at_startup_naming_them(
     tiny_llama: Path, tiny_gpt2: Path, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
-    wrong_rank = tmp_path / "wrong-rank"
-    shutil.copytree(adapters["one"], wrong_rank)
-    config = json.loads((wrong_rank / "adapter_config.json").read_text())
-    (wrong_rank / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
+    wrong_rank = edited_copy(adapters["one"], tmp_path / "wrong-rank", "adapter_config.json", lambda c: c.update(r=4))
     cases = [
         (
             tiny_llama,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from testing import dequantize
-from testing.models import build_dequantized_oracle, build_quantized_model
+from testing.models import build_dequantized_oracle, build_quantized_model, edited_copy
 from textgen_server import quant_builder
 
 N, K, G = 16, 64, 32
@@ -312,10 +311,7 @@ def test_unsupported_arguments_raise(
 
 
 def test_a_tied_lm_head_is_not_quantized_on_its_own(tiny_llama: Path, tmp_path: Path) -> None:
-    tied = tmp_path / "tied"
-    shutil.copytree(tiny_llama, tied)
-    config = json.loads((tied / "config.json").read_text())
-    (tied / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
+    tied = edited_copy(tiny_llama, tmp_path / "tied", "config.json", lambda c: c.update(tie_word_embeddings=True))
     tensors = load_file(tied / "model.safetensors")
     del tensors["lm_head.weight"]
     save_file(tensors, str(tied / "model.safetensors"))

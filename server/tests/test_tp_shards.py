@@ -6,9 +6,7 @@ does: every call goes to every rank at once, and the generations of all ranks ar
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -18,6 +16,7 @@ import grpc
 import pytest
 from shard_helpers import HFOracle, chooser, generate_on_ranks, make_batch, make_request
 
+from testing.models import edited_copy
 from testing.shards import ShardHandle, ShardProcess
 from textgen_pb import generate_pb2
 
@@ -93,10 +92,9 @@ def test_a_hung_rank_makes_the_other_exit_within_the_dist_timeout(tiny_llama: Pa
 def test_unshardable_models_fail_at_startup_with_a_clear_error(
     tiny_llama: Path, tiny_gpt2: Path, tmp_path: Path
 ) -> None:
-    one_kv_head = tmp_path / "one-kv-head"
-    shutil.copytree(tiny_llama, one_kv_head)
-    config = json.loads((one_kv_head / "config.json").read_text())
-    (one_kv_head / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    one_kv_head = edited_copy(
+        tiny_llama, tmp_path / "one-kv-head", "config.json", lambda c: c.update(num_key_value_heads=1)
+    )
     cases = {
         tiny_gpt2: "model type 'gpt2' has no tensor-parallel implementation (supported: llama, mistral, qwen2)",
         one_kv_head: "num_key_value_heads=1 is not divisible by the number of shards (2)",

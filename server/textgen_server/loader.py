@@ -34,7 +34,7 @@ from textgen_server.hub import resolve_model_dir
 from textgen_server.layers.quantization import read_quant_config
 from textgen_server.layers.quantized_weight import QuantConfig
 from textgen_server.layers.rotary import override_rope_scaling
-from textgen_server.model_config import load_config
+from textgen_server.model_config import is_vlm, load_config
 from textgen_server.models import tp_llama
 from textgen_server.models.causal_lm import CausalLM
 from textgen_server.models.model import Model
@@ -133,10 +133,6 @@ def refuse_unsupported(serve: ServeConfig, config: PretrainedConfig) -> None:
             f"{config.model_type}{', USE_FLASH_ATTENTION=false' if not serve.use_flash_attention else ''}): "
             "only the paged engine speculates"
         )
-
-
-def is_vlm(config: PretrainedConfig) -> bool:
-    return getattr(config, "vision_config", None) is not None
 
 
 def refuse_for_vlm(serve: ServeConfig, config: PretrainedConfig) -> None:

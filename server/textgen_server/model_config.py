@@ -44,7 +44,7 @@ def load_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
                 # as AutoConfig gives it (AutoTokenizer matches some hub names against it).
                 return PretrainedConfig.from_dict({**kept, "_name_or_path": str(model_dir)})
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    if trust_remote_code or config.model_type not in tp_llama.TP_MODEL_TYPES or getattr(config, "vision_config", None):
+    if trust_remote_code or config.model_type not in tp_llama.TP_MODEL_TYPES or is_vlm(config):
         return config
     resolved = config.to_dict()
     if path is not None:
@@ -53,6 +53,11 @@ def load_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
         except OSError as error:  # a read-only cache: the next start resolves it again
             logger.warning("Could not keep the resolved config in %s: %s", path, error)
     return PretrainedConfig.from_dict(resolved)
+
+
+def is_vlm(config: PretrainedConfig) -> bool:
+    """Whether the config has a vision tower (a vision-language model)."""
+    return getattr(config, "vision_config", None) is not None
 
 
 def _cache_file(model_dir: Path) -> Path | None:
