@@ -153,7 +153,8 @@ def test_int4_kernel_serves_one_row_with_the_op_as_torch_s_kernel_does(
     assert kernel.gemv
     x = torch.randn(1, 1, 512, dtype=torch.bfloat16)
     got = kernel(x)
-    # torch's kernel on the same row, as a 2-row call computes it (its own path: one row goes to the op)
+    # torch's kernel on the same row, as a 2-row call computes it where the op takes one row only
+    kernel.gemv_until = 1
     torch_s = kernel(torch.cat([x, torch.zeros_like(x)], dim=1))[:, :1]
     assert got.shape == (1, 1, 96) and got.dtype == torch.bfloat16
     scale = torch_s.float().abs().max()
@@ -190,7 +191,7 @@ def test_with_custom_kernels_off_int4_kernel_never_calls_the_op(
     calls.clear()
     monkeypatch.setenv(variable, value)
     kernel = Int4Kernel(weight, None)
-    assert not kernel.gemv and kernel.dequantize_from is None
+    assert not kernel.gemv and kernel.dequantize_from is None and kernel.gemv_until == 0
     for rows in (x, torch.randn(600, 128, dtype=torch.bfloat16)):
         want = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, kernel.packed, kernel.group_size, kernel.scales_offsets)
         assert torch.equal(kernel(rows), want)
@@ -202,7 +203,7 @@ def test_many_rows_run_as_a_float32_gemm_from_the_measured_row_count(monkeypatch
     monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
     weight = int4_weight(112, 256, 128, act_order=True)
     kernel = Int4Kernel(weight, None)
-    kernel.dequantize_from = 8  # as if measured (test_quantized.py checks the measurement)
+    kernel.dequantize_from, kernel.gemv_until = 8, 1  # as if measured (test_quantized.py checks the measurement)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     permuted = x[:, kernel.order].contiguous()  # act order: the kernel's input features, its groups consecutive
     # the float32 product of x and the weight as the kernel holds it (its offsets rounded to bf16), rounded once
@@ -211,3 +212,19 @@ def test_many_rows_run_as_a_float32_gemm_from_the_measured_row_count(monkeypatch
     want = x.float() @ weight.dequantize().float().t()  # the checkpoint's weight: offsets not rounded
     assert (kernel(x).float() - want).abs().max() <= 0.01 * want.abs().max()
     assert torch.equal(kernel(x[:7]), kernel._int4(permuted[:7]))
+
+
+def test_a_few_rows_go_to_the_op_row_by_row_up_to_the_measured_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    weight = int4_weight(96, 512, 128, act_order=True)
+    kernel = Int4Kernel(weight, None)
+    kernel.gemv_until, kernel.dequantize_from = 4, None  # as if measured (test_quantized.py checks the measurement)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    permuted = x[:, kernel.order].contiguous()
+    assert torch.equal(
+        kernel(x[:4]), torch.ops.textgen.int4_gemv(permuted[:4], kernel.packed, kernel.scales_offsets, 128)
+    )
+    # a row's outputs are the same whichever rows share its call
+    assert torch.equal(kernel(x[:4])[2], kernel(x[2:3])[0])
+    assert torch.equal(kernel(x), kernel._int4(permuted))

@@ -23,7 +23,7 @@ from testing.shards import ShardProcess
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import DISABLE_CUSTOM_KERNELS, ServeConfig, UnsupportedConfigError
 from textgen_server.layers import cpu_ops, quant_kernels
-from textgen_server.layers.quant_kernels import DEQUANTIZE_ROWS, Int4Kernel, Int8Kernel, packed_kernel
+from textgen_server.layers.quant_kernels import DEQUANTIZE_ROWS, GEMV_ROWS, Int4Kernel, Int8Kernel, packed_kernel
 from textgen_server.layers.quantization import REFUSED, read_quant_config
 from textgen_server.layers.quantized_weight import QuantizedWeight
 from textgen_server.loader import get_model
@@ -193,11 +193,16 @@ def test_the_many_row_switch_is_measured_once_per_shape(
         weight = QuantizedWeight.per_channel_int8(
             torch.randn(96, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
         )
-    first = kernel(weight, None).dequantize_from
+    built = kernel(weight, None)
+    first = built.dequantize_from
     assert first in (*DEQUANTIZE_ROWS, None)
-    # A second kernel of the shape reads the kept figure (and so does the next start: layers/measurements.py).
+    few = built.gemv_until if isinstance(built, Int4Kernel) else None
+    assert few is None or few in (1, *GEMV_ROWS)
+    # A second kernel of the shape reads the kept figures (and so does the next start: layers/measurements.py).
     monkeypatch.setattr(quant_kernels, "least_seconds", lambda *args: pytest.fail("measured again"))
-    assert kernel(weight, None).dequantize_from == first
+    again = kernel(weight, None)
+    assert again.dequantize_from == first
+    assert not isinstance(again, Int4Kernel) or again.gemv_until == few
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,9 +9,10 @@
   float32 path is a scalar fallback, 6x slower than F.linear on the dequantized weight at one row on a 2-core Zen 3
   (benchmark/README.md, "Quantized models"). One row (a batch-1 decode step) goes to textgen's own
   `textgen::int4_gemv` (int4_ops.cpp) on the same packed weight and scales where the CPU ops are on (cpu_ops.py):
-  torch's kernel streams the weight well below the memory's bandwidth there. Many rows (a prefill) run as a
-  float32 GEMM on the weight dequantized for the call (`textgen::int4_dequantize`) from the row count where that
-  measured faster at load, if any.
+  torch's kernel streams the weight well below the memory's bandwidth there. So do a few rows (a batched decode
+  step), row by row, up to the count where that measured faster at load (`gemv_until`). Many rows (a prefill) run
+  as a float32 GEMM on the weight dequantized for the call (`textgen::int4_dequantize`) from the row count where
+  that measured faster at load, if any.
 - `Int8Kernel`: int8 weights with one scale per output feature (symmetric, per-channel: eetq, and 8-bit
   checkpoints quantized that way): one row by `textgen::int8_gemv` (int8_ops.cpp) where the CPU ops are on, more
   by torch's `_weight_int8pack_mm`, and from the row count where it measured faster at load as a float32 GEMM on
@@ -32,7 +33,7 @@ import functools
 import logging
 import time
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar, TypeVar
 
 import torch
@@ -46,10 +47,13 @@ from textgen_server.layers.quantized_weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Product = Callable[[torch.Tensor], torch.Tensor]  # rows [M, K] -> their product with a weight, [M, N]
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
 # Row counts at which a many-row int4 or int8 product is timed both ways at load (`dequantize_from`).
 DEQUANTIZE_ROWS = (128, 512)
+# Row counts at which textgen's one-row int4 op, run row by row, is timed against torch's int4 kernel (`gemv_until`).
+GEMV_ROWS = (8, 64)
 # The rounds of each timing at load (the least counts).
 TIMING_ROUNDS = 3
 # The int4 kernel's K tiling, as torch's int4 weight-only quantization (torchao) packs for CPUs.
@@ -97,33 +101,52 @@ def kept_measurement(key: str, field: str, measure: Callable[[], T], report: Cal
     return found[field]
 
 
-def dequantize_from(
-    label: str,
-    kernel: Callable[[torch.Tensor], torch.Tensor],
-    gemm: Callable[[torch.Tensor], torch.Tensor],
-    in_features: int,
-    dtype: torch.dtype,
-) -> int | None:
+def _wins(
+    first: Product, second: Product, row_counts: tuple[int, ...], in_features: int, dtype: torch.dtype
+) -> Iterator[tuple[int, bool]]:
+    """(rows, whether `first` ran faster than `second` on that many random rows), a count at a time as asked for."""
+    g = torch.Generator().manual_seed(0)
+    for rows in row_counts:
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        first_s = least_seconds(functools.partial(first, x), TIMING_ROUNDS)
+        yield rows, first_s < least_seconds(functools.partial(second, x), TIMING_ROUNDS)
+
+
+def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int, dtype: torch.dtype) -> int | None:
     """The fewest rows (of DEQUANTIZE_ROWS) whose product runs faster through `gemm` (a float32 GEMM on the weight
     dequantized for the call) than through torch's packed `kernel`, None where none does: measured once per CPU,
     torch, shape and thread count. On a CPU without bf16 arithmetic torch's int4 and int8 kernels ran 1.5-2x
     slower than the float32 GEMM from 512 rows on (benchmark/README.md, "Quantized models")."""
 
     def measure() -> int | None:
-        g = torch.Generator().manual_seed(0)
-        for rows in DEQUANTIZE_ROWS:
-            x = torch.randn(rows, in_features, generator=g).to(dtype)
-            if least_seconds(functools.partial(gemm, x), TIMING_ROUNDS) < least_seconds(
-                functools.partial(kernel, x), TIMING_ROUNDS
-            ):
-                return rows
-        return None
+        return next((rows for rows, won in _wins(gemm, kernel, DEQUANTIZE_ROWS, in_features, dtype) if won), None)
 
     def report(rows: int | None) -> None:
         how = f"from {rows} rows as a float32 GEMM on the dequantized weight" if rows else "the packed kernel only"
         logger.info("CPU %s, many rows: %s (measured)", label, how)
 
     key = f"{label} dequantize threads {torch.get_num_threads()}"
+    return kept_measurement(key, "rows", measure, report)
+
+
+def gemv_until(label: str, gemv: Product, kernel: Product, in_features: int, dtype: torch.dtype) -> int:
+    """The most rows (1, or one of GEMV_ROWS) up to which `gemv` (textgen's one-row op, each row streaming the
+    whole weight) ran faster than torch's packed `kernel` at every measured count: measured once per CPU, torch,
+    shape and thread count. On the 2-core Zen 3 the int4 op, row by row, took 0.6-0.7x torch's int4 kernel's time
+    from 2 to 64 rows (benchmark/README.md, "Quantized models")."""
+
+    def measure() -> int:
+        until = 1
+        for rows, won in _wins(gemv, kernel, GEMV_ROWS, in_features, dtype):
+            if not won:
+                break
+            until = rows
+        return until
+
+    def report(rows: int) -> None:
+        logger.info("CPU %s: textgen's one-row op up to %d rows (measured)", label, rows)
+
+    key = f"{label} gemv threads {torch.get_num_threads()}"
     return kept_measurement(key, "rows", measure, report)
 
 
@@ -206,14 +229,18 @@ class Int4Kernel(PackedKernel):
         # [kernel groups, N, 2]: the scale and the offset of each kernel group and output feature
         pairs = torch.stack([scales, (8 - zeros) * scales], dim=-1).repeat_interleave(repeat, dim=1)
         self.scales_offsets = pairs.transpose(0, 1).contiguous().to(weight.scales.dtype)
-        # One row by textgen::int4_gemv, which reads the same packed weight and scales (no second copy).
+        # One row, and as many more as measured faster, by textgen::int4_gemv, which reads the same packed weight
+        # and scales (no second copy).
         self.gemv = cpu_ops.ops_for(weight.scales.dtype, weight.q.device)
         n, k = self.packed.shape[0], self.in_features
+        label = f"int4 {n}x{k} group {self.group_size}"
         self.dequantize_from = (
-            dequantize_from(f"int4 {n}x{k} group {self.group_size}", self._int4, self._gemm, k, weight.scales.dtype)
-            if self.gemv
-            else None
+            dequantize_from(label, self._int4, self._gemm, k, weight.scales.dtype) if self.gemv else None
         )
+        self.gemv_until = gemv_until(label, self._op, self._int4, k, weight.scales.dtype) if self.gemv else 0
+
+    def _op(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.textgen.int4_gemv(rows, self.packed, self.scales_offsets, self.group_size)
 
     def _int4(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_offsets)
@@ -226,8 +253,8 @@ class Int4Kernel(PackedKernel):
         if self.order is not None:
             rows = rows[:, self.order]
         rows = rows.contiguous()
-        if self.gemv and rows.shape[0] == 1:
-            return torch.ops.textgen.int4_gemv(rows, self.packed, self.scales_offsets, self.group_size)
+        if rows.shape[0] <= self.gemv_until:
+            return self._op(rows)
         if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
             return self._gemm(rows)
         return self._int4(rows)
