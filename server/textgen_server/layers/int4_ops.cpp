@@ -1,17 +1,17 @@
-// One row of a 4-bit projection, y = x @ W^T, for batch-1 decode steps (layers/quant_kernels.py, Int4Kernel): it
+// A 4-bit projection a row at a time, y = x @ W^T, for decode steps (layers/quant_kernels.py, Int4Kernel): it
 // reads torch's own packed weight and scales, so that no second copy of the weight is kept. At one row the weight
 // streams from memory once for two flops a value; torch's _weight_int4pack_mm_for_cpu reaches well below the read
 // bandwidth there on AVX2 CPUs (about 5 GB/s of packed weight on a 2-core Zen 3 that copies 19 GB/s).
 //
 // textgen::int4_gemv(x [M, K] bf16, packed uint8 [N, K/2], scales_offsets bf16 [K/G, N, 2], group_size G) -> y
-//   bf16 [M, N], row by row (each row streams the whole weight, yet up to 64 rows ran faster so than torch's int4
-//   kernel on the 2-core Zen 3: quant_kernels.gemv_until measures where it does), with
+//   bf16 [M, N], row by row: each row streams the whole weight, and yet up to 64 rows ran faster so than through
+//   torch's int4 kernel on the 2-core Zen 3 (quant_kernels.gemv_until measures where they do), with
 //   w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / G, as torch's kernel defines it. Computed as
 //   y[n] = sum_g ( scale[g, n] * (sum_{k in g} q[n, k] x[k] - 8 X[g]) + offset[g, n] * X[g] ), X[g] = sum_{k in g}
 //   x[k], the result rounded once to bf16. On the vector path of layout 1 (AVX2's) x is first put on a grid of
 //   32639 steps each side of its group's largest |x| (quantize_row: within 2^-16 of that value, where bf16 itself
-//   rounds x by up to 2^-9 of it), so that the inner sums are exact integer sums, 2x fewer vector operations than
-//   float ones; elsewhere every sum is in float32 on x read exactly. The bits are not torch's kernel's (it
+//   rounds x by up to 2^-9 of it), so that the inner sums are exact integer sums, about 34 vector operations per
+//   64 bytes of weight instead of 58; elsewhere every sum is in float32 on x read exactly. The bits are not torch's kernel's (it
 //   dequantizes each weight to float first): tests/test_int4_gemv.py checks the op against the float32 product
 //   within those bounds.
 // textgen::int4_dequantize(packed, scales_offsets, group_size) -> float32 [N, K]: the weight as that formula gives
@@ -113,7 +113,7 @@ void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uin
   }
 }
 
-// A row x quantized per group for the integer path: x[k] ~ step[g] * q[k], q = round(x / step) in [-32639, 32639]
+// A row x quantized per group for the integer path: x[k] ~ step[g] * q[k], q = x / step rounded, in [-32639, 32639]
 // (step = the group's largest |x| / 32639, so within step / 2 of x: 2^-16 of that largest |x|, far below the
 // bf16 rounding of x itself), q = 256 hi + lo with hi in [-127, 127] and lo in [-128, 127], both int8. `qsum[g]`
 // is the group's sum of q.
