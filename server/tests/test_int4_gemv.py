@@ -88,12 +88,17 @@ def test_several_rows_are_computed_one_by_one() -> None:
 
 
 def test_a_zero_group_and_a_non_finite_input_are_computed_as_float_sums_would() -> None:
-    """A group of zeros has no step to divide by; a NaN or an infinity cannot be quantized and must reach the
-    outputs, as it does through float sums (the op then takes the float path for the row)."""
+    """A group of zeros has no step to divide by, and a group of tiny values a step below float32's normal numbers
+    (whatever its integers, they count for step times themselves); a NaN or an infinity cannot be quantized and
+    must reach the outputs, as it does through float sums (the op then takes the float path for the row)."""
     packed, scales_offsets, w = packed_weight(64, 256, 64)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     x[0, 64:128] = 0
     assert_near(torch.ops.textgen.int4_gemv(x, packed, scales_offsets, 64), x, w, 64)
+    x[0, 64:128] = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 1e-37
+    got = torch.ops.textgen.int4_gemv(x, packed, scales_offsets, 64)
+    assert got.isfinite().all()
+    assert_near(got, x, w, 64)
     x[0, 200] = float("nan")
     assert bool(torch.ops.textgen.int4_gemv(x, packed, scales_offsets, 64).isnan().all())
     x[0, 200] = float("inf")

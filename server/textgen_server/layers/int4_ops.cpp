@@ -125,7 +125,7 @@ struct RowInts {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // x (float32 [k]) into `out`; false where a value is not finite (the float path then computes the row, carrying
-// the NaN or infinity as float sums do). q is x times 1 / step, rounded to the nearest integer, ties to even.
+// the NaN or infinity as float sums do) or a group's values are all tiny but not all zero. q is x times 1 / step, rounded to the nearest integer, ties to even.
 bool quantize_row(const float* x, int64_t k, int64_t g, RowInts& out) {
   const int64_t groups = k / g;
   out.hi.resize(k);
@@ -148,6 +148,8 @@ bool quantize_row(const float* x, int64_t k, int64_t g, RowInts& out) {
     }
     if (_mm256_movemask_ps(not_finite) != 0) return false;
     const float largest = reduce_max(most);
+    // Below this the step is not a normal float32 and 1 / step may overflow, q with it (and the int32 sums of q).
+    if (largest > 0.f && largest < 32639.f * std::numeric_limits<float>::min()) return false;
     const float step = largest > 0.f ? largest / 32639.f : 1.f;
     const __m256 inverse = _mm256_set1_ps(1.f / step);
     __m256i sums = _mm256_setzero_si256();
