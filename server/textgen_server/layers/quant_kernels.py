@@ -132,7 +132,7 @@ def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int
 def gemv_until(label: str, gemv: Product, kernel: Product, in_features: int, dtype: torch.dtype) -> int:
     """The most rows (1, or one of GEMV_ROWS) up to which `gemv` (textgen's one-row op, each row streaming the
     whole weight) ran faster than torch's packed `kernel` at every measured count: measured once per CPU, torch,
-    shape and thread count. On the 2-core Zen 3 the int4 op, row by row, took 0.6-0.7x torch's int4 kernel's time
+    shape and thread count. On the 2-core Zen 3 the int4 op, row by row, took 0.5-0.7x torch's int4 kernel's time
     from 2 to 64 rows (benchmark/README.md, "Quantized models")."""
 
     def measure() -> int:
