@@ -421,20 +421,22 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t groups = k / group_size;
   std::vector<float> xf(k), xsum(groups), yf(n);
   RowInts ints;
+  // Full blocks of the integer path read only `ints`: the group sums of x are for the float path's blocks.
+  const bool short_block = n % block_outputs(lay) != 0;
   for (int64_t r = 0; r < m; ++r) {
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      float sum = 0.f;
-      for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk) {
-        xf[kk] = bf16_to_float(xp[r * k + kk]);
-        sum += xf[kk];
-      }
-      xsum[gi] = sum;
-    }
+    for (int64_t kk = 0; kk < k; ++kk) xf[kk] = bf16_to_float(xp[r * k + kk]);
 #if defined(__AVX2__) && defined(__FMA__)
     const bool integer = lay == SPLIT32 && quantize_row(xf.data(), k, group_size, ints);
 #else
     const bool integer = false;
 #endif
+    if (!integer || short_block) {
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        float sum = 0.f;
+        for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk) sum += xf[kk];
+        xsum[gi] = sum;
+      }
+    }
     row_gemv(xf.data(), xsum.data(), integer ? &ints : nullptr, w, so, n, k, group_size, lay, yf.data());
     for (int64_t j = 0; j < n; ++j) yp[r * n + j] = float_to_bf16(yf[j]);
   }
