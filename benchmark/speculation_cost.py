@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     from tokenizers import Tokenizer
 
     prompt = prompt_of_length(Tokenizer.from_file(str(model_dir / "tokenizer.json")), PROMPT_LEN)
-    refused = model.tokenizer.bos_token_id or 0
+    refused = getattr(model.module.config, "bos_token_id", None) or 0  # BOS: never the model's next token here
     print(f"model {model_dir}, {args.dtype}, {args.threads} threads, {args.guesses} refused guesses per row")
     print("| batch | no guesses ms/step | refused guesses ms/step | ratio |")
     print("|------:|-------------------:|------------------------:|------:|")

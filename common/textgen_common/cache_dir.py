@@ -1,7 +1,7 @@
 """TEXTGEN_CACHE_DIR: where shards and routers keep what they worked out at one start for the next ones (the
-shard's CPU kernel timings, textgen_server/layers/measurements.py, and resolved config,
-textgen_server/model_config.py; the router's tokenizer, textgen_router/tokenizer.py). Default ~/.cache/textgen;
-set empty, nothing is kept.
+shard's CPU kernel timings, textgen_server/layers/measurements.py, resolved config, textgen_server/model_config.py,
+and tokenizer, textgen_server/tokenizer.py; the router's tokenizer, textgen_router/tokenizer.py). Default
+~/.cache/textgen; set empty, nothing is kept.
 
 Processes that start at once (ranks, a router beside its shards) may write the same file: each file is written
 whole or not at all (a temporary file beside it, then a rename), so a reader never sees half of one.

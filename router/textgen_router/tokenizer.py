@@ -15,8 +15,6 @@ transformers and tokenizers. A later start reads that file with `tokenizers` alo
 
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
 import json
 import logging
 from dataclasses import dataclass
@@ -26,14 +24,12 @@ from typing import TYPE_CHECKING
 import tokenizers
 
 from textgen_common.cache_dir import cache_dir, kept_file, write_whole
+from textgen_common.tokenizer_files import tokenizer_identity
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("textgen_router")
-
-# Files that never change what the tokenizer is: left out of the key, so that they are not stat'ed either.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 
 
 @dataclass(frozen=True)
@@ -91,19 +87,8 @@ def _cache_file(name: str | Path, revision: str | None, trust_remote_code: bool)
     directory = _model_dir(name, revision)
     if directory is None:
         return None
-    key = [
-        str(directory.resolve()),
-        f"revision {revision} trust_remote_code {trust_remote_code}",
-        f"transformers {importlib.metadata.version('transformers')}",
-        f"tokenizers {tokenizers.__version__}",
-    ]
-    for entry in sorted(directory.iterdir()):
-        if entry.name.endswith(WEIGHT_SUFFIXES):
-            continue
-        with contextlib.suppress(OSError):
-            stat = entry.stat()
-            key.append(f"{entry.name} {stat.st_size} {stat.st_mtime_ns}")
-    return kept_file("tokenizer", "\n".join(key))
+    options = f"revision {revision} trust_remote_code {trust_remote_code}"
+    return kept_file("tokenizer", tokenizer_identity(directory, options))
 
 
 def _read(path: Path) -> Tokenizer | None:

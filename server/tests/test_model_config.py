@@ -1,9 +1,10 @@
-"""model_config.load_config: tp_llama's families get a plain config holding what AutoConfig resolves, kept under
-TEXTGEN_CACHE_DIR, so that a later start imports none of transformers' model loading; other configs are
-AutoConfig's own."""
+"""model_config.load_config: tp_llama's families get a KeptConfig holding what AutoConfig resolves, kept under
+TEXTGEN_CACHE_DIR, so that a later start (with the tokenizer kept too, tokenizer.py) imports no transformers at all;
+other configs are AutoConfig's own."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from testing.models import build_vlm, edited_copy
-from textgen_server.loader import load_tokenizer
-from textgen_server.model_config import load_config
+from textgen_server.model_config import KeptConfig, ModelConfig, load_config
+from textgen_server.tokenizer import load_tokenizer
 
 
 @pytest.fixture
@@ -38,10 +39,18 @@ def legacy_llama(tiny_llama: Path, at: Path) -> Path:
     return edited_copy(tiny_llama, at, "config.json", legacy)
 
 
-def assert_same_as_autoconfig(config: PretrainedConfig, model_dir: Path) -> None:
+def assert_same_as_autoconfig(config: ModelConfig, model_dir: Path) -> None:
     reference = AutoConfig.from_pretrained(model_dir)
-    keys = set(reference.to_dict()) - {"use_cache"}  # a plain config never keeps use_cache, and no shard reads it
-    assert {key: getattr(config, key) for key in keys} == {key: getattr(reference, key) for key in keys}
+    # to_dict leaves use_cache out; dtype stays the string config.json holds (--dtype decides): no shard reads either.
+    # Values are compared as the kept file holds them (JSON: id2label's keys are strings).
+    keys = set(reference.to_dict()) - {"use_cache", "dtype"}
+
+    def as_kept(values: dict[str, Any]) -> Any:
+        return json.loads(json.dumps(values))
+
+    assert as_kept({key: getattr(config, key) for key in keys}) == as_kept(
+        {key: getattr(reference, key) for key in keys}
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "legacy-llama"])
@@ -56,7 +65,7 @@ def test_a_tp_family_s_config_is_kept_with_every_value_autoconfig_resolves(
     (kept,) = kept_in.glob("config-*.json")
     second = load_config(model_dir, trust_remote_code=False)
     for config in (first, second):
-        assert type(config) is PretrainedConfig
+        assert type(config) is KeptConfig
         assert_same_as_autoconfig(config, model_dir)
     if arch == "legacy-llama":  # the family's defaults and RoPE's new form came from LlamaConfig
         assert second.rms_norm_eps == 1e-6 and second.head_dim == second.hidden_size // second.num_attention_heads
@@ -84,12 +93,12 @@ def test_other_configs_are_autoconfig_s_own_and_not_kept(tiny_gpt2: Path, kept_i
     assert not list(kept_in.glob("config-*.json"))
 
 
-def test_with_nothing_kept_the_config_is_still_the_plain_one(
+def test_with_nothing_kept_the_config_is_still_a_kept_config(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("TEXTGEN_CACHE_DIR", "")
     config = load_config(tiny_llama, trust_remote_code=False)
-    assert type(config) is PretrainedConfig
+    assert type(config) is KeptConfig
     assert_same_as_autoconfig(config, tiny_llama)
 
 
@@ -99,27 +108,30 @@ def test_the_tokenizer_is_autotokenizer_s_with_or_without_a_named_class(
     # Without tokenizer_class, AutoTokenizer picks the class by the config's type.
     unnamed = edited_copy(tiny_llama, tmp_path / "unnamed", "tokenizer_config.json", lambda t: t.pop("tokenizer_class"))
     for model_dir in (tiny_llama, unnamed):
-        tokenizer = load_tokenizer(model_dir, load_config(model_dir, trust_remote_code=False), False)
+        # keep=False: transformers' own object, as the shard builds it before serving it from its backend
+        tokenizer = load_tokenizer(model_dir, load_config(model_dir, trust_remote_code=False), False, keep=False)
         reference = AutoTokenizer.from_pretrained(model_dir, padding_side="left", truncation_side="left")
         assert type(tokenizer) is type(reference)
-        assert tokenizer.init_kwargs == reference.init_kwargs
+        assert tokenizer.init_kwargs == reference.init_kwargs  # type: ignore[union-attr]
         ids = list(range(3, 60))
         assert tokenizer.decode(ids) == reference.decode(ids)
 
 
-def test_a_later_start_imports_none_of_transformers_model_loading(tiny_llama: Path, kept_in: Path) -> None:
-    load_config(tiny_llama, trust_remote_code=False)  # the first start keeps it
+def test_a_later_start_imports_no_transformers(tiny_llama: Path, kept_in: Path) -> None:
+    """A shard's whole load (get_model), after a first start kept the config and the tokenizer."""
     code = (
-        "import sys; from pathlib import Path\n"
-        "from textgen_server.loader import load_tokenizer\n"
-        "from textgen_server.model_config import load_config\n"
-        "config = load_config(Path(sys.argv[1]), False)\n"
-        "load_tokenizer(Path(sys.argv[1]), config, False)\n"
-        "print(sorted(m for m in ('transformers.activations', 'torch.distributed.tensor') if m in sys.modules))\n"
+        "import sys\n"
+        "from textgen_server.config import ServeConfig\n"
+        "from textgen_server.loader import get_model\n"
+        "model = get_model(ServeConfig(sys.argv[1]))\n"
+        "print(type(model).__name__, type(model.tokenizer).__name__, 'transformers' in sys.modules)\n"
     )
     env = {**os.environ, "TEXTGEN_CACHE_DIR": str(kept_in)}
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(tiny_llama)], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]"
+    outputs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(tiny_llama)], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs.append(done.stdout.strip())
+    assert outputs == ["PagedCausalLM FastTokenizer True", "PagedCausalLM FastTokenizer False"]

@@ -15,9 +15,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from textgen_common.lora_adapters import LoraAdapter
 from textgen_server.config import UnsupportedConfigError
@@ -28,6 +28,9 @@ from textgen_server.layers.tensor_parallel import Linear
 from textgen_server.models.tp_llama import DecoderLayer, TPCausalLM
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
+
+if TYPE_CHECKING:
+    from textgen_server.model_config import ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 _KEY = re.compile(
@@ -91,7 +94,7 @@ def adapter_dir(adapter: LoraAdapter) -> Path:
         raise AdapterError(adapter.name, str(error)) from None
 
 
-def base_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
+def base_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection (q, k, v, o, gate, up, down) of the unsharded model."""
     head_dim = head_size(config)
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -107,9 +110,7 @@ def base_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def load_adapters(
-    model: torch.nn.Module, adapters: list[LoraAdapter], config: PretrainedConfig, dist: DistInfo
-) -> None:
+def load_adapters(model: torch.nn.Module, adapters: list[LoraAdapter], config: ModelConfig, dist: DistInfo) -> None:
     """Load every adapter onto `model` (adapter index i + 1 for `adapters[i]`); AdapterError for the first that
     cannot be served. Every rank checks the same files the same way, so all ranks stop with the same line."""
     if not isinstance(model, TPCausalLM):

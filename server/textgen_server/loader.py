@@ -5,11 +5,11 @@ nothing back from here): the config (model_config.py), the device and dtype, the
 run, the tokenizer, the network, its LoRA adapters, and the engine that serves it, each a function below, called in
 that order by `get_model`.
 
-This module imports torch and transformers at its top: `textgen-server serve` (cli.py) imports it only after
-`ServeConfig.check` passed, so a configuration it cannot honour fails at once, not after those imports. transformers'
-model loading and processors (`modeling_utils`, `processing_utils`: scipy among them, about 1.3 s of a 2-core
-Zen 3's start) are imported by the two paths that need them, a network transformers builds and a VLM's processor;
-a Llama-family shard uses neither, nor, from its second start on, its family's config class (model_config.py).
+This module imports torch at its top: `textgen-server serve` (cli.py) imports it only after `ServeConfig.check`
+passed, so a configuration it cannot honour fails at once, not after those imports. transformers is imported by the
+paths that use it: a network transformers builds, a VLM's processor, and the config and tokenizer where no earlier
+start kept them (model_config.py, tokenizer.py). From its second start on, a Llama-family shard imports no
+transformers at all (about 2 s of a tiny shard's start on a 2-core Zen 3).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
-from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
 from textgen_server.adapters import load_adapters
 from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
@@ -34,7 +32,7 @@ from textgen_server.hub import resolve_model_dir
 from textgen_server.layers.quantization import read_quant_config
 from textgen_server.layers.quantized_weight import QuantConfig
 from textgen_server.layers.rotary import override_rope_scaling
-from textgen_server.model_config import is_vlm, load_config
+from textgen_server.model_config import ModelConfig, is_vlm, load_config
 from textgen_server.models import tp_llama
 from textgen_server.models.causal_lm import CausalLM
 from textgen_server.models.model import Model
@@ -43,6 +41,7 @@ from textgen_server.models.paged_vlm import PagedVlm, drop_language_model, text_
 from textgen_server.models.tp_llama import TPCausalLM, check_shardable, load_tp_model
 from textgen_server.models.vlm_causal_lm import VlmCausalLM
 from textgen_server.models.vlm_inputs import VLM_MODEL_TYPES
+from textgen_server.tokenizer import FastTokenizer, ShardTokenizer, load_tokenizer
 from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 
 if TYPE_CHECKING:
@@ -63,7 +62,8 @@ def get_model(serve: ServeConfig) -> Model:
     quant = quantization(serve, model_dir, config)
     dtype = shard_dtype(serve, device, quant)
     override_rope(serve, config)
-    tokenizer = load_tokenizer(model_dir, config, serve.trust_remote_code)
+    # A VLM's processor holds transformers' tokenizer: the engine decodes with that one too.
+    tokenizer = load_tokenizer(model_dir, config, serve.trust_remote_code, keep=not is_vlm(config))
     processor = load_processor(model_dir) if is_vlm(config) else None  # images to the VLM's inputs
     dist.barrier()
     module = load_module(model_dir, config, dtype, device, dist, serve.trust_remote_code, quant)
@@ -116,7 +116,7 @@ def x86_bf16_hardware() -> bool:
 # ---- refusals: what the model's config asks that this shard cannot run ----
 
 
-def refuse_unsupported(serve: ServeConfig, config: PretrainedConfig) -> None:
+def refuse_unsupported(serve: ServeConfig, config: ModelConfig) -> None:
     """UnsupportedConfigError for a vision-language or speculator checkpoint, or --speculate where the padded
     engine would serve."""
     if is_vlm(config):
@@ -135,7 +135,7 @@ def refuse_unsupported(serve: ServeConfig, config: PretrainedConfig) -> None:
         )
 
 
-def refuse_for_vlm(serve: ServeConfig, config: PretrainedConfig) -> None:
+def refuse_for_vlm(serve: ServeConfig, config: ModelConfig) -> None:
     """UnsupportedConfigError for a vision-language family this shard does not serve (some, as gemma3, mllama
     and llama4, would load as causal LMs and read an image's markdown as text), or an option its engines
     (models/paged_vlm.py, models/vlm_causal_lm.py) cannot honour; only the paged one shards."""
@@ -159,13 +159,13 @@ def refuse_for_vlm(serve: ServeConfig, config: PretrainedConfig) -> None:
             raise UnsupportedConfigError(f"{name} is not supported for a vision-language model ({config.model_type})")
 
 
-def vlm_is_paged(serve: ServeConfig, config: PretrainedConfig) -> bool:
+def vlm_is_paged(serve: ServeConfig, config: ModelConfig) -> bool:
     """Whether a vision-language model runs on the paged engine: its language model is of a tensor-parallel
     family (tp_llama's), unless USE_FLASH_ATTENTION=false; else the padded one runs the transformers module."""
     return serve.use_flash_attention and config.get_text_config().model_type in tp_llama.TP_MODEL_TYPES
 
 
-def override_rope(serve: ServeConfig, config: PretrainedConfig) -> None:
+def override_rope(serve: ServeConfig, config: ModelConfig) -> None:
     """Replace the config's RoPE scaling with ROPE_SCALING / ROPE_FACTOR where set; UnsupportedConfigError where
     the model's rotary embedding cannot take it."""
     rope = serve.rope()
@@ -177,7 +177,7 @@ def override_rope(serve: ServeConfig, config: PretrainedConfig) -> None:
         raise UnsupportedConfigError(f"ROPE_SCALING={serve.rope_scaling}: {error}") from None
 
 
-def quantization(serve: ServeConfig, model_dir: Path, config: PretrainedConfig) -> QuantConfig | None:
+def quantization(serve: ServeConfig, model_dir: Path, config: ModelConfig) -> QuantConfig | None:
     """The checkpoint's quantization (--quantize, or what its config says); UnsupportedConfigError where this
     shard cannot serve it. Quantized weights are read by the paged engine's models only."""
     raw = json.loads((model_dir / "config.json").read_text())
@@ -191,36 +191,7 @@ def quantization(serve: ServeConfig, model_dir: Path, config: PretrainedConfig) 
     return quant
 
 
-# ---- tokenizer ----
-
-
-def load_tokenizer(model_dir: Path, config: PretrainedConfig, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    """The model's tokenizer, padding and truncating on the left, with a pad token in every case."""
-    # Given the config, AutoTokenizer does not load the family's config class (model_config.py). A plain config
-    # stands in for it only where tokenizer_config.json names the tokenizer's class: without one AutoTokenizer
-    # picks the class by the config's type, so it is left to load the family's class itself.
-    named = get_tokenizer_config(model_dir).get("tokenizer_class")  # what AutoTokenizer reads first
-    given = config if type(config) is not PretrainedConfig or named else None
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_dir,
-        config=given,
-        trust_remote_code=trust_remote_code,
-        padding_side="left",
-        truncation_side="left",
-    )
-    if tokenizer.pad_token_id is None:
-        # TGI's fallback order: config pad, config eos, tokenizer eos, then a new [PAD] token.
-        text_config = config.get_text_config()  # a VLM's ids are its text model's
-        fallback = text_config.pad_token_id if text_config.pad_token_id is not None else text_config.eos_token_id
-        if isinstance(fallback, list):
-            fallback = fallback[0]
-        if fallback is not None:
-            tokenizer.pad_token_id = fallback
-        elif tokenizer.eos_token_id is not None:
-            tokenizer.pad_token_id = tokenizer.eos_token_id
-        else:
-            tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    return tokenizer
+# ---- a VLM's processor ----
 
 
 def load_processor(model_dir: Path) -> ProcessorMixin:
@@ -235,7 +206,7 @@ def load_processor(model_dir: Path) -> ProcessorMixin:
 
 def load_module(
     model_dir: Path,
-    config: PretrainedConfig,
+    config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     dist: DistInfo,
@@ -274,7 +245,7 @@ def load_module(
 def split_vlm(
     vlm: torch.nn.Module,
     model_dir: Path,
-    config: PretrainedConfig,
+    config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     dist: DistInfo,
@@ -309,7 +280,7 @@ def release_freed_memory() -> None:
 # ---- adapters ----
 
 
-def attach_adapters(serve: ServeConfig, module: torch.nn.Module, config: PretrainedConfig, dist: DistInfo) -> None:
+def attach_adapters(serve: ServeConfig, module: torch.nn.Module, config: ModelConfig, dist: DistInfo) -> None:
     """Load the LoRA adapters of LORA_ADAPTERS onto the network, where any are listed."""
     adapters = serve.adapters()
     if adapters:
@@ -322,8 +293,8 @@ def attach_adapters(serve: ServeConfig, module: torch.nn.Module, config: Pretrai
 def shard_config(
     serve: ServeConfig,
     model_dir: Path,
-    config: PretrainedConfig,
-    tokenizer: PreTrainedTokenizerBase,
+    config: ModelConfig,
+    tokenizer: ShardTokenizer,
     module: torch.nn.Module,
     dtype: torch.dtype,
     device: torch.device,
@@ -345,14 +316,14 @@ def shard_config(
     )
 
 
-def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer_eos: int | None) -> set[int]:
+def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer_eos: int | None) -> set[int]:
     """Every id that ends a sequence: generation_config's eos list (chat models have several), the
     config's and the tokenizer's."""
     ids: set[int] = set()
     candidates: list[object] = [config.get_text_config().eos_token_id, tokenizer_eos]  # a VLM's is its text model's
     try:
-        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    except OSError:
+        candidates.append(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
+    except FileNotFoundError:
         pass  # no generation_config.json: the config's and tokenizer's eos are all there is
     for candidate in candidates:
         if isinstance(candidate, int):
@@ -366,13 +337,14 @@ def engine(
     serve: ServeConfig,
     module: torch.nn.Module,
     shard: ShardConfig,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: ShardTokenizer,
     processor: ProcessorMixin | None = None,
     vision: torch.nn.Module | None = None,
 ) -> Model:
     """The paged engine for a tensor-parallel network (unless USE_FLASH_ATTENTION=false), with image inputs for a
     vision-language model (`vision`: its tower, split_vlm), else the padded one (with image inputs for a VLM)."""
     if processor is not None:
+        assert not isinstance(tokenizer, FastTokenizer)  # a VLM's is its processor's (get_model)
         if vision is not None:
             assert isinstance(module, TPCausalLM)
             return PagedVlm(module, shard, tokenizer, serve.paging(), vision, processor)

@@ -8,12 +8,12 @@ shard's 5-6 s start on a 2-core Zen 3 (benchmark/README.md, "Start-up and the te
 runs. `AutoTokenizer` loads that class too unless it is given a config.
 
 So for those families (tp_llama.TP_MODEL_TYPES, without a vision tower: textgen's own networks run them) the
-shard serves a plain `PretrainedConfig` holding every attribute of the resolved config (`to_dict`), and keeps that
+shard serves a `KeptConfig` holding every attribute of the resolved config (`to_dict`), and keeps that
 dictionary in one file per config under TEXTGEN_CACHE_DIR (textgen_common/cache_dir.py; empty: nothing is kept),
-named after a hash of the bytes of `config.json` and transformers' version. A later start reads it without the
-family's class. Every start serves the same kind of object, kept or not: the first start converts what
-`AutoConfig` made. Other families, vision-language models and `--trust-remote-code` get `AutoConfig`'s own
-object, as before.
+named after a hash of the bytes of `config.json` and transformers' version. A later start reads it without
+importing transformers at all (with the shard's kept tokenizer, tokenizer.py: about 2 s of a tiny shard's start).
+Every start serves the same kind of object, kept or not: the first start converts what `AutoConfig` made. Other
+families, vision-language models and `--trust-remote-code` get `AutoConfig`'s own object, as before.
 """
 
 from __future__ import annotations
@@ -24,16 +24,34 @@ import importlib.metadata
 import json
 import logging
 from pathlib import Path
-
-from transformers import AutoConfig, PretrainedConfig
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from textgen_common.cache_dir import kept_file, write_whole
 from textgen_server.models import tp_llama
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 logger = logging.getLogger(__name__)
 
 
-def load_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
+class KeptConfig(SimpleNamespace):
+    """A resolved config's attributes, read where the shard reads transformers' config of a text model."""
+
+    def get_text_config(self) -> KeptConfig:
+        """The config itself: a text model's (transformers' method, for the callers that serve VLMs too)."""
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+# The config a shard reads: AutoConfig's own object, or a KeptConfig (see above).
+ModelConfig: TypeAlias = "PretrainedConfig | KeptConfig"
+
+
+def load_config(model_dir: Path, trust_remote_code: bool) -> ModelConfig:
     """`model_dir`'s config: a kept copy's where an earlier start left one, else `AutoConfig`'s (see above)."""
     path = None if trust_remote_code else _cache_file(model_dir)
     if path is not None:
@@ -42,7 +60,9 @@ def load_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
             if kept.get("model_type") in tp_llama.TP_MODEL_TYPES:  # a family textgen still runs itself
                 # Another directory may hold the same config.json (a fine-tune of one base): the name is this one's,
                 # as AutoConfig gives it (AutoTokenizer matches some hub names against it).
-                return PretrainedConfig.from_dict({**kept, "_name_or_path": str(model_dir)})
+                return KeptConfig(**{**kept, "_name_or_path": str(model_dir)})
+    from transformers import AutoConfig  # only where no config was kept (see above)
+
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if trust_remote_code or config.model_type not in tp_llama.TP_MODEL_TYPES or is_vlm(config):
         return config
@@ -52,10 +72,10 @@ def load_config(model_dir: Path, trust_remote_code: bool) -> PretrainedConfig:
             write_whole(path, json.dumps(resolved))
         except OSError as error:  # a read-only cache: the next start resolves it again
             logger.warning("Could not keep the resolved config in %s: %s", path, error)
-    return PretrainedConfig.from_dict(resolved)
+    return KeptConfig(**{**resolved, "_name_or_path": str(model_dir)})
 
 
-def is_vlm(config: PretrainedConfig) -> bool:
+def is_vlm(config: ModelConfig) -> bool:
     """Whether the config has a vision tower (a vision-language model)."""
     return getattr(config, "vision_config", None) is not None
 

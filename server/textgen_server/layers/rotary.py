@@ -1,24 +1,28 @@
 """Rotary position embedding with every scaling variant transformers knows (linear, dynamic, llama3, yarn...).
 
-Inverse frequencies come from `transformers.modeling_rope_utils`, and `dynamic_rope_update` recomputes them
-for the dynamic/longrope variants, so positions are encoded exactly as the reference models encode them.
+Inverse frequencies of a scaled RoPE come from `transformers.modeling_rope_utils`, and its `dynamic_rope_update`
+recomputes them for the dynamic/longrope variants, so positions are encoded exactly as the reference models encode
+them. Unscaled RoPE, most models', is computed here: it needs no transformers import (model_config.py).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+if TYPE_CHECKING:
+    from textgen_server.model_config import ModelConfig
 
 
-def head_size(config: PretrainedConfig) -> int:
+def head_size(config: ModelConfig) -> int:
     """Per-head width of a decoder config: its `head_dim`, else hidden_size / num_attention_heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _default_inv_freq(
-    config: PretrainedConfig, device: torch.device | None = None, **_: object
+    config: ModelConfig, device: torch.device | None = None, **_: object
 ) -> tuple[torch.Tensor, float]:
     """Unscaled RoPE: 1 / theta^(2i/d); attention scaling 1."""
     dim = head_size(config)
@@ -27,7 +31,7 @@ def _default_inv_freq(
     return 1.0 / (theta**exponents), 1.0
 
 
-def override_rope_scaling(config: PretrainedConfig, rope_type: str, factor: float) -> None:
+def override_rope_scaling(config: ModelConfig, rope_type: str, factor: float) -> None:
     """Make `config` scale its RoPE by `rope_type` and `factor` in place of the model's own scaling (TGI's
     ROPE_SCALING / ROPE_FACTOR), keeping its base and partial rotary factor. Both engines build their rotary
     embedding from the config with transformers' init functions, so this one change serves them all.
@@ -46,19 +50,30 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor  # a registered buffer (nn.Module's attribute lookup alone types it Tensor | Module)
 
-    def __init__(self, config: PretrainedConfig, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
         super().__init__()
-        self.config = config
         self.rope_type = config.rope_parameters.get("rope_type", "default")
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
-        init = _default_inv_freq if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
-        inv_freq, self.attention_scaling = init(config, device)
+        if self.rope_type == "default":
+            self.config = config
+            inv_freq, self.attention_scaling = _default_inv_freq(config, device)
+        else:
+            from transformers import PretrainedConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+            # transformers' functions read (and standardize) a config of theirs
+            self.config = (
+                config if isinstance(config, PretrainedConfig) else PretrainedConfig.from_dict(config.to_dict())
+            )
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device)
+            # recomputes the frequencies past the trained length for the dynamic and longrope variants
+            update = torch.no_grad()(dynamic_rope_update(type(self).forward))
+            self.forward = update.__get__(self)  # type: ignore[method-assign]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.original_inv_freq = inv_freq
 
     @torch.no_grad()
-    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [*position_ids.shape, head_dim] in x's dtype."""
         freqs = position_ids[..., None].float() * self.inv_freq

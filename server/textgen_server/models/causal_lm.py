@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
@@ -38,6 +37,8 @@ if TYPE_CHECKING:
     from typing import Self
 
     from llguidance import LLMatcher
+
+    from textgen_server.tokenizer import ShardTokenizer
 
     Row = tuple[list[int], LLMatcher | None, int]  # prepare_row's: prompt ids, grammar matcher, adapter index
 
@@ -91,6 +92,7 @@ class CausalLMBatch(Batch):
         max_input_length = max(input_lengths)
         padding_right_offset = max(s.max_new_tokens for s in stopping)
         pad_id = model.tokenizer.pad_token_id
+        assert pad_id is not None  # the loader gives every tokenizer one (tokenizer.py)
         input_ids = torch.full((size, max_input_length), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((size, max_input_length + padding_right_offset), dtype=torch.long)
         for row, ids in enumerate(all_input_ids):
@@ -226,7 +228,7 @@ class CausalLMBatch(Batch):
 class CausalLM(Model[CausalLMBatch]):
     """Runs padded prefill/decode steps on a causal LM module with the transformers forward signature."""
 
-    def __init__(self, module: torch.nn.Module, config: ShardConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, module: torch.nn.Module, config: ShardConfig, tokenizer: ShardTokenizer) -> None:
         super().__init__(config, tokenizer)
         self.module = module
         # The LoRA adapters the module loaded (tp_llama.TPCausalLM); a module without any refuses every adapter.
@@ -266,7 +268,11 @@ class CausalLM(Model[CausalLMBatch]):
     def _new_cache(self, batch: CausalLMBatch) -> KVCache:
         """The module's own preallocated cache when it has one (room for the first decode steps), else HF's."""
         new_cache = getattr(self.module, "new_cache", None)
-        return new_cache(spare_columns(batch.padding_right_offset)) if new_cache is not None else DynamicCache()
+        if new_cache is not None:
+            return new_cache(spare_columns(batch.padding_right_offset))
+        from transformers import DynamicCache  # the module is transformers' own, which imported it
+
+        return DynamicCache()
 
     @torch.inference_mode()
     def generate_token(

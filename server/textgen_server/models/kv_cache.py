@@ -19,10 +19,14 @@ semantics, which is what `CausalLMBatch` relies on:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeAlias
+
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin
+
+if TYPE_CHECKING:  # imported where a transformers network runs: a Llama shard may import no transformers
+    from transformers import DynamicCache
+    from transformers.cache_utils import CacheLayerMixin
 
 # Columns a full buffer grows by beyond what the current step needs: one regrowth every GROW decode steps.
 GROW = 128
@@ -160,7 +164,7 @@ def _shape(like: torch.Tensor, columns: int) -> tuple[int, int, int, int]:
     return (like.shape[0], like.shape[1], columns, like.shape[3])
 
 
-KVCache = PaddedKVCache | DynamicCache
+KVCache: TypeAlias = "PaddedKVCache | DynamicCache"
 
 
 def filter_cache(cache: KVCache, order: list[int], keep_positions: int) -> None:
@@ -178,6 +182,8 @@ def filter_cache(cache: KVCache, order: list[int], keep_positions: int) -> None:
 
 def _attention_layer(cache: DynamicCache, layer_idx: int) -> CacheLayerMixin:
     """A layer of the DynamicCache a transformers decoder fills: keys and values, no linear-attention state."""
+    from transformers.cache_utils import CacheLayerMixin
+
     layer = cache.layers[layer_idx]
     assert isinstance(layer, CacheLayerMixin), f"layer {layer_idx} holds no keys and values: {type(layer).__name__}"
     return layer

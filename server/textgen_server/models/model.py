@@ -12,7 +12,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_server.config import ShardConfig
@@ -23,6 +22,8 @@ if TYPE_CHECKING:
     from typing import Self
 
     from llguidance import LLMatcher
+
+    from textgen_server.tokenizer import ShardTokenizer
 
 
 class InvalidRequestError(ValueError):
@@ -178,7 +179,7 @@ def prepare_row(
 class Model(ABC, Generic[B]):
     """A loaded model shard: runs prefill/decode steps on batches of `batch_type`."""
 
-    def __init__(self, config: ShardConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, config: ShardConfig, tokenizer: ShardTokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.all_special_ids = set(tokenizer.all_special_ids)

@@ -22,7 +22,6 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from textgen_pb import generate_pb2
 from textgen_server.config import PagingConfig, ShardConfig
@@ -38,6 +37,7 @@ from textgen_server.sampling.chooser import Chosen, HeterogeneousNextTokenChoose
 
 if TYPE_CHECKING:
     from textgen_server.models.tp_llama import TPCausalLM
+    from textgen_server.tokenizer import ShardTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class PagedCausalLM(Model[PagedBatch]):
     """Runs paged steps of a tensor-parallel module (`TPCausalLM`) over this shard's KV pool."""
 
     def __init__(
-        self, module: TPCausalLM, config: ShardConfig, tokenizer: PreTrainedTokenizerBase, paging: PagingConfig
+        self, module: TPCausalLM, config: ShardConfig, tokenizer: ShardTokenizer, paging: PagingConfig
     ) -> None:
         super().__init__(config, tokenizer)
         self.module = module

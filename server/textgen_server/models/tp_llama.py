@@ -14,11 +14,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.cpu_ops import ops_for
@@ -41,12 +40,15 @@ from textgen_server.models.kv_pool import KVPool, PoolShape
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 
+if TYPE_CHECKING:
+    from textgen_server.model_config import ModelConfig
+
 logger = logging.getLogger(__name__)
 
 TP_MODEL_TYPES: set[str] = {"llama", "mistral", "qwen2"}
 
 
-def check_shardable(config: PretrainedConfig, world_size: int) -> None:
+def check_shardable(config: ModelConfig, world_size: int) -> None:
     """Raise ValueError, naming the offending number, when `config` cannot be split over `world_size` ranks."""
     if config.model_type not in TP_MODEL_TYPES:
         raise ValueError(
@@ -62,7 +64,7 @@ def check_shardable(config: PretrainedConfig, world_size: int) -> None:
             )
 
 
-def _layer_windows(config: PretrainedConfig) -> list[int | None]:
+def _layer_windows(config: ModelConfig) -> list[int | None]:
     """Sliding-window size per layer (None = full attention), as the reference models decide it."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -200,7 +202,7 @@ class Attention(nn.Module):
 
     def __init__(
         self,
-        config: PretrainedConfig,
+        config: ModelConfig,
         weights: Weights,
         prefix: str,
         layer_idx: int,
@@ -345,7 +347,7 @@ def activation(name: str) -> nn.Module:
 class MLP(nn.Module):
     """act(gate) * up in one fused column matmul, then a row-parallel down projection."""
 
-    def __init__(self, config: PretrainedConfig, weights: Weights, prefix: str, dist: DistInfo) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, dist: DistInfo) -> None:
         super().__init__()
         self.gate_up = ColumnParallelLinear.load_multi(
             weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=f"{prefix}.gate_proj.bias" in weights
@@ -365,7 +367,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, weights: Weights, layer_idx: int, dist: DistInfo, window: int | None
+        self, config: ModelConfig, weights: Weights, layer_idx: int, dist: DistInfo, window: int | None
     ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
@@ -406,7 +408,7 @@ class CausalLMOutput(NamedTuple):
 class TPCausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head, every weight holding only this rank's share."""
 
-    def __init__(self, config: PretrainedConfig, weights: Weights, dist: DistInfo, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, dist: DistInfo, device: torch.device) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding.load(
@@ -538,7 +540,7 @@ class TPCausalLM(nn.Module):
 
 def load_tp_model(
     model_dir: Path,
-    config: PretrainedConfig,
+    config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
     dist: DistInfo,

@@ -24,25 +24,27 @@ Contract with the batch (models/causal_lm.py) and the chooser (chooser.py):
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Set
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.hf
 import torch
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLTokenizer
 
 # The numpy helpers, not llguidance.torch: that module compiles a kernel with torch.compile at import, which
 # imports torch's dynamo and inductor (about 4 s of CPU on every shard start, for a kernel textgen never calls).
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 from torch import Tensor
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from textgen_pb import generate_pb2
+from textgen_server.tokenizer import FastTokenizer
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
+
+    from textgen_server.tokenizer import ShardTokenizer
 
 # Whitespace JSON may have between tokens: at most one space, the pattern TGI's outlines-based grammars use. A
 # model is then free to write `{"a": 1}` or `{"a":1}` but cannot spend its token budget on whitespace.
@@ -61,13 +63,21 @@ _FORBIDDEN = ((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1) == 0
 class GrammarCompiler:
     """Compiles request grammars into llguidance matchers over one model's tokenizer."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Set[int]) -> None:
-        if not isinstance(tokenizer, PreTrainedTokenizerFast):
+    def __init__(self, tokenizer: ShardTokenizer, eos_token_ids: Set[int]) -> None:
+        backend = (
+            tokenizer.backend if isinstance(tokenizer, FastTokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+        )
+        if backend is None:
             raise ValueError("grammars need a fast (tokenizers) tokenizer, and this model's is not one")
         vocab = len(tokenizer)
         # The model's EOS ids, so that a complete grammar forces a token the stopping criteria stop on.
-        eos = sorted(i for i in eos_token_ids if i < vocab) or None
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=eos)
+        eos = sorted(i for i in eos_token_ids if i < vocab) or tokenizer.eos_token_id
+        # What llguidance.hf.from_tokenizer does with transformers' fast tokenizer, from its backend (that module
+        # imports transformers, which a shard with a kept tokenizer does not: tokenizer.py).
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer = LLTokenizer(backend.to_str(), eos_token=eos)
         self.vocab_size = self.tokenizer.vocab_size
         self.executor = llguidance.LLExecutor()
         self._compiled: OrderedDict[tuple[int, str], LLMatcher] = OrderedDict()
