@@ -9,22 +9,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
 from textgen_launcher.children import Child, stop_all
 from textgen_launcher.download import SERVER_BIN
 from textgen_launcher.environment import shard_env
 from textgen_launcher.errors import ArgumentValidation, ShardCannotStart, WebserverFailed
 from textgen_launcher.forward import LineForwarder
 from textgen_launcher.validate import Settings
-from textgen_pb import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger("textgen_launcher")
 # Until a shard's socket exists a probe is one stat: polled often, the router starts within 20 ms of the last
 # shard's start (at 0.1 s, half of that on average was added to every launch).
 POLL_S = 0.02
 WAITING_LOG_EVERY_S = 5.0
-HEALTH_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -79,28 +75,17 @@ def socket_path(prefix: str, rank: int) -> str:
     return f"{prefix}-{rank}"
 
 
-def answers_health(path: str) -> bool:
-    if not os.path.exists(path):
-        return False
-    # A fresh channel per probe: a channel that failed once would wait out gRPC's reconnect backoff.
-    with grpc.insecure_channel(f"unix://{path}") as channel:
-        try:
-            generate_pb2_grpc.TextGenerationServiceStub(channel).Health(
-                generate_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S
-            )
-        except grpc.RpcError:
-            return False
-    return True
-
-
 def spawn_shards(args: argparse.Namespace, settings: Settings, log_level: str) -> list[Shard]:
     shards: list[Shard] = []
     cmd = shard_command(args, settings, log_level)
     paths = [socket_path(args.shard_uds_path, rank) for rank in range(settings.num_shard)]
     for path in paths:
         # TGI deletes whatever is there; a socket that still answers belongs to another launcher's shard.
-        if answers_health(path):
-            raise ArgumentValidation(f"{path} is the socket of a running shard; choose another --shard-uds-path")
+        if os.path.exists(path):
+            from textgen_launcher.health import answers_health  # see wait_ready
+
+            if answers_health(path):
+                raise ArgumentValidation(f"{path} is the socket of a running shard; choose another --shard-uds-path")
     for rank, path in enumerate(paths):
         if os.path.exists(path):  # a stale socket from an earlier run would look ready
             os.remove(path)
@@ -123,6 +108,9 @@ def wait_ready(shards: list[Shard], running: Callable[[], bool], router: Child) 
     A shard that exits before it is ready raises ShardCannotStart, and the router (started meanwhile, behind its
     gate) exiting raises WebserverFailed: the caller stops the others.
     """
+    # Imported here, while the shards load: the launcher starts them before it imports gRPC (about 0.1 s).
+    from textgen_launcher.health import answers_health
+
     start = time.monotonic()
     pending = {s.rank: s for s in shards}
     next_log = start + WAITING_LOG_EVERY_S
