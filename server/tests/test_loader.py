@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from transformers import AutoConfig, Gemma3Config
 
 from testing.models import build_vlm
 from textgen_server.config import ServeConfig, UnsupportedConfigError
-from textgen_server.loader import get_model, refuse_for_vlm
+from textgen_server.loader import eos_token_ids, get_model, refuse_for_vlm
+from textgen_server.model_config import load_config
 
 
 def test_a_vision_language_family_not_served_is_refused_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
@@ -45,3 +47,17 @@ def test_a_sharded_vlm_needs_the_paged_engine() -> None:
     serve = ServeConfig(str(build_vlm("llava_next")), sharded=True, use_flash_attention=False)
     with pytest.raises(UnsupportedConfigError, match="--sharded is not supported for a vision-language model"):
         refuse_for_vlm(serve, AutoConfig.from_pretrained(serve.model_id))
+
+
+def test_every_eos_id_of_generation_config_json_ends_a_sequence(tiny_llama: Path, tmp_path: Path) -> None:
+    """generation_config.json's EOS list (a chat model's several) joins the config's and the tokenizer's; a file
+    that is not JSON is skipped, as transformers' GenerationConfig skipped it."""
+    model_dir = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    config = load_config(model_dir, trust_remote_code=False)
+    assert eos_token_ids(model_dir, config, 1) == {config.eos_token_id, 1}
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert eos_token_ids(model_dir, config, 1) == {config.eos_token_id, 1, 7, 9}
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
+    assert eos_token_ids(model_dir, config, None) == {config.eos_token_id, 11}
+    (model_dir / "generation_config.json").write_text("{not json")
+    assert eos_token_ids(model_dir, config, None) == {config.eos_token_id}

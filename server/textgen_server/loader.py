@@ -323,8 +323,8 @@ def eos_token_ids(model_dir: Path, config: ModelConfig, tokenizer_eos: int | Non
     candidates: list[object] = [config.get_text_config().eos_token_id, tokenizer_eos]  # a VLM's is its text model's
     try:
         candidates.append(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
-    except FileNotFoundError:
-        pass  # no generation_config.json: the config's and tokenizer's eos are all there is
+    except (OSError, ValueError):
+        pass  # no generation_config.json (or not JSON, as GenerationConfig skipped it): the others are all there is
     for candidate in candidates:
         if isinstance(candidate, int):
             ids.add(candidate)
