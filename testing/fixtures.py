@@ -23,6 +23,7 @@ Real launchers (testing.launcher):
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import shutil
 import subprocess
@@ -79,7 +80,7 @@ def _one_thread_per_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _refuse_processes(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+def _refuse_processes(self: object, *args: object, **kwargs: object) -> None:
     pytest.skip("starts a process: `make test` runs it, `make test-fast` does not")
 
 
@@ -87,19 +88,23 @@ def _refuse_processes(self: subprocess.Popen, *args: object, **kwargs: object) -
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """With --no-processes, a test (its fixtures included) that starts a process is skipped at that moment.
 
-    Every process a test starts (a shard, a router, a launcher, a script, a compiler) goes through
-    subprocess.Popen: refused there, whatever helper or fixture asked, so no list of slow tests needs keeping.
-    Skipped is no Exception: no `except Exception` on the way swallows it. Only while tests run: plugins may start
-    processes while pytest sets up."""
+    Every process a test starts goes through subprocess.Popen (a shard, a router, a launcher, a script, a
+    compiler) or multiprocessing's Process.start (tensor-parallel ranks, the router's tokenization workers):
+    refused there, whatever helper or fixture asked, so no list of slow tests needs keeping. Skipped is no
+    Exception: no `except Exception` on the way swallows it. Only while tests run: plugins may start processes
+    while pytest sets up."""
     if not item.config.getoption("no_processes"):
         yield
         return
     popen_init = subprocess.Popen.__init__
+    process_start = multiprocessing.process.BaseProcess.start
     subprocess.Popen.__init__ = _refuse_processes  # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = _refuse_processes  # type: ignore[method-assign]
     try:
         yield
     finally:
         subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
+        multiprocessing.process.BaseProcess.start = process_start  # type: ignore[method-assign]
 
 
 def _use_session_measurements() -> None:
