@@ -17,8 +17,8 @@ from textgen_launcher.forward import LineForwarder
 from textgen_launcher.validate import Settings
 
 logger = logging.getLogger("textgen_launcher")
-# Until a shard's socket exists a probe is one stat: polled often, the router starts within 20 ms of the last
-# shard's start (at 0.1 s, half of that on average was added to every launch).
+# Until a shard's socket exists a probe is one stat: polled this often, the router's gate opens within 20 ms of the
+# last shard's readiness (at 0.1 s, 50 ms on average was added to every launch).
 POLL_S = 0.02
 WAITING_LOG_EVERY_S = 5.0
 
