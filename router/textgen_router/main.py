@@ -265,8 +265,10 @@ async def serve(args: Namespace) -> int:
     # Start-up imported FastAPI and transformers (and torch, where the tokenizer was built rather than read
     # from its cache file): hundreds of thousands of objects that live as long as the process. A full
     # collection walks them all, with the event loop stalled; frozen, collections only walk what serving
-    # allocates (figures: benchmark/README.md, "Router figures").
+    # allocates (figures: benchmark/README.md, "Router figures"). The collector, off during the start (main),
+    # runs from here.
     gc.freeze()
+    gc.enable()
     try:
         host = listen_address(args.hostname)
         if host != args.hostname:
@@ -315,6 +317,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"Error: {message}", file=sys.stderr)
         sys.exit(1)
     provider = setup_tracing(args.otlp_endpoint, args.otlp_service_name)
+    # The start (serve's `start`: transformers' chat template renderer imported, the tokenizer loaded) makes
+    # objects that live as long as the process, and serve freezes them: the collector is off until then. It ran
+    # over them for 0.15 s of the start's CPU on a 2-core Zen 3, beside the loading shard.
+    gc.disable()
     try:
         # uvloop: the per-token path is event-loop work (a task wake and a socket write per stream and step),
         # cheaper on libuv's loop (router CPU per streamed token: benchmark/README.md, "Router figures").

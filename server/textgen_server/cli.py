@@ -81,15 +81,19 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("%s", error)
         return 1
 
+    # What the imports below make (torch and the rest: ~200k objects) lives as long as the process. The collector
+    # is off while they are made: it ran some 400 times over them, 0.3-0.8 s of a tiny shard's start on a 2-core
+    # Zen 3 (benchmark/README.md). Frozen then, the collections during the load, and the full one before the KV
+    # pool is sized, walk only what the load makes; the few thousand objects the imports left unreachable stay.
+    gc.disable()
     from textgen_server.hub import ModelNotFoundError
     from textgen_server.interceptor import setup_tracing
     from textgen_server.loader import get_model
     from textgen_server.servicer import serve
     from textgen_server.utils.memory import keep_freed_memory
 
-    # What the imports made (torch, transformers: ~300k objects) lives as long as the process. Frozen now, the
-    # collections during the load, and the full one before the KV pool is sized, walk only what the load makes.
     gc.freeze()
+    gc.enable()
     keep_freed_memory()
     if config.otlp_endpoint:
         setup_tracing(config.otlp_endpoint, config.otlp_service_name)
