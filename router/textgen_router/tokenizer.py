@@ -15,21 +15,17 @@ transformers and tokenizers. A later start reads that file with `tokenizers` alo
 
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
 
-from textgen_common.cache_dir import cache_dir, kept_file, write_whole
-from textgen_common.tokenizer_files import tokenizer_identity
+from textgen_common.cache_dir import cache_dir, kept_file
+from textgen_common.tokenizer_files import read_kept, tokenizer_identity, write_kept
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-logger = logging.getLogger("textgen_router")
 
 
 @dataclass(frozen=True)
@@ -50,7 +46,7 @@ def load_tokenizer(name: str | Path, revision: str | None = None, trust_remote_c
     """The model's tokenizer (fast when the model ships one), from a local directory or the hub cache: from the
     cache file when an earlier start kept one for these files (see the module docstring)."""
     path = _cache_file(name, revision, trust_remote_code)
-    cached = _read(path) if path is not None else None
+    cached = read_kept(path, _from_kept) if path is not None else None
     if cached is not None:
         return cached
     # Imported here: transformers (and torch under it) take seconds to import, which a cached tokenizer,
@@ -61,12 +57,16 @@ def load_tokenizer(name: str | Path, revision: str | None = None, trust_remote_c
     special = {key: str(value) for key, value in loaded.special_tokens_map.items()}
     if not loaded.is_fast:
         return Tokenizer(loaded, special)
-    tokenizer = Tokenizer(loaded.backend_tokenizer, special)
+    encoder = loaded.backend_tokenizer
     # A hub model's files are in the hub cache only now, after the download.
     path = path or _cache_file(name, revision, trust_remote_code)
     if path is not None:
-        _write(path, tokenizer)
-    return tokenizer
+        write_kept(path, encoder, special_tokens=special)
+    return Tokenizer(encoder, special)
+
+
+def _from_kept(encoder: tokenizers.Tokenizer, fields: dict[str, Any]) -> Tokenizer:
+    return Tokenizer(encoder, dict(fields["special_tokens"]))
 
 
 def _model_dir(name: str | Path, revision: str | None) -> Path | None:
@@ -89,28 +89,3 @@ def _cache_file(name: str | Path, revision: str | None, trust_remote_code: bool)
         return None
     options = f"revision {revision} trust_remote_code {trust_remote_code}"
     return kept_file("tokenizer", tokenizer_identity(directory, options))
-
-
-def _read(path: Path) -> Tokenizer | None:
-    try:
-        kept = json.loads(path.read_text())
-        encoder = tokenizers.Tokenizer.from_str(kept["tokenizer"])
-        encoder.encode_special_tokens = bool(kept["encode_special_tokens"])
-        return Tokenizer(encoder, dict(kept["special_tokens"]))
-    except Exception:  # noqa: BLE001 - a missing, unreadable or stale file: built again
-        return None
-
-
-def _write(path: Path, tokenizer: Tokenizer) -> None:
-    """Keep `tokenizer` for the next start; a failure to write costs only a later build."""
-    assert isinstance(tokenizer.encoder, tokenizers.Tokenizer)
-    kept = {
-        "tokenizer": tokenizer.encoder.to_str(),
-        # transformers' split_special_tokens, which the JSON does not hold
-        "encode_special_tokens": tokenizer.encoder.encode_special_tokens,
-        "special_tokens": tokenizer.special_tokens,
-    }
-    try:
-        write_whole(path, json.dumps(kept))
-    except OSError as err:
-        logger.warning("Tokenizer not kept for the next start (%s): %s", path, err)

@@ -75,6 +75,14 @@ def load_config(model_dir: Path, trust_remote_code: bool) -> ModelConfig:
     return KeptConfig(**{**resolved, "_name_or_path": str(model_dir)})
 
 
+def transformers_config(config: ModelConfig) -> PretrainedConfig:
+    """`config` as transformers' own functions read it (its RoPE functions, AutoTokenizer): AutoConfig's object
+    itself, or a KeptConfig's attributes in transformers' plain config. Imports transformers."""
+    from transformers import PretrainedConfig
+
+    return config if isinstance(config, PretrainedConfig) else PretrainedConfig.from_dict(config.to_dict())
+
+
 def is_vlm(config: ModelConfig) -> bool:
     """Whether the config has a vision tower (a vision-language model)."""
     return getattr(config, "vision_config", None) is not None

@@ -7,7 +7,7 @@ suite"), for a result that depends only on the tokenizer's files and the librari
 tokenizer is a fast one whose class encodes and decodes exactly as its `tokenizers` backend does (`TokenizersBackend`
 without an override of those methods: Llama, Qwen2, GPT-2, Gemma and most others), the shard serves
 `FastTokenizer`, which calls the backend as transformers would; it is kept in one file per model under
-TEXTGEN_CACHE_DIR (textgen_common/tokenizer_files.py names what the file depends on), and a later start reads it
+TEXTGEN_CACHE_DIR (textgen_common/tokenizer_files.py: the file, and what it depends on), and a later start reads it
 with `tokenizers` alone. Other tokenizers, vision-language models (their processors hold transformers' tokenizer)
 and `--trust-remote-code` keep transformers' object.
 """
@@ -15,23 +15,20 @@ and `--trust-remote-code` keep transformers' object.
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import tokenizers
 
-from textgen_common.cache_dir import kept_file, write_whole
-from textgen_common.tokenizer_files import tokenizer_identity
+from textgen_common.cache_dir import kept_file
+from textgen_common.tokenizer_files import read_kept, tokenizer_identity, write_kept
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from textgen_server.model_config import ModelConfig
 
-logger = logging.getLogger(__name__)
 
 # What transformers' fast tokenizer does beyond its backend in the methods the shard calls; a class overriding
 # any of them keeps transformers' object.
@@ -46,6 +43,9 @@ _BACKEND_METHODS = (
     "clean_up_tokenization",
     "__len__",
 )
+
+# What the kept file holds beside the backend (textgen_common/tokenizer_files.py).
+_KEPT_FIELDS = ("all_special_ids", "eos_token_id", "pad_token_id", "model_max_length", "clean_up_spaces")
 
 # transformers' `clean_up_tokenization` (WordPiece-era spacing before punctuation and contractions), in its order.
 _CLEAN_UP = (
@@ -79,13 +79,19 @@ class FastTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text: str = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        if self.clean_up_spaces:
-            for before, after in _CLEAN_UP:
-                text = text.replace(before, after)
+        return self._cleaned(text) if self.clean_up_spaces else text
+
+    @staticmethod
+    def _cleaned(text: str) -> str:
+        for before, after in _CLEAN_UP:
+            text = text.replace(before, after)
         return text
 
     def batch_decode(self, sequences: list[list[int]]) -> list[str]:
-        return [self.decode(ids) for ids in sequences]
+        """Each sequence decoded as `decode` does, in one call to the backend (top-n and prompt tokens: a step's
+        work)."""
+        texts: list[str] = self.backend.decode_batch(sequences, skip_special_tokens=False)
+        return [self._cleaned(text) for text in texts] if self.clean_up_spaces else texts
 
     def __len__(self) -> int:
         """The vocabulary with its added tokens."""
@@ -98,19 +104,19 @@ ShardTokenizer: TypeAlias = "FastTokenizer | PreTrainedTokenizerBase"
 def load_tokenizer(model_dir: Path, config: ModelConfig, trust_remote_code: bool, keep: bool) -> ShardTokenizer:
     """The model's tokenizer, padding and truncating on the left, with a pad token in every case: a
     `FastTokenizer` from the file an earlier start kept, where `keep` and one was; else built (see above)."""
-    path = _cache_file(model_dir) if keep and not trust_remote_code else None
-    if path is not None:
-        kept = _read(path)
-        if kept is not None:
-            return kept
-    built = _build(model_dir, config, trust_remote_code)
     if not keep or trust_remote_code:
-        return built
+        return _build(model_dir, config, trust_remote_code)
+    path = _cache_file(model_dir)
+    kept = read_kept(path, _from_kept) if path is not None else None
+    if kept is not None:
+        return kept
+    built = _build(model_dir, config, trust_remote_code)
     fast = as_fast(built)
     if fast is None:
         return built
     if path is not None:
-        _write(path, fast)
+        fields = {name: getattr(fast, name) for name in _KEPT_FIELDS}
+        write_kept(path, fast.backend, **fields)
     return fast
 
 
@@ -147,15 +153,14 @@ def _build(model_dir: Path, config: ModelConfig, trust_remote_code: bool) -> Pre
     from transformers import AutoTokenizer, PretrainedConfig
     from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
+    from textgen_server.model_config import transformers_config
+
     # Given a config, AutoTokenizer does not load the family's config class (model_config.py). Where the shard reads
     # its own (KeptConfig), transformers' plain config stands in for it only if tokenizer_config.json names the
     # tokenizer's class: without one AutoTokenizer picks the class by the config's type, so it is left to load the
     # family's class itself.
     named = get_tokenizer_config(model_dir).get("tokenizer_class")  # what AutoTokenizer reads first
-    if isinstance(config, PretrainedConfig):  # AutoConfig's own object
-        given: PretrainedConfig | None = config
-    else:
-        given = PretrainedConfig.from_dict(config.to_dict()) if named else None
+    given = transformers_config(config) if isinstance(config, PretrainedConfig) or named else None
     tokenizer = AutoTokenizer.from_pretrained(
         model_dir,
         config=given,
@@ -185,28 +190,5 @@ def _cache_file(model_dir: Path) -> Path | None:
     return None
 
 
-def _read(path: Path) -> FastTokenizer | None:
-    try:
-        kept = json.loads(path.read_text())
-        backend = tokenizers.Tokenizer.from_str(kept.pop("tokenizer"))
-        backend.encode_special_tokens = bool(kept.pop("encode_special_tokens"))
-        return FastTokenizer(backend=backend, **kept)
-    except Exception:  # noqa: BLE001 - a missing, unreadable or stale file: built again
-        return None
-
-
-def _write(path: Path, tokenizer: FastTokenizer) -> None:
-    """Keep `tokenizer` for the next start; a failure to write costs only a later build."""
-    kept = {
-        "tokenizer": tokenizer.backend.to_str(),
-        "encode_special_tokens": tokenizer.backend.encode_special_tokens,
-        "all_special_ids": tokenizer.all_special_ids,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-        "model_max_length": tokenizer.model_max_length,
-        "clean_up_spaces": tokenizer.clean_up_spaces,
-    }
-    try:
-        write_whole(path, json.dumps(kept))
-    except OSError as error:
-        logger.warning("Tokenizer not kept for the next start (%s): %s", path, error)
+def _from_kept(backend: tokenizers.Tokenizer, fields: dict[str, Any]) -> FastTokenizer:
+    return FastTokenizer(backend=backend, **{name: fields[name] for name in _KEPT_FIELDS})

@@ -56,16 +56,14 @@ class RotaryEmbedding(nn.Module):
         self.max_seq_len_cached = config.max_position_embeddings
         self.original_max_seq_len = config.max_position_embeddings
         if self.rope_type == "default":
-            self.config = config
             inv_freq, self.attention_scaling = _default_inv_freq(config, device)
         else:
-            from transformers import PretrainedConfig
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
-            # transformers' functions read (and standardize) a config of theirs
-            self.config = (
-                config if isinstance(config, PretrainedConfig) else PretrainedConfig.from_dict(config.to_dict())
-            )
+            from textgen_server.model_config import transformers_config
+
+            # transformers' functions read (and standardize) a config of theirs; dynamic_rope_update reads it here
+            self.config = transformers_config(config)
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device)
             # recomputes the frequencies past the trained length for the dynamic and longrope variants
             update = torch.no_grad()(dynamic_rope_update(type(self).forward))
