@@ -82,8 +82,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
 
     # What the imports below make (torch and the rest: ~200k objects) lives as long as the process. The collector
-    # is off while they are made: it ran some 400 times over them, 0.3-0.8 s of a tiny shard's start on a 2-core
-    # Zen 3 (benchmark/README.md). Frozen then, the collections during the load, and the full one before the KV
+    # is off while they are made: it ran 415 times over them, 0.42-0.44 s of their 3.0-3.1 s on a 2-core Zen 3
+    # (benchmark/README.md). Frozen then, the collections during the load, and the full one before the KV
     # pool is sized, walk only what the load makes; the few thousand objects the imports left unreachable stay.
     gc.disable()
     from textgen_server.hub import ModelNotFoundError
