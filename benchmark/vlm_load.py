@@ -14,7 +14,8 @@ timed from the processor call to the last token; its throughput is n x 64 over t
 The model is vlm_builder's `small` size of the family (~200M parameters, about SmolVLM-256M; built once under
 models/). Both sides run float32 (a CPU shard's default) on `--threads` threads.
 
-    python benchmark/vlm_load.py [--arch llava_next,idefics3] [-n 32] [--max-new-tokens 64] [--threads 2]
+    python benchmark/vlm_load.py [--arch llava_next,idefics3,qwen2_vl,qwen2_5_vl] [-n 32]
+        [--max-new-tokens 64] [--threads 2]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from textgen_benchmark.servers import DECODE, PREFILL, growth, scrape
 from textgen_benchmark.sse_client import sse_events
 from textgen_benchmark.stats import Latency
 from textgen_benchmark.table import markdown_table
+from textgen_common.image_prompts import image_text, load_processor
+from textgen_server.build_choices import VLM_ARCHS
 
 SIDES = (224, 320, 448, 576, 704, 896)
 QUESTIONS = ("What is in this picture?", "Describe the image.", "Which colours do you see?", "Is it a photo?")
@@ -119,9 +122,7 @@ async def burst(url: str, jobs: list[Job], max_new_tokens: int) -> list[Answer]:
 
 def prompt_tokens(model: Path, jobs: list[Job]) -> list[int]:
     """Each job's prompt length as the router counts it (the processor on the chat template's text)."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(model)
+    processor = load_processor(model)
     lengths = []
     for job in jobs:
         text, images = chat_inputs(processor, job)
@@ -132,7 +133,7 @@ def prompt_tokens(model: Path, jobs: list[Job]) -> list[int]:
 def chat_inputs(processor, job: Job) -> tuple[str, list[Image.Image]]:  # type: ignore[no-untyped-def]
     """The chat template's text for `job` and its image: the message is the image, then the question, as the
     router flattens the chat's parts (its markdown image there becomes the processor's image token)."""
-    messages = [{"role": "user", "content": processor.image_token + job.question}]
+    messages = [{"role": "user", "content": image_text(processor) + job.question}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return text, [Image.open(io.BytesIO(job.image)).convert("RGB")]
 
@@ -184,10 +185,10 @@ def textgen(args: argparse.Namespace, model: Path, jobs: list[Job], repeats: lis
 
 def transformers_static(args: argparse.Namespace, model: Path, jobs: list[Job]) -> dict:
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     torch.set_num_threads(args.threads)
-    processor = AutoProcessor.from_pretrained(model)
+    processor = load_processor(model)
     processor.tokenizer.padding_side = "left"
     vlm = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
     inputs = [chat_inputs(processor, job) for job in jobs]
@@ -206,7 +207,7 @@ def transformers_static(args: argparse.Namespace, model: Path, jobs: list[Job]) 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", default="llava_next,idefics3", help="comma list of vision-language families")
+    p.add_argument("--arch", default=",".join(VLM_ARCHS), help="comma list of vision-language families")
     p.add_argument("--size", default="small", help="vlm_builder size (tiny: a quick check of the script)")
     p.add_argument("-n", type=int, default=32, help="concurrent requests")
     p.add_argument("--max-new-tokens", type=int, default=64)

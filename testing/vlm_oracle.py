@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
+
+from textgen_common.image_prompts import image_text, load_processor
 
 
 def image_bytes(seed: int, height: int, width: int, fmt: str = "PNG") -> bytes:
@@ -23,20 +25,26 @@ def image_bytes(seed: int, height: int, width: int, fmt: str = "PNG") -> bytes:
 
 class VlmOracle:
     def __init__(self, model_dir: Path) -> None:
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        # AutoProcessor, but Qwen2-VL's without the video processor that needs torchvision: the same class and call
+        self.processor = load_processor(model_dir)
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-        self.image_token: str = self.processor.image_token
+        self.image_text = image_text(self.processor)  # the image token, framed as TGI frames Qwen2-VL's
 
     def inputs(self, before: str, image: bytes | None, after: str) -> Any:
         """The processor's tensors for `before`, the image (its processor's image token there), `after`."""
         if image is None:
             return self.processor.tokenizer(before + after, return_tensors="pt")
         rgb = Image.open(io.BytesIO(image)).convert("RGB")
-        return self.processor(text=before + self.image_token + after, images=[rgb], return_tensors="pt")
+        return self.processor(text=before + self.image_text + after, images=[rgb], return_tensors="pt")
 
     @torch.inference_mode()
-    def greedy(self, before: str, image: bytes | None, after: str, new_tokens: int) -> list[int]:
-        """The greedy tokens after `inputs(before, image, after)`."""
+    def greedy(
+        self, before: str, image: bytes | None, after: str, new_tokens: int, ignore_eos: bool = True
+    ) -> list[int]:
+        """The greedy tokens after `inputs(before, image, after)`. EOS (a tiny random model's best token at times)
+        ends them, or with `ignore_eos` (the gRPC tests' requests) neither ends nor is forbidden (as
+        `min_new_tokens` would forbid it)."""
         inputs = self.inputs(before, image, after)
-        out = self.model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        stop: dict[str, Any] = {"eos_token_id": []} if ignore_eos else {}
+        out = self.model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, **stop)
         return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -1,9 +1,11 @@
 """A vision-language prompt as the router and the shards both treat it (the router counts its tokens, the shards
-run them): an image chunk's bytes decoded, which tokens open an image's span, and TGI's left truncation, which may
-drop the text before the first image but never an image's tokens."""
+run them): the model's processor, an image chunk's bytes decoded, the text that stands for an image before the
+processor expands it, which tokens open an image's span, and TGI's left truncation, which may drop the text before
+the first image but never an image's tokens."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,10 +27,66 @@ def open_image(data: bytes) -> Image:
     return image.convert("RGB")
 
 
+# The processors of the families whose image is framed by tags the processor does not add: TGI's shard writes an
+# image as `<|vision_start|>` + its `<|image_pad|>` tokens + `<|vision_end|>`, by model type.
+_FRAMES = {
+    "Qwen2VLProcessor": ("<|vision_start|>", "<|vision_end|>"),
+    "Qwen2_5_VLProcessor": ("<|vision_start|>", "<|vision_end|>"),
+}
+# Their model types, and the processor class of each (loaded without a video processor: `load_processor`).
+_VIDEO_BOUND = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
+
+def load_processor(model_id: str | Path, revision: str | None = None) -> Any:
+    """The model's own processor (transformers' `AutoProcessor`): its images to pixel values, its prompts' image
+    tokens expanded to the count the family gives each image.
+
+    Qwen2-VL's and Qwen2.5-VL's processors also take videos, and transformers builds their video processor only
+    with torchvision, which is not a dependency of textgen (the package registry's wheels are CUDA builds that do
+    not import beside a CPU torch): `AutoProcessor` raises ImportError there. textgen serves images only, so those
+    processors are built from the model's image processor and tokenizer, with no video processor: the same class,
+    whose `__call__` expands the image tokens as it always does."""
+    from transformers import AutoConfig, AutoProcessor  # the router's own process never imports transformers
+
+    try:
+        return AutoProcessor.from_pretrained(model_id, revision=revision)
+    except ImportError:
+        model_type = AutoConfig.from_pretrained(model_id, revision=revision).model_type
+        if model_type not in _VIDEO_BOUND:
+            raise
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    family = getattr(transformers, _VIDEO_BOUND[model_type])
+
+    def check_argument_for_proper_class(self: Any, name: str, argument: Any) -> Any:
+        if name == "video_processor" and argument is None:
+            return None  # no videos: the class's check would import the video processor's torchvision
+        return family.check_argument_for_proper_class(self, name, argument)
+
+    images_only = type(family.__name__, (family,), {"check_argument_for_proper_class": check_argument_for_proper_class})
+    tokenizer = AutoTokenizer.from_pretrained(model_id, revision=revision)
+    return images_only(
+        image_processor=AutoImageProcessor.from_pretrained(model_id, revision=revision),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,  # the checkpoint's, which AutoProcessor would have read
+    )
+
+
+def image_text(processor: Any) -> str:
+    """The text that stands for one image in a prompt, before the processor expands its image token."""
+    start, end = _FRAMES.get(type(processor).__name__, ("", ""))
+    return start + processor.image_token + end
+
+
 def image_span_ids(processor: Any) -> set[int]:
     """The ids an image's span can start with: the processor's image token, and the tags some families put before
-    it (idefics3's `<fake_token_around_image>` and `<global-img>`)."""
-    ids = {processor.tokenizer.convert_tokens_to_ids(processor.image_token)}
+    it (idefics3's `<fake_token_around_image>` and `<global-img>`, Qwen2-VL's `<|vision_start|>`)."""
+    tokenizer = processor.tokenizer
+    ids = {tokenizer.convert_tokens_to_ids(processor.image_token)}
+    start = _FRAMES.get(type(processor).__name__, ("", ""))[0]
+    if start:
+        ids.add(tokenizer.convert_tokens_to_ids(start))
     return ids | {
         getattr(processor, name)
         for name in ("fake_image_token_id", "global_image_token_id")

@@ -211,3 +211,33 @@ def test_a_dead_image_worker_fails_one_request_and_the_next_gets_new_workers(ser
         "Look: ", PNG, " what is it?", NEW_TOKENS
     )
     assert forkserver.children()  # a new pool's workers
+
+
+def test_qwen2_vl_behind_the_launcher_gets_transformers_tokens(launcher: Callable[..., LauncherProcess]) -> None:
+    """What differs for Qwen2-VL from the router to the shard: its processor is built without the video processor
+    transformers cannot build without torchvision, an image is framed by its vision tags, and the shard places its
+    tokens with M-RoPE. An image at several sizes, a text-only request beside them, then the same image and prompt
+    again (a prefix-cache hit through the image, whose positions are its grid's)."""
+    model_dir = build_vlm("qwen2_vl")
+    server = launcher(model_dir, env={"PREFIX_CACHING": "1"})
+    oracle = VlmOracle(model_dir)
+    cases = [("Look: ", PNG, " what is it?"), ("Here ", JPEG, " and then"), ("No image here, only text", None, "")]
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            bodies = [
+                {
+                    "inputs": before + (f"![]({data_uri(image, 'image/png')})" if image else "") + after,
+                    "parameters": {"max_new_tokens": NEW_TOKENS, "details": True},
+                }
+                for before, image, after in cases
+            ]
+            return await asyncio.gather(*(client.post("/generate", json=body) for body in bodies))
+
+    for (before, image, after), response in zip(cases, asyncio.run(send_all()), strict=True):
+        assert response.status_code == 200, response.text
+        expected = oracle.greedy(before, image, after, NEW_TOKENS, ignore_eos=False)
+        assert [t["id"] for t in response.json()["details"]["tokens"]] == expected
+    again = generate(server, f"Look: ![]({data_uri(PNG, 'image/png')}) what is it?")
+    assert [t["id"] for t in again.json()["details"]["tokens"]] == oracle.greedy(*cases[0], NEW_TOKENS, False)
+    server.stop()

@@ -27,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
-from textgen_common.image_prompts import image_span_ids, open_image, truncate_left
+from textgen_common.image_prompts import image_span_ids, image_text, load_processor, open_image, truncate_left
 from textgen_router.image_fetch import FetchPolicy, fetch_image
 from textgen_router.model_files import model_file
 from textgen_router.types import ValidationError
@@ -178,9 +178,7 @@ _PROCESSOR: Any = None
 
 def _load_processor(model_id: str, revision: str | None) -> None:
     global _PROCESSOR
-    from transformers import AutoProcessor
-
-    _PROCESSOR = AutoProcessor.from_pretrained(model_id, revision=revision)
+    _PROCESSOR = load_processor(model_id, revision)
 
 
 def _expand(
@@ -193,7 +191,7 @@ def _expand(
         images = [open_image(chunk) for chunk in chunks if isinstance(chunk, bytes)]
     except ValueError as err:
         return str(err)
-    text = "".join(c if isinstance(c, str) else processor.image_token for c in chunks)
+    text = "".join(c if isinstance(c, str) else image_text(processor) for c in chunks)
     try:
         ids: list[int] = processor(text=text, images=images, add_special_tokens=add_special_tokens)["input_ids"][0]
     except Exception as err:  # noqa: BLE001 - an image the processor cannot take (too small, odd mode) is a 422

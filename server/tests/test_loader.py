@@ -22,8 +22,8 @@ def test_a_vision_language_family_not_served_is_refused_naming_it(tiny_llama: Pa
         shutil.copy(tokenizer_file, tmp_path)
     Gemma3Config().save_pretrained(tmp_path)  # a config only: the refusal comes before the weights
     message = (
-        "is a vision-language model \\(gemma3\\), which this shard cannot run: of those textgen serves llava_next "
-        "and idefics3"
+        "is a vision-language model \\(gemma3\\), which this shard cannot run: of those textgen serves llava_next, "
+        "idefics3, qwen2_vl, qwen2_5_vl"
     )
     with pytest.raises(UnsupportedConfigError, match=message):
         get_model(ServeConfig(str(tmp_path)))
@@ -46,6 +46,16 @@ def test_what_the_vlm_engine_cannot_honour_is_refused(option: dict[str, object],
 def test_a_sharded_vlm_needs_the_paged_engine() -> None:
     serve = ServeConfig(str(build_vlm("llava_next")), sharded=True, use_flash_attention=False)
     with pytest.raises(UnsupportedConfigError, match="--sharded is not supported for a vision-language model"):
+        refuse_for_vlm(serve, AutoConfig.from_pretrained(serve.model_id))
+
+
+def test_an_m_rope_vlm_needs_the_paged_engine() -> None:
+    """Qwen2-VL's positions (M-RoPE) are placed by the paged engine only: the padded one is refused, not run with
+    the wrong positions."""
+    serve = ServeConfig(str(build_vlm("qwen2_vl")), use_flash_attention=False)
+    with pytest.raises(
+        UnsupportedConfigError, match="USE_FLASH_ATTENTION=false is not supported for qwen2_vl: its M-RoPE"
+    ):
         refuse_for_vlm(serve, AutoConfig.from_pretrained(serve.model_id))
 
 

@@ -36,7 +36,10 @@ def test_transformers_generates_from_it_and_the_image_decides_the_tokens(arch: s
 def test_rebuild_is_identical_and_reuse_is_free(arch: str, tmp_path: Path) -> None:
     cached = build_vlm(arch)
     rebuilt = build_test_vlm(tmp_path / arch, arch)
-    for name in ("model.safetensors", "tokenizer.json", "processor_config.json", "config.json"):
+    names = sorted(path.name for path in cached.iterdir() if path.name != ".textgen-build.json")
+    assert names == sorted(path.name for path in rebuilt.iterdir() if path.name != ".textgen-build.json")
+    assert {"model.safetensors", "tokenizer.json", "config.json"} < set(names)
+    for name in names:
         assert hashlib.sha256((cached / name).read_bytes()).digest() == (
             hashlib.sha256((rebuilt / name).read_bytes()).digest()
         ), name

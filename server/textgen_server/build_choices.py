@@ -9,7 +9,7 @@ from __future__ import annotations
 
 TEXT_ARCHS = ("llama", "gpt2", "mistral", "qwen2")
 TEXT_SIZES = ("tiny", "small", "1b")
-VLM_ARCHS = ("llava_next", "idefics3")
+VLM_ARCHS = ("llava_next", "idefics3", "qwen2_vl", "qwen2_5_vl")
 VLM_SIZE_NAMES = ("tiny", "small")
 
 

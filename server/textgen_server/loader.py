@@ -40,7 +40,7 @@ from textgen_server.models.paged_lm import PagedCausalLM
 from textgen_server.models.paged_vlm import PagedVlm, drop_language_model, text_model_aliases
 from textgen_server.models.tp_llama import TPCausalLM, check_shardable, load_tp_model
 from textgen_server.models.vlm_causal_lm import VlmCausalLM
-from textgen_server.models.vlm_inputs import VLM_MODEL_TYPES
+from textgen_server.models.vlm_inputs import MROPE_MODEL_TYPES, VLM_MODEL_TYPES
 from textgen_server.tokenizer import FastTokenizer, ShardTokenizer, load_tokenizer
 from textgen_server.utils.dist import DistInfo, initialize_torch_distributed
 
@@ -142,7 +142,12 @@ def refuse_for_vlm(serve: ServeConfig, config: ModelConfig) -> None:
     if config.model_type not in VLM_MODEL_TYPES:
         raise UnsupportedConfigError(
             f"{serve.model_id} is a vision-language model ({config.model_type}), which this shard cannot run: "
-            f"of those textgen serves {' and '.join(VLM_MODEL_TYPES)}"
+            f"of those textgen serves {', '.join(VLM_MODEL_TYPES)}"
+        )
+    if config.model_type in MROPE_MODEL_TYPES and not vlm_is_paged(serve, config):
+        raise UnsupportedConfigError(
+            f"USE_FLASH_ATTENTION=false is not supported for {config.model_type}: its M-RoPE positions are placed "
+            "by the paged engine only"
         )
     if serve.sharded and not vlm_is_paged(serve, config):
         raise UnsupportedConfigError(
@@ -196,9 +201,10 @@ def quantization(serve: ServeConfig, model_dir: Path, config: ModelConfig) -> Qu
 
 def load_processor(model_dir: Path) -> ProcessorMixin:
     """A vision-language model's own processor: its images to pixel values and its prompts' image tokens."""
-    from transformers import AutoProcessor  # see the module's docstring
+    from textgen_common.image_prompts import load_processor as model_processor  # imports transformers
 
-    return AutoProcessor.from_pretrained(model_dir)
+    processor: ProcessorMixin = model_processor(model_dir)
+    return processor
 
 
 # ---- module ----

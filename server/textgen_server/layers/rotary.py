@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from textgen_server.model_config import ModelConfig
 
 
+# The text models with M-RoPE, and the sections transformers gives them where their config names none.
+MROPE_TEXT_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text")
+MROPE_SECTION = (16, 24, 24)
+
+
 def head_size(config: ModelConfig) -> int:
     """Per-head width of a decoder config: its `head_dim`, else hidden_size / num_attention_heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -70,11 +75,31 @@ class RotaryEmbedding(nn.Module):
             self.forward = update.__get__(self)  # type: ignore[method-assign]
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.original_inv_freq = inv_freq
+        # M-RoPE (Qwen2-VL): the frequencies in sections, each turned by one axis of a token's (temporal, height,
+        # width) position; transformers' default sections where the config names none.
+        section = config.rope_parameters.get("mrope_section") or (
+            MROPE_SECTION if config.model_type in MROPE_TEXT_TYPES else None
+        )
+        self.mrope_axes: torch.Tensor | None = None
+        if section is not None:
+            axes = [axis % 3 for axis, width in enumerate(section) for _ in range(width)]
+            self.mrope_axes = torch.tensor(axes, device=device)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [*position_ids.shape, head_dim] in x's dtype."""
         freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+    @torch.no_grad()
+    def multimodal(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE's (cos, sin), each [T, head_dim], for positions [3, T]: frequency i turned by axis
+        `mrope_axes[i]`'s position, as transformers' Qwen2-VL text model turns it."""
+        assert self.mrope_axes is not None, "a model with M-RoPE sections"
+        freqs = position_ids[..., None].float() * self.inv_freq  # [3, T, head_dim / 2]
+        axes = self.mrope_axes.expand(1, position_ids.shape[1], -1)
+        freqs = freqs.gather(0, axes)[0]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 

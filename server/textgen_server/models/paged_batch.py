@@ -130,6 +130,7 @@ class PagedBatch(Batch):
     ngrams: list[NGramIndex]
     # A vision-language model's: each row's images until its prompt's last image token is computed, else None.
     images: list[RowImages | None]
+    rope_deltas: list[int]  # M-RoPE (models/paged_vlm.py): past a row's last image, a position is index + this
     _block_table_tensor: torch.Tensor | None = field(default=None, init=False)
 
     @classmethod
@@ -187,6 +188,7 @@ class PagedBatch(Batch):
             speculative_ids=[[] for _ in rows],
             ngrams=[NGramIndex() for _ in rows],
             images=[row.images for row in rows],
+            rope_deltas=[row.images.rope_delta if row.images is not None else 0 for row in rows],
         )
 
     def to_pb(self) -> generate_pb2.CachedBatch:
@@ -279,4 +281,5 @@ _ROW_LISTS = (
     "speculative_ids",
     "ngrams",
     "images",
+    "rope_deltas",
 )

@@ -199,8 +199,13 @@ class PagedCausalLM(Model[PagedBatch]):
         vision-language model's image features (models/paged_vlm.py); none for a text model."""
         return None
 
+    def _positions(self, batch: PagedBatch, positions: torch.Tensor) -> torch.Tensor:
+        """The rotary positions of the step's tokens, given their indices in their rows [T]: the indices for a
+        text model; a VLM with M-RoPE moves them (models/paged_vlm.py)."""
+        return positions
+
     def _step(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, PagedStep]:
-        """The step's flat token ids and positions, and where attention reads and writes. Everything attention
+        """The step's flat token ids and rotary positions, and where attention reads and writes. Everything attention
         reads goes to the device here, once per step: on a GPU a host tensor read per layer would stop the
         stream at every layer."""
         size, block_size = len(batch), self.paging.block_size
@@ -221,7 +226,8 @@ class PagedCausalLM(Model[PagedBatch]):
                 table = table[:, : -(-int(lengths.max()) // block_size)].to(device)
                 lengths = lengths.to(device)
             step = PagedStep(self.pool, slots.to(device), cu_seqlens, lengths, table)
-            return torch.tensor(ids, dtype=torch.long, device=device), positions.to(device), step
+            rotary = self._positions(batch, positions).to(device)
+            return torch.tensor(ids, dtype=torch.long, device=device), rotary, step
         ids = [
             t
             for row, guesses, c, n in zip(
@@ -239,7 +245,8 @@ class PagedCausalLM(Model[PagedBatch]):
             step = PagedStep(self.pool, slots.to(device), cu_tokens, positions + 1, table.index_select(0, rows))
         else:
             step = PagedStep(self.pool, slots.to(device), cu_seqlens, lengths, table, self._key_slots(batch, table))
-        return torch.tensor(ids, dtype=torch.long, device=device), positions.to(device), step
+        rotary = self._positions(batch, positions).to(device)
+        return torch.tensor(ids, dtype=torch.long, device=device), rotary, step
 
     def _key_slots(self, batch: PagedBatch, table: torch.Tensor) -> list[torch.Tensor | None]:
         """The keys' slots of each row feeding several tokens (None for the others), for every layer's attention."""

@@ -1,4 +1,5 @@
-"""Vision-language models on the paged engine: llava_next and idefics3 with prefix caching and chunked prefill.
+"""Vision-language models on the paged engine: llava_next, idefics3, qwen2_vl and qwen2_5_vl with prefix caching
+and chunked prefill.
 
 The text model is tp_llama's (the VLM checkpoint's language model, read under its own names; split across
 shards as any Llama; a language model of another family runs on the padded engine, loader.vlm_is_paged), and
@@ -9,6 +10,8 @@ A step embeds its tokens and puts image features at the image tokens it computes
 the pixels alone, so a prefill may be chunked anywhere, an image's tokens across chunks too, and a prefix-cache
 hit may end inside an image: every position gets the embedding the whole prompt would give it. A row's features
 are computed at the first step that reaches one of its image tokens and dropped once its last is computed.
+With M-RoPE (Qwen2-VL) a row's tokens take the positions transformers gives them (models/vlm_inputs.py): while a row
+has images to compute, its prompt's own table; after, its index plus the row's `rope_delta` (PagedBatch keeps it).
 Whether two prompts may share cached blocks is the router's call: it keys an image's tokens by the image's bytes
 (textgen_router.images), so placeholder ids alone never match.
 """
@@ -16,6 +19,7 @@ Whether two prompts may share cached blocks is the router's call: it keys an ima
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -49,13 +53,37 @@ class PagedVlm(PagedCausalLM):
         super().__init__(module, config, tokenizer, paging)
         self.vision = vision
         self.prompts = VlmPrompts(tokenizer, processor)
+        self.mrope = module.rotary.mrope_axes is not None  # the text model turns positions of three axes
 
     def prepare(self, request: generate_pb2.Request) -> tuple[list[int], LLMatcher | None, int, RowImages | None]:
         ids, matcher, adapter, inputs = self.prompts.prepare(request, self)
         if inputs is None:
             return ids, matcher, adapter, None
         positions = [p for p, token in enumerate(ids) if token == self.prompts.image_token_id]
-        return ids, matcher, adapter, RowImages(inputs, positions)
+        images = RowImages(inputs, positions)
+        if self.mrope:
+            images.rope, images.rope_delta = self.prompts.rope(self.vision, ids, inputs)
+        return ids, matcher, adapter, images
+
+    def _positions(self, batch: PagedBatch, positions: torch.Tensor) -> torch.Tensor:
+        """M-RoPE: [T] positions moved by each row's `rope_delta`, or [3, T] where a row still has images (its
+        chunk's positions from its prompt's table); else the tokens' indices."""
+        if not self.mrope:
+            return positions
+        tables = [(i, im.rope) for i, im in enumerate(batch.images) if im is not None and im.rope is not None]
+        if not tables and not any(batch.rope_deltas):
+            return positions  # no row has had an image: every position is its index (three equal axes)
+        device = positions.device
+        chunks = torch.tensor(batch.chunk_lengths, device=device)
+        shifted = positions + torch.repeat_interleave(torch.tensor(batch.rope_deltas, device=device), chunks)
+        if not tables:
+            return shifted
+        out = shifted.expand(3, -1).clone()
+        starts = [0, *itertools.accumulate(batch.chunk_lengths)]
+        for i, rope in tables:
+            cached, chunk = batch.cache_lengths[i], batch.chunk_lengths[i]
+            out[:, starts[i] : starts[i] + chunk] = rope[:, cached : cached + chunk].to(device)
+        return out
 
     def _image_embeds(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The image features this step's image tokens take; a row whose last image token this step computes lets

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TP_MODEL_TYPES: set[str] = {"llama", "mistral", "qwen2"}
+# The Qwen2-VL families' text models are Qwen2s whose rotary positions have three axes (layers/rotary.py).
+TP_MODEL_TYPES: set[str] = {"llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text"}
 
 
 def check_shardable(config: ModelConfig, world_size: int) -> None:
@@ -491,14 +492,18 @@ class TPCausalLM(nn.Module):
         segments: AdapterSegments | None,
         image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The paged engine's forward: `input_ids`/`position_ids` [T] are every row's new tokens one row after
-        another; their keys and values are written to `step.slots`. Returns the logits [N, V] of the tokens
-        `logits_index` picks (None: all T). `image_embeds`: (indices into T, their embeddings [n, H]), which
-        replace those tokens' own (a VLM's image features at its image tokens, models/paged_vlm.py)."""
+        """The paged engine's forward: `input_ids` [T] are every row's new tokens one row after another, and
+        `position_ids` their rotary positions ([T], or M-RoPE's [3, T]); their keys and values are written to
+        `step.slots`. Returns the logits [N, V] of the tokens `logits_index` picks (None: all T). `image_embeds`:
+        (indices into T, their embeddings [n, H]), which replace those tokens' own (a VLM's image features at its
+        image tokens, models/paged_vlm.py)."""
         hidden = self.embed_tokens(input_ids)
         if image_embeds is not None:
             hidden[image_embeds[0]] = image_embeds[1].to(hidden.dtype)
-        cos, sin = self.rotary(hidden, position_ids)
+        if position_ids.dim() == 1:
+            cos, sin = self.rotary(hidden, position_ids)
+        else:  # M-RoPE positions [3, T] (a Qwen2-VL prompt's image and the text between its images)
+            cos, sin = self.rotary.multimodal(hidden, position_ids)
         hidden, pending = self._layers(hidden, cos, sin, step, segments)
         if logits_index is not None:
             hidden, pending = hidden.index_select(0, logits_index), pending.index_select(0, logits_index)
