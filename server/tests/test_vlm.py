@@ -7,12 +7,15 @@ with a prefix-cache hit that ends inside an image."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from safetensors.torch import load_file, save_file
 from shard_helpers import chooser, generate_on_ranks, generate_over_grpc, make_batch, make_request
 
-from testing.models import build_vlm
+from testing.models import build_vlm, edited_copy
 from testing.shards import ShardHandle, ShardProcess
 from testing.vlm_oracle import VlmOracle, image_bytes
 from textgen_pb import generate_pb2 as pb
@@ -194,3 +197,28 @@ def test_the_text_model_is_read_under_each_checkpoint_layout_s_names() -> None:
         assert head == "lm_head.weight" or aliases["lm_head.weight"] == [head]
         tied = text_model_aliases(names, tied=True)["lm_head.weight"]
         assert tied[-1] == f"{prefix}embed_tokens.weight"
+    # Qwen2-VL's hub layout: the language model under tp_llama's own names, a tied head stored as the embedding
+    qwen = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "visual.blocks.0.mlp.fc1.weight"]
+    assert "model.layers.0.mlp.up_proj.weight" not in text_model_aliases(qwen, tied=True)  # read as it is
+    assert "model.embed_tokens.weight" in text_model_aliases(qwen, tied=True)["lm_head.weight"]
+
+
+def test_qwen2_vl_in_the_hub_s_layout_with_a_tied_head_gives_transformers_tokens(tmp_path: Path) -> None:
+    """Qwen2-VL-2B's checkpoint as the hub holds it: the language model under `model.*`, the tower under
+    `visual.*`, and no `lm_head.weight` (the head is tied to the embedding)."""
+
+    def tie(config: dict[str, Any]) -> None:
+        config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+
+    model_dir = edited_copy(build_vlm("qwen2_vl"), tmp_path / "hub", "config.json", tie)
+    tensors = load_file(model_dir / "model.safetensors")
+    hub = {}
+    for name, tensor in tensors.items():
+        if name != "lm_head.weight":
+            hub[name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")] = tensor
+    assert "model.embed_tokens.weight" in hub and "visual.merger.mlp.0.weight" in hub
+    save_file(hub, model_dir / "model.safetensors", metadata={"format": "pt"})
+    oracle = VlmOracle(model_dir)
+    with ShardProcess(model_dir) as handle:
+        got = generate(handle.stub(), [vlm_request(i, *case) for i, case in enumerate(CASES[:2])], batch_id=1)
+    assert got == {i: oracle.greedy(*case, NEW_TOKENS) for i, case in enumerate(CASES[:2])}

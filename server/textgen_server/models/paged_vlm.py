@@ -114,7 +114,8 @@ class PagedVlm(PagedCausalLM):
 
 
 # Where a VLM checkpoint keeps its language model's `model.*` tensors: llava-hf's layout (its head at
-# `language_model.lm_head.weight`), transformers' own since 4.52, idefics3's.
+# `language_model.lm_head.weight`), transformers' own since 4.52, idefics3's. Qwen2-VL's hub checkpoints keep them
+# under `model.*` itself (their tower under `visual.*`), which tp_llama reads as they are.
 TEXT_PREFIXES = ("language_model.model.", "model.language_model.", "model.text_model.")
 
 
@@ -126,7 +127,9 @@ def text_model_aliases(names: Iterable[str], tied: bool) -> dict[str, list[str]]
             if name.startswith(prefix):
                 aliases.setdefault("model." + name[len(prefix) :], []).append(name)
     head = ["language_model.lm_head.weight"]
-    aliases["lm_head.weight"] = head + aliases.get("model.embed_tokens.weight", []) if tied else head
+    # A tied head is the embedding, under whichever of its names the checkpoint holds (Qwen2-VL-2B's is tied).
+    embedding = ["model.embed_tokens.weight", *aliases.get("model.embed_tokens.weight", [])]
+    aliases["lm_head.weight"] = head + embedding if tied else head
     return aliases
 
 

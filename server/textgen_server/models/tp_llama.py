@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The Qwen2-VL families' text models are Qwen2s whose rotary positions have three axes (layers/rotary.py).
-TP_MODEL_TYPES: set[str] = {"llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text"}
+# The Qwen2-VL families' text models are Qwen2s whose rotary positions have three axes (layers/rotary.py); they
+# are served within their VLM only, so an error names the text families alone.
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
+TP_MODEL_TYPES: set[str] = {*TEXT_MODEL_TYPES, "qwen2_vl_text", "qwen2_5_vl_text"}
 
 
 def check_shardable(config: ModelConfig, world_size: int) -> None:
@@ -54,7 +56,7 @@ def check_shardable(config: ModelConfig, world_size: int) -> None:
     if config.model_type not in TP_MODEL_TYPES:
         raise ValueError(
             f"model type {config.model_type!r} has no tensor-parallel implementation "
-            f"(supported: {', '.join(sorted(TP_MODEL_TYPES))})"
+            f"(supported: {', '.join(TEXT_MODEL_TYPES)})"
         )
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, field)
