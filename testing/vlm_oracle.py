@@ -32,19 +32,28 @@ class VlmOracle:
 
     def inputs(self, before: str, image: bytes | None, after: str) -> Any:
         """The processor's tensors for `before`, the image (its processor's image token there), `after`."""
-        if image is None:
-            return self.processor.tokenizer(before + after, return_tensors="pt")
-        rgb = Image.open(io.BytesIO(image)).convert("RGB")
-        return self.processor(text=before + self.image_text + after, images=[rgb], return_tensors="pt")
+        return self.pieces_inputs([before, after] if image is None else [before, image, after])
 
-    @torch.inference_mode()
+    def pieces_inputs(self, pieces: list[str | bytes]) -> Any:
+        """The processor's tensors for a prompt of texts and images (bytes) in order."""
+        images = [Image.open(io.BytesIO(p)).convert("RGB") for p in pieces if isinstance(p, bytes)]
+        text = "".join(p if isinstance(p, str) else self.image_text for p in pieces)
+        if not images:
+            return self.processor.tokenizer(text, return_tensors="pt")
+        return self.processor(text=text, images=images, return_tensors="pt")
+
     def greedy(
         self, before: str, image: bytes | None, after: str, new_tokens: int, ignore_eos: bool = True
     ) -> list[int]:
         """The greedy tokens after `inputs(before, image, after)`. EOS (a tiny random model's best token at times)
         ends them, or with `ignore_eos` (the gRPC tests' requests) neither ends nor is forbidden (as
         `min_new_tokens` would forbid it)."""
-        inputs = self.inputs(before, image, after)
+        return self.greedy_pieces([before, after] if image is None else [before, image, after], new_tokens, ignore_eos)
+
+    @torch.inference_mode()
+    def greedy_pieces(self, pieces: list[str | bytes], new_tokens: int, ignore_eos: bool = True) -> list[int]:
+        """`greedy` for a prompt of texts and images (bytes) in order."""
+        inputs = self.pieces_inputs(pieces)
         stop: dict[str, Any] = {"eos_token_id": []} if ignore_eos else {}
         out = self.model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, **stop)
         return out[0, inputs["input_ids"].shape[1] :].tolist()

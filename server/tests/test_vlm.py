@@ -83,6 +83,17 @@ def test_each_request_alone_and_all_in_one_batch_give_transformers_tokens(served
     assert len({tuple(t) for t in expected.values()}) == len(CASES)  # every image led somewhere else
 
 
+def test_two_images_in_one_prompt_give_transformers_tokens(served) -> None:  # type: ignore[no-untyped-def]
+    """Images of two sizes in one prompt, text between them: each image's features at its own tokens, and with
+    M-RoPE the text after the first image and the second image placed after the first one's grid."""
+    handle, oracle = served
+    pieces: list[str | bytes] = ["Compare ", CASES[1][1], " with ", CASES[0][1], " please"]
+    request = make_request(8, "unused", NEW_TOKENS)
+    chunks = [pb.InputChunk(text=p) if isinstance(p, str) else pb.InputChunk(image=pb.Image(data=p)) for p in pieces]
+    request.input_chunks.CopyFrom(pb.Input(chunks=chunks))
+    assert generate(handle.stub(), [request], batch_id=70) == {8: oracle.greedy_pieces(pieces, NEW_TOKENS)}
+
+
 def test_a_bad_image_or_a_cut_image_refuses_its_request_only(served) -> None:  # type: ignore[no-untyped-def]
     handle, oracle = served
     stub = handle.stub()
