@@ -41,8 +41,8 @@ def build_model(arch: str, size: str = "tiny") -> Path:
 
 
 def build_vlm(arch: str) -> Path:
-    """The tiny vision-language model of `textgen_server.vlm_builder` (llava_next or idefics3), cached like the
-    text models, keyed by VLM_BUILDER_VERSION."""
+    """The tiny vision-language model of `textgen_server.vlm_builder` (one of build_choices.VLM_ARCHS), cached like
+    the text models, keyed by VLM_BUILDER_VERSION."""
     import torch
 
     from textgen_server import vlm_builder

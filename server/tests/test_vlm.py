@@ -1,8 +1,8 @@
 """A real shard serving the tiny vision-language models over generate.v3, on the paged engine (models/paged_vlm.py)
-and the padded one (models/vlm_causal_lm.py): images as input chunks, greedy tokens equal to transformers'
-`generate` with the model's own processor (float32), alone and in mixed batches, after TGI's warmup (whose first
-request carries an image); on the paged engine also with the prompt's prefill chunked through its images and
-with a prefix-cache hit that ends inside an image."""
+and the padded one (models/vlm_causal_lm.py; not Qwen2-VL's, whose M-RoPE it refuses): images as input chunks,
+greedy tokens equal to transformers' `generate` with the model's own processor (float32), alone and in mixed
+batches, after TGI's warmup (whose first request carries an image); on the paged engine also with the prompt's
+prefill chunked through its images and with a prefix-cache hit that ends inside an image."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ are the models it runs on. Families:
   text a Llama.
 - ``idefics3`` (SmolVLM): its own tower over square tiles, images split into tiles plus a global one, a pixel
   shuffle by 2; text a Llama.
-
 - ``qwen2_vl`` / ``qwen2_5_vl``: their own towers over images at their own resolution (``qwen_patch`` patches,
   2x2 merged, up to the area of two tiles a side), M-RoPE positions; text a Qwen2 (q/k/v biases).
 
@@ -82,7 +81,7 @@ from textgen_server.builder import (
     train_tokenizer,
 )
 
-VLM_BUILDER_VERSION = 1  # a family added keeps the others' builds
+VLM_BUILDER_VERSION = 1  # bumped when a family's bytes change (adding a family leaves the others' builds valid)
 
 # Each family's tokens beyond the text model's, as its hub checkpoints name them.
 IMAGE_TOKENS = {
@@ -224,8 +223,7 @@ def qwen_text(tokenizer: PreTrainedTokenizerFast, text: str, config_class: type[
 
 
 def qwen_image_processor(size: VlmSize) -> Qwen2VLImageProcessorPil:
-    """Images resized to whole 2x2 merges of patches, from one merge to two tiles' sides; the family's processor
-    class named, as a hub checkpoint's `preprocessor_config.json` names it."""
+    """Images resized to whole 2x2 merges of patches, between one merge's area and that of two tiles a side."""
     unit = size.qwen_patch * MERGE
     return Qwen2VLImageProcessorPil(
         size={"shortest_edge": unit * unit, "longest_edge": (2 * size.tile) ** 2},

@@ -1,13 +1,13 @@
 """A vision-language model's prompts and image features, as both engines (models/vlm_causal_lm.py, padded, and
 models/paged_vlm.py, paged) use them.
 
-A request's generate.v3 input chunks, text and images in order, become one prompt: each image chunk is the
-family's image token (its processor's `image_token`, framed as TGI's shard frames Qwen2-VL's) at its place, and
-the model's own processor expands those tokens to the count the family gives an image and prepares its pixels, as
-transformers' `generate` gets them. A
-row without images is tokenized as on every other engine. An image's features (the transformers module's
-`get_image_features`) go to the prompt's image tokens in order: a function of the pixels alone, so any run of the
-prompt's positions can be embedded on its own (a chunk of a chunked prefill, the rest after a prefix-cache hit).
+A request's generate.v3 input chunks, text and images in order, become one prompt: each image chunk is the family's
+image token (its processor's `image_token`, framed as TGI's shard frames Qwen2-VL's) at its place, and the model's
+own processor expands those tokens to the count the family gives an image and prepares its pixels, as transformers'
+`generate` gets them. A row without images is tokenized as on every other engine. An image's features (the
+transformers module's `get_image_features`) go to the prompt's image tokens in order: a function of the pixels
+alone, so any run of the prompt's positions can be embedded on its own (a chunk of a chunked prefill, the rest
+after a prefix-cache hit).
 
 Qwen2-VL and Qwen2.5-VL place their tokens with M-RoPE: an image's tokens get (temporal, height, width) positions
 of its grid, and the text after an image continues from the largest of them, so from the prompt's last image on a
