@@ -27,14 +27,11 @@ def open_image(data: bytes) -> Image:
     return image.convert("RGB")
 
 
-# The processors of the families whose image is framed by tags the processor does not add: TGI's shard writes an
-# image as `<|vision_start|>` + its `<|image_pad|>` tokens + `<|vision_end|>`, by model type.
-_FRAMES = {
-    "Qwen2VLProcessor": ("<|vision_start|>", "<|vision_end|>"),
-    "Qwen2_5_VLProcessor": ("<|vision_start|>", "<|vision_end|>"),
-}
-# Their model types, and the processor class of each (loaded without a video processor: `load_processor`).
+# Qwen2-VL's families, by model type, and their processor classes (loaded without a video processor:
+# `load_processor`). Their processors do not frame an image; TGI's shard writes one as `<|vision_start|>`, its
+# `<|image_pad|>` tokens, `<|vision_end|>`.
 _VIDEO_BOUND = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+_QWEN_FRAME = ("<|vision_start|>", "<|vision_end|>")
 
 
 def load_processor(model_id: str | Path, revision: str | None = None) -> Any:
@@ -73,9 +70,14 @@ def load_processor(model_id: str | Path, revision: str | None = None) -> Any:
     )
 
 
+def _frame(processor: Any) -> tuple[str, str]:
+    """The tags around an image that the family's processor does not add (none but for Qwen2-VL's)."""
+    return _QWEN_FRAME if type(processor).__name__ in _VIDEO_BOUND.values() else ("", "")
+
+
 def image_text(processor: Any) -> str:
     """The text that stands for one image in a prompt, before the processor expands its image token."""
-    start, end = _FRAMES.get(type(processor).__name__, ("", ""))
+    start, end = _frame(processor)
     return start + processor.image_token + end
 
 
@@ -84,7 +86,7 @@ def image_span_ids(processor: Any) -> set[int]:
     it (idefics3's `<fake_token_around_image>` and `<global-img>`, Qwen2-VL's `<|vision_start|>`)."""
     tokenizer = processor.tokenizer
     ids = {tokenizer.convert_tokens_to_ids(processor.image_token)}
-    start = _FRAMES.get(type(processor).__name__, ("", ""))[0]
+    start = _frame(processor)[0]
     if start:
         ids.add(tokenizer.convert_tokens_to_ids(start))
     return ids | {

@@ -43,13 +43,8 @@ def generate(server: LauncherProcess, inputs: str, **parameters: object) -> http
     return httpx.post(f"{server.base_url}/generate", json=body, timeout=120)
 
 
-def test_concurrent_requests_with_and_without_images_get_transformers_tokens(served) -> None:  # type: ignore[no-untyped-def]
-    server, oracle = served
-    cases = [
-        ("Look: ", PNG, "image/png", " what is it?"),
-        ("Here ", JPEG, "image/jpeg", " and then"),
-        ("No image here, only text", None, "", ""),
-    ]
+def generate_all(server: LauncherProcess, cases: list[tuple[str, bytes | None, str, str]]) -> list[httpx.Response]:
+    """One `/generate` per (text before, image, its mimetype, text after), all sent at once."""
 
     async def send_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
@@ -66,7 +61,19 @@ def test_concurrent_requests_with_and_without_images_get_transformers_tokens(ser
                 )
             )
 
-    for (before, image, _, after), response in zip(cases, asyncio.run(send_all()), strict=True):
+    return asyncio.run(send_all())
+
+
+CASES = [
+    ("Look: ", PNG, "image/png", " what is it?"),
+    ("Here ", JPEG, "image/jpeg", " and then"),
+    ("No image here, only text", None, "", ""),
+]
+
+
+def test_concurrent_requests_with_and_without_images_get_transformers_tokens(served) -> None:  # type: ignore[no-untyped-def]
+    server, oracle = served
+    for (before, image, _, after), response in zip(CASES, generate_all(server, CASES), strict=True):
         assert response.status_code == 200, response.text
         tokens = [t["id"] for t in response.json()["details"]["tokens"]]
         assert tokens == oracle.greedy(before, image, after, NEW_TOKENS)
@@ -221,23 +228,13 @@ def test_qwen2_vl_behind_the_launcher_gets_transformers_tokens(launcher: Callabl
     model_dir = build_vlm("qwen2_vl")
     server = launcher(model_dir, env={"PREFIX_CACHING": "1"})
     oracle = VlmOracle(model_dir)
-    cases = [("Look: ", PNG, " what is it?"), ("Here ", JPEG, " and then"), ("No image here, only text", None, "")]
-
-    async def send_all() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
-            bodies = [
-                {
-                    "inputs": before + (f"![]({data_uri(image, 'image/png')})" if image else "") + after,
-                    "parameters": {"max_new_tokens": NEW_TOKENS, "details": True},
-                }
-                for before, image, after in cases
-            ]
-            return await asyncio.gather(*(client.post("/generate", json=body) for body in bodies))
-
-    for (before, image, after), response in zip(cases, asyncio.run(send_all()), strict=True):
+    for (before, image, _, after), response in zip(CASES, generate_all(server, CASES), strict=True):
         assert response.status_code == 200, response.text
         expected = oracle.greedy(before, image, after, NEW_TOKENS, ignore_eos=False)
         assert [t["id"] for t in response.json()["details"]["tokens"]] == expected
     again = generate(server, f"Look: ![]({data_uri(PNG, 'image/png')}) what is it?")
-    assert [t["id"] for t in again.json()["details"]["tokens"]] == oracle.greedy(*cases[0], NEW_TOKENS, False)
+    before, image, _, after = CASES[0]
+    assert [t["id"] for t in again.json()["details"]["tokens"]] == oracle.greedy(
+        before, image, after, NEW_TOKENS, False
+    )
     server.stop()

@@ -88,9 +88,7 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [*position_ids.shape, head_dim] in x's dtype."""
-        freqs = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+        return self._cos_sin(x, position_ids[..., None].float() * self.inv_freq)
 
     @torch.no_grad()
     def multimodal(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +97,10 @@ class RotaryEmbedding(nn.Module):
         assert self.mrope_axes is not None, "a model with M-RoPE sections"
         freqs = position_ids[..., None].float() * self.inv_freq  # [3, T, head_dim / 2]
         axes = self.mrope_axes.expand(1, position_ids.shape[1], -1)
-        freqs = freqs.gather(0, axes)[0]
+        return self._cos_sin(x, freqs.gather(0, axes)[0])
+
+    def _cos_sin(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) in x's dtype of the angles `freqs` [..., head_dim / 2], each half of a head turned alike."""
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 

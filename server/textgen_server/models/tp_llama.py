@@ -27,7 +27,7 @@ from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.paged_attention import paged_attention, write_kv
 from textgen_server.layers.quantized_weight import QuantConfig
-from textgen_server.layers.rotary import RotaryEmbedding, head_size, rotate_heads_
+from textgen_server.layers.rotary import MROPE_TEXT_TYPES, RotaryEmbedding, head_size, rotate_heads_
 from textgen_server.layers.tensor_parallel import (
     ColumnParallelLinear,
     Linear,
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 # The Qwen2-VL families' text models are Qwen2s whose rotary positions have three axes (layers/rotary.py); they
 # are served within their VLM only, so an error names the text families alone.
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
-TP_MODEL_TYPES: set[str] = {*TEXT_MODEL_TYPES, "qwen2_vl_text", "qwen2_5_vl_text"}
+TP_MODEL_TYPES: set[str] = {*TEXT_MODEL_TYPES, *MROPE_TEXT_TYPES}
 
 
 def check_shardable(config: ModelConfig, world_size: int) -> None:
