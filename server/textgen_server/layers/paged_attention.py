@@ -62,6 +62,7 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     key_slots: Sequence[torch.Tensor | None] | None = None,
+    kernel: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's query tokens through the KV pool; returns [T, heads, head_dim] in q's dtype.
 
@@ -75,14 +76,17 @@ def paged_attention(
     - block_tables int32 [B, max_blocks]: row b's position p lives in block block_tables[b, p // block_size];
     - window: sliding window, a query at position p sees keys (p - window, p]; None: all keys up to p;
     - key_slots: per row of several queries, the pool slots (int64, on the pool's device) of its seq_lens[b]
-      positions, computed once per step for every layer (`row_key_slots`); None: from the table, per call.
+      positions, computed once per step for every layer (`row_key_slots`); None: from the table, per call;
+    - kernel: whether decode rows go to the C++ op, as `use_paged_kernel(q.dtype, q.device)` says (a model decides
+      once at load what every layer's call would otherwise look up again); None: looked up here.
 
     Bottom-right aligned: query i of a row of n queries sits at position seq_lens[b] - n + i. When every row has
     one query (T == B) the metadata is never read on the host; lists avoid a tensor-to-list copy otherwise.
     """
     batch = len(seq_lens)
     block_tables = block_tables.to(torch.int32)
-    kernel = use_paged_kernel(q.dtype, q.device)
+    if kernel is None:
+        kernel = use_paged_kernel(q.dtype, q.device)
     if q.shape[0] == batch:  # every row a decode row: the common step, straight to the op or `decode_rows`
         lengths = torch.as_tensor(seq_lens, dtype=torch.int64)
         if kernel:

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from torch import nn
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.cpu_ops import ops_for
 from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
-from textgen_server.layers.linear_choice import choose_linear_kernels
+from textgen_server.layers.linear_choice import bucket, choose_linear_kernels
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.paged_attention import paged_attention, write_kv
@@ -200,6 +200,16 @@ class PagedStep:
     key_slots: list[torch.Tensor | None] | None = None
 
 
+class DecodeRows(NamedTuple):
+    """What `DecoderLayer.decode` reads once per step instead of once per layer: the linear kernels' bucket of the
+    step's row count, and the rows' block tables (int32, contiguous) and key counts (int64) as the attention op
+    takes them."""
+
+    kernel: int
+    tables: torch.Tensor
+    lengths: torch.Tensor
+
+
 class Attention(nn.Module):
     """This rank's heads: fused q/k/v column projection, RoPE, attention, row-parallel o_proj (one all_reduce)."""
 
@@ -230,6 +240,7 @@ class Attention(nn.Module):
             weights, [f"{prefix}.{p}_proj" for p in "qkv"], bias=f"{prefix}.q_proj.bias" in weights
         )
         self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", f"{prefix}.o_proj.bias" in weights, dist)
+        self.rotated = self.split[0] + self.split[1]  # the query and key features, which RoPE turns
         self.attention = attention_for(weights.dtype, weights.device)
         self.fused = ops_for(weights.dtype, weights.device)  # RoPE and the K/V writes by fused_ops.cpp
 
@@ -247,9 +258,8 @@ class Attention(nn.Module):
         qkv = self.qkv(hidden, segments)
         # RoPE on the real tokens only, before any padding (much of a W1 prefill grid is padding), on the query
         # and key heads at once, in place.
-        rotated = self.split[0] + self.split[1]
-        rotate_heads_(qkv[:, :rotated].view(tokens, -1, self.head_dim), cos, sin, self.fused)
-        q, k, v = (x.view(tokens, -1, self.head_dim) for x in qkv.split(self.split, dim=-1))
+        rotate_heads_(qkv[:, : self.rotated].view(tokens, -1, self.head_dim), cos, sin, self.fused)
+        q, k, v = (x.view(tokens, -1, self.head_dim) for x in qkv.split_with_sizes(self.split, dim=-1))
         if isinstance(step, PagedStep):
             out = self._attend_paged(q, k, v, step)
             return self.o_proj(out.reshape(tokens, -1), segments)
@@ -270,6 +280,7 @@ class Attention(nn.Module):
             self.scaling,
             self.window,
             step.key_slots,
+            kernel=self.fused,
         )
 
     def _attend_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PaddedStep) -> torch.Tensor:
@@ -399,6 +410,46 @@ class DecoderLayer(nn.Module):
         hidden, normed = self.post_attention_layernorm.add(hidden, attn)
         return hidden, self.mlp(normed, segments)
 
+    @property
+    def decodes_straight(self) -> bool:
+        """Whether `decode` can stand in for `forward`: every op it calls straight is the one forward picks here
+        (the fused C++ ops: a CPU, float32 or bfloat16, SiLU)."""
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        return self.self_attn.fused and self.mlp.fused_silu and all(norm.fused for norm in norms)
+
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: PagedStep,
+        decode: DecodeRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a paged step whose every row feeds one token and runs the base model (no adapter rows):
+        the same ops in the same order on the same tensors, so the same bits, called
+        straight. A small model's batch-1 step is bound by what runs between its ops (about 200 us a layer through
+        the modules and their per-call checks against about 120 this way: benchmark/README.md, "A decode step's
+        Python"). Only where `decodes_straight`."""
+        attn, mlp, ops, kernel = self.self_attn, self.mlp, torch.ops.textgen, decode.kernel
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add(hidden, pending)
+        tokens, dim = hidden.shape[0], attn.head_dim
+        qkv = attn.qkv.kernels[kernel](normed)
+        ops.rotary_(qkv[:, : attn.rotated].view(tokens, -1, dim), cos, sin)
+        q, k, v = (x.view(tokens, -1, dim) for x in qkv.split_with_sizes(attn.split, dim=-1))
+        k_cache, v_cache = step.pool.keys[attn.layer_idx], step.pool.values[attn.layer_idx]
+        ops.write_kv(k_cache, v_cache, step.slots, k, v)
+        out = ops.paged_decode_attention(
+            q, k_cache, v_cache, decode.tables, decode.lengths, attn.scaling, attn.window or 0
+        )
+        out = attn.o_proj.dist.all_reduce(attn.o_proj.kernels[kernel](out.reshape(tokens, -1)))
+        hidden, normed = self.post_attention_layernorm.add(hidden, out)
+        gate_up = mlp.gate_up.kernels[kernel](normed)
+        return hidden, mlp.down.dist.all_reduce(mlp.down.kernels[kernel](ops.silu_mul(gate_up)))
+
 
 class CausalLMOutput(NamedTuple):
     """A forward's result under the names CausalLM reads from every module (transformers' own output class
@@ -427,6 +478,9 @@ class TPCausalLM(nn.Module):
         tied = self.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead.load(weights, "lm_head.weight", dist, embedding=tied)
         self.rotary = RotaryEmbedding(config, device)
+        # A paged step of decode rows runs the layers after the first through `DecoderLayer.decode` (eager
+        # `forward` stays the path of every other step, and of every step where this is False).
+        self.decodes_straight = all(layer.decodes_straight for layer in self.layers)
         # bf16 on a CPU decodes with the op that reads only live keys; the matmul path, where it cannot be
         # built, reads whole buffers.
         self.decode_kernel = use_decode_kernel(weights.dtype, device)
@@ -506,7 +560,10 @@ class TPCausalLM(nn.Module):
             cos, sin = self.rotary(hidden, position_ids)
         else:  # M-RoPE positions [3, T] (a Qwen2-VL prompt's image and the text between its images)
             cos, sin = self.rotary.multimodal(hidden, position_ids)
-        hidden, pending = self._layers(hidden, cos, sin, step, segments)
+        if self.decodes_straight and segments is None and input_ids.shape[0] == len(step.seq_lens):
+            hidden, pending = self._decode_layers(hidden, cos, sin, step)
+        else:
+            hidden, pending = self._layers(hidden, cos, sin, step, segments)
         if logits_index is not None:
             hidden, pending = hidden.index_select(0, logits_index), pending.index_select(0, logits_index)
         return self.lm_head(self.norm.add(hidden, pending)[1])
@@ -523,6 +580,22 @@ class TPCausalLM(nn.Module):
         pending: torch.Tensor | None = None
         for layer in self.layers:
             hidden, pending = layer(hidden, pending, cos, sin, step, segments)
+        assert pending is not None, "a model has at least one layer"
+        return hidden, pending
+
+    def _decode_layers(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_layers` for a paged step of decode rows with no adapter rows, through `DecoderLayer.decode`, with the
+        step's row metadata put in the attention op's types once."""
+        rows = DecodeRows(
+            bucket(hidden.shape[0]),
+            step.block_tables.to(torch.int32).contiguous(),
+            torch.as_tensor(step.seq_lens, dtype=torch.int64),
+        )
+        pending: torch.Tensor | None = None
+        for layer in cast("Sequence[DecoderLayer]", self.layers):
+            hidden, pending = layer.decode(hidden, pending, cos, sin, step, rows)
         assert pending is not None, "a model has at least one layer"
         return hidden, pending
 
