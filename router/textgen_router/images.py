@@ -173,12 +173,24 @@ class ImagePrompts:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_PROCESSOR: Any = None
+@dataclass(frozen=True)
+class _Prompts:
+    """A worker's processor and what every request reads of it, found once when the worker starts."""
+
+    processor: Any
+    image_text: str  # what stands for an image before the processor expands it
+    span_ids: set[int]  # the ids an image's span can start with (truncation never cuts into one)
+    image_token_id: int
+
+
+_PROMPTS: _Prompts | None = None
 
 
 def _load_processor(model_id: str, revision: str | None) -> None:
-    global _PROCESSOR
-    _PROCESSOR = load_processor(model_id, revision)
+    global _PROMPTS
+    processor = load_processor(model_id, revision)
+    image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    _PROMPTS = _Prompts(processor, image_text(processor), image_span_ids(processor), image_token_id)
 
 
 def _expand(
@@ -186,22 +198,24 @@ def _expand(
 ) -> tuple[list[int], list[int]] | str:
     """In a worker: the processor's ids for the prompt (an image token at each image), truncated, and their
     prefix-cache key; or the 422 message of an image that does not decode, or of a truncation that would cut one."""
-    processor = _PROCESSOR
+    prompts = _PROMPTS
+    assert prompts is not None, "the worker's initializer loads the processor"
     try:
         images = [open_image(chunk) for chunk in chunks if isinstance(chunk, bytes)]
     except ValueError as err:
         return str(err)
-    text = "".join(c if isinstance(c, str) else image_text(processor) for c in chunks)
+    text = "".join(c if isinstance(c, str) else prompts.image_text for c in chunks)
     try:
-        ids: list[int] = processor(text=text, images=images, add_special_tokens=add_special_tokens)["input_ids"][0]
+        ids: list[int] = prompts.processor(text=text, images=images, add_special_tokens=add_special_tokens)[
+            "input_ids"
+        ][0]
     except Exception as err:  # noqa: BLE001 - an image the processor cannot take (too small, odd mode) is a 422
         return f"the images could not be prepared for the model: {err}"
     try:
-        ids = truncate_left(list(ids), truncate, image_span_ids(processor))
+        ids = truncate_left(list(ids), truncate, prompts.span_ids)
     except ValueError as err:
         return str(err)
-    image_token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return ids, cache_key(ids, image_token_id, [c for c in chunks if isinstance(c, bytes)])
+    return ids, cache_key(ids, prompts.image_token_id, [c for c in chunks if isinstance(c, bytes)])
 
 
 def cache_key(ids: list[int], image_token_id: int, images: list[bytes]) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, cast
 
@@ -200,16 +200,6 @@ class PagedStep:
     key_slots: list[torch.Tensor | None] | None = None
 
 
-class DecodeRows(NamedTuple):
-    """What `DecoderLayer.decode` reads once per step instead of once per layer: the linear kernels' bucket of the
-    step's row count, and the rows' block tables (int32, contiguous) and key counts (int64) as the attention op
-    takes them."""
-
-    kernel: int
-    tables: torch.Tensor
-    lengths: torch.Tensor
-
-
 class Attention(nn.Module):
     """This rank's heads: fused q/k/v column projection, RoPE, attention, row-parallel o_proj (one all_reduce)."""
 
@@ -255,15 +245,22 @@ class Attention(nn.Module):
         """`hidden` [T, hidden] holds the step's real tokens, `cos`/`sin` [T, head_dim] their angles.
         `segments`: the LoRA adapters' rows of `hidden` (None: every row runs the base model)."""
         tokens = hidden.shape[0]
-        qkv = self.qkv(hidden, segments)
-        # RoPE on the real tokens only, before any padding (much of a W1 prefill grid is padding), on the query
-        # and key heads at once, in place.
-        rotate_heads_(qkv[:, : self.rotated].view(tokens, -1, self.head_dim), cos, sin, self.fused)
-        q, k, v = (x.view(tokens, -1, self.head_dim) for x in qkv.split_with_sizes(self.split, dim=-1))
+        q, k, v = self.heads(self.qkv(hidden, segments), cos, sin)
         if isinstance(step, PagedStep):
             out = self._attend_paged(q, k, v, step)
             return self.o_proj(out.reshape(tokens, -1), segments)
         return self.o_proj(self._attend_padded(q, k, v, step), segments)
+
+    def heads(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [T, heads, head_dim] of the fused projection's output [T, features], the query and key heads
+        turned by RoPE in place. RoPE runs on the real tokens only, before any padding (much of a W1 prefill grid
+        is padding), on the query and key heads at once."""
+        tokens = qkv.shape[0]
+        rotate_heads_(qkv[:, : self.rotated].view(tokens, -1, self.head_dim), cos, sin, self.fused)
+        q, k, v = (x.view(tokens, -1, self.head_dim) for x in qkv.split_with_sizes(self.split, dim=-1))
+        return q, k, v
 
     def _attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: PagedStep) -> torch.Tensor:
         """The new keys and values go to their slots of the pool; every query attends through its row's block
@@ -424,31 +421,30 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         step: PagedStep,
-        decode: DecodeRows,
+        kernel: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for a paged step whose every row feeds one token and runs the base model (no adapter rows):
-        the same ops in the same order on the same tensors, so the same bits, called
-        straight. A small model's batch-1 step is bound by what runs between its ops (about 200 us a layer through
-        the modules and their per-call checks against about 120 this way: benchmark/README.md, "A decode step's
-        Python"). Only where `decodes_straight`."""
-        attn, mlp, ops, kernel = self.self_attn, self.mlp, torch.ops.textgen, decode.kernel
+        the same ops in the same order on the same tensors, so the same bits, without the module calls, the
+        linear layers' per-call checks and `paged_attention`'s per-call conversions. A small model's batch-1 step
+        is bound by what runs between its ops: on the tiny Llama a layer took about 145 us through `forward` and
+        about 120 this way (benchmark/README.md, "A decode step's Python"). `kernel`: the linear kernels' bucket of the
+        step's row count; `step`'s tables and lengths already as the attention op takes them (`_decode_layers`).
+        Only where `decodes_straight`."""
+        attn, mlp = self.self_attn, self.mlp
         if pending is None:
             normed = self.input_layernorm(hidden)
         else:
             hidden, normed = self.input_layernorm.add(hidden, pending)
-        tokens, dim = hidden.shape[0], attn.head_dim
-        qkv = attn.qkv.kernels[kernel](normed)
-        ops.rotary_(qkv[:, : attn.rotated].view(tokens, -1, dim), cos, sin)
-        q, k, v = (x.view(tokens, -1, dim) for x in qkv.split_with_sizes(attn.split, dim=-1))
+        q, k, v = attn.heads(attn.qkv.kernels[kernel](normed), cos, sin)
         k_cache, v_cache = step.pool.keys[attn.layer_idx], step.pool.values[attn.layer_idx]
-        ops.write_kv(k_cache, v_cache, step.slots, k, v)
-        out = ops.paged_decode_attention(
-            q, k_cache, v_cache, decode.tables, decode.lengths, attn.scaling, attn.window or 0
+        write_kv(k_cache, v_cache, step.slots, k, v, attn.fused)
+        out = torch.ops.textgen.paged_decode_attention(
+            q, k_cache, v_cache, step.block_tables, step.seq_lens, attn.scaling, attn.window or 0
         )
-        out = attn.o_proj.dist.all_reduce(attn.o_proj.kernels[kernel](out.reshape(tokens, -1)))
+        out = attn.o_proj.dist.all_reduce(attn.o_proj.kernels[kernel](out.reshape(hidden.shape[0], -1)))
         hidden, normed = self.post_attention_layernorm.add(hidden, out)
         gate_up = mlp.gate_up.kernels[kernel](normed)
-        return hidden, mlp.down.dist.all_reduce(mlp.down.kernels[kernel](ops.silu_mul(gate_up)))
+        return hidden, mlp.down.dist.all_reduce(mlp.down.kernels[kernel](torch.ops.textgen.silu_mul(gate_up)))
 
 
 class CausalLMOutput(NamedTuple):
@@ -586,16 +582,18 @@ class TPCausalLM(nn.Module):
     def _decode_layers(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedStep
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_layers` for a paged step of decode rows with no adapter rows, through `DecoderLayer.decode`, with the
-        step's row metadata put in the attention op's types once."""
-        rows = DecodeRows(
-            bucket(hidden.shape[0]),
-            step.block_tables.to(torch.int32).contiguous(),
-            torch.as_tensor(step.seq_lens, dtype=torch.int64),
+        """`_layers` for a paged step of decode rows with no adapter rows, through `DecoderLayer.decode`: the linear
+        kernels' bucket found once, and the rows' tables and lengths put once in the attention op's types
+        (contiguous int32 and int64: a CUDA-graph step's tables are a slice of its static buffer)."""
+        kernel = bucket(hidden.shape[0])
+        step = replace(
+            step,
+            block_tables=step.block_tables.to(torch.int32).contiguous(),
+            seq_lens=torch.as_tensor(step.seq_lens, dtype=torch.int64),
         )
         pending: torch.Tensor | None = None
         for layer in cast("Sequence[DecoderLayer]", self.layers):
-            hidden, pending = layer.decode(hidden, pending, cos, sin, step, rows)
+            hidden, pending = layer.decode(hidden, pending, cos, sin, step, kernel)
         assert pending is not None, "a model has at least one layer"
         return hidden, pending
 
