@@ -2,21 +2,24 @@
 
 Oracles: for the op, its documented arithmetic written out in torch (each output's products added in order, in
 runs of k_chunk values added in order, plus the bias: in float32 one fused multiply-add a value, in bfloat16 a
-value pair's odd product then its even one, each sum rounded to float32, the result rounded once to bfloat16):
-the same bits on any CPU the op is built for. For the path in bfloat16, `F.linear` itself: the kernel serves a
-shape only where its sums give `F.linear`'s bits, so a served layer must give them; in float32, the product in
-float64 within float32's tolerance, as for the other paths (test_linear.py).
+value pair's odd product then its even one, each sum rounded to float32, the result rounded once to bfloat16;
+bfloat16 in the AVX2 build: torch's own one-row dot order, `dot_order`): the same bits on any CPU the op is built
+for. For the path in bfloat16, `F.linear` itself: the kernel serves a shape only where its sums give `F.linear`'s
+bits, so a served layer must give them; in float32, the product in float64 within float32's tolerance, as for
+the other paths (test_linear.py).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_linear import assert_fp32_accurate
 
+from textgen_common import cache_dir
 from textgen_server.layers import cpu_ops
 from textgen_server.layers.linear_choice import (
     BUCKET_ROWS,
@@ -30,8 +33,12 @@ from textgen_server.layers.linear_choice import (
 from textgen_server.layers.tensor_parallel import Linear
 
 CPU = torch.device("cpu")
-needs_gemv = pytest.mark.skipif(
-    "gemv" not in available_paths(torch.bfloat16, CPU), reason="no AVX512-BF16 build of the CPU ops here"
+HAS_BF16_GEMV = "gemv" in available_paths(torch.bfloat16, CPU)
+IN_RUNS = HAS_BF16_GEMV and bool(torch.ops.textgen.gemv_sums_in_runs(torch.bfloat16))
+needs_gemv = pytest.mark.skipif(not HAS_BF16_GEMV, reason="no bfloat16 gemv in this build of the CPU ops")
+needs_runs = pytest.mark.skipif(not IN_RUNS, reason="no AVX512-BF16 build of the CPU ops here")
+needs_dot = pytest.mark.skipif(
+    not HAS_BF16_GEMV or IN_RUNS, reason="no bfloat16 gemv in torch's AVX2 order (an AVX2 build) here"
 )
 needs_gemv_fp32 = pytest.mark.skipif(
     "gemv" not in available_paths(torch.float32, CPU), reason="no AVX-512 or AVX2 build of the CPU ops here"
@@ -59,6 +66,36 @@ def written_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         total = acc if start == 0 else total + acc
     if bias is not None:
         total = total + bias.float()
+    return total.to(x.dtype)
+
+
+def dot_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Torch's one-row bf16 product on AVX2, written out in float32 (a product of two bf16 values is exact there,
+    so each fused multiply-add is a float32 add): per output, value i of each 64-value step into accumulator
+    i // 8, lane i % 8; the 8 accumulators added pairwise (a + a+4, then a + a+2, then 0 + 1), the 8 lanes folded
+    the same way; the values after the last whole step 16 at a time into one 8-lane accumulator (value l, then
+    8 + l), folded and added; the last K % 16 one at a time; rounded once to bfloat16."""
+
+    def fold(v: torch.Tensor) -> torch.Tensor:  # [..., 8] -> [...]
+        v = v[..., :4] + v[..., 4:]
+        v = v[..., :2] + v[..., 2:]
+        return v[..., 0] + v[..., 1]
+
+    xs, ws = x.float(), weight.float()
+    k = x.shape[-1]
+    whole, vec = k - k % 64, k - k % 16
+    acc = torch.zeros(x.shape[0], weight.shape[0], 8, 8)
+    for s in range(0, whole, 64):
+        acc = acc + xs[:, None, s : s + 64].view(-1, 1, 8, 8) * ws[None, :, s : s + 64].view(1, -1, 8, 8)
+    acc = acc[:, :, :4] + acc[:, :, 4:]
+    acc = acc[:, :, :2] + acc[:, :, 2:]
+    total = fold(acc[:, :, 0] + acc[:, :, 1])
+    tail = torch.zeros(x.shape[0], weight.shape[0], 8)
+    for s in range(whole, vec, 8):
+        tail = tail + xs[:, None, s : s + 8] * ws[None, :, s : s + 8]
+    total = total + fold(tail)
+    for s in range(vec, k):
+        total = total + xs[:, None, s] * ws[None, :, s]
     return total.to(x.dtype)
 
 
@@ -94,13 +131,65 @@ def test_the_float32_op_sums_as_documented(rows: int, out_f: int, in_f: int, k_c
     check_op_sums(torch.float32, rows, out_f, in_f, k_chunk, with_bias)
 
 
-@needs_gemv
+@needs_runs
 @OP_CASES
 def test_the_bfloat16_op_sums_as_documented(rows: int, out_f: int, in_f: int, k_chunk: int, with_bias: bool) -> None:
     check_op_sums(torch.bfloat16, rows, out_f, in_f, k_chunk, with_bias)
 
 
-@needs_gemv
+@needs_dot
+@pytest.mark.parametrize(
+    ("rows", "out_f", "in_f"),
+    [
+        (1, 2304, 768),  # the small Llama's q/k/v: whole 64-value steps
+        (1, 100, 64 + 48 + 5),  # a step, three 16-value groups, five values one by one
+        (3, 33, 40),  # no whole step; rows one after another
+        (1, 70, 13),
+        (0, 48, 64),
+    ],
+)
+def test_the_avx2_bfloat16_op_sums_in_torch_s_order(rows: int, out_f: int, in_f: int) -> None:
+    g = torch.Generator().manual_seed(rows + out_f + in_f)
+    weight = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16)
+    x = (3 * torch.randn(rows, in_f, generator=g)).to(torch.bfloat16)
+    packed = torch.ops.textgen.gemv_pack(weight)
+    out = torch.ops.textgen.gemv(x, packed, None, out_f, 0)
+    assert out.shape == (rows, out_f) and out.dtype == torch.bfloat16
+    assert torch.equal(out, dot_order(x, weight))
+    if "avx512f" not in cpu_ops.cpu_flags():
+        # The order written out is F.linear's own on an AVX2 CPU: a second oracle for the same bits. (An AVX-512
+        # CPU running the AVX2 build, test_cpu_targets.py, multiplies bf16 through oneDNN instead.)
+        assert all(torch.equal(out[r : r + 1], F.linear(x[r : r + 1], weight)) for r in range(rows))
+
+
+@needs_dot
+def test_the_avx2_bfloat16_op_refuses_runs_a_bias_and_bad_inputs() -> None:
+    weight = torch.randn(32, 16).bfloat16()
+    packed = torch.ops.textgen.gemv_pack(weight)
+    x = torch.randn(2, 1, 16).bfloat16()
+    assert torch.equal(torch.ops.textgen.gemv(x, packed, None, 32, 0)[1, 0], dot_order(x[1], weight)[0])
+    with pytest.raises(RuntimeError, match="k_chunk must be 0"):
+        torch.ops.textgen.gemv(x, packed, None, 32, 8)
+    with pytest.raises(RuntimeError, match="takes no bias"):
+        torch.ops.textgen.gemv(x, packed, torch.zeros(32), 32, 0)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        torch.ops.textgen.gemv(torch.randn(1, 20).bfloat16(), packed, None, 32, 0)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        torch.ops.textgen.gemv(x, packed, None, 64, 0)
+    with pytest.raises(RuntimeError, match="packed by gemv_pack"):
+        torch.ops.textgen.gemv(x, packed.t(), None, 32, 0)
+
+
+@needs_dot
+def test_a_bfloat16_layer_with_a_bias_is_never_served_on_avx2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # F.linear with a bias takes another path than torch's dot there: no order of this op can be checked against it.
+    monkeypatch.setenv(cache_dir.ENV, str(tmp_path))
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(7)).bfloat16()
+    assert not GemvKernel(weight, torch.zeros(64).bfloat16()).serves(0)
+    assert GemvKernel(weight, None).serves(0)
+
+
+@needs_runs
 def test_the_op_keeps_leading_dimensions_and_refuses_bad_inputs() -> None:
     weight = torch.randn(32, 16).bfloat16()
     packed = torch.ops.textgen.gemv_pack(weight)
@@ -155,13 +244,14 @@ def test_a_served_shape_gives_f_linear_s_bits(shape: tuple[int, int]) -> None:
         assert torch.equal(kernel(x), F.linear(x, weight))
 
 
-@needs_gemv
+@needs_runs
 def test_a_shape_no_run_length_reproduces_is_never_chosen(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Runs of 2 values sum in an order no oneDNN kernel uses: no length found, as on a CPU whose oneDNN differs.
+    # Measured into a folder of its own: a run length another test found for this shape would be read back.
     monkeypatch.setattr(GemvKernel, "CHUNKS", (2,))
-    monkeypatch.setattr(GemvKernel, "_found", {})
+    monkeypatch.setenv(cache_dir.ENV, str(tmp_path))
     monkeypatch.delenv(ENV, raising=False)
     weight = torch.randn(256, 192, generator=torch.Generator().manual_seed(5)).bfloat16()
     kernel = GemvKernel(weight, None)
@@ -190,7 +280,9 @@ def test_forcing_gemv_serves_one_row_and_f_linear_the_rest(
     monkeypatch.setenv(ENV, "gemv")
     g = torch.Generator().manual_seed(6)
     weight, bias = torch.randn(2304, 768, generator=g).bfloat16(), torch.randn(2304, generator=g).bfloat16()
-    layer = Linear(weight.clone(), bias.clone())
+    # The AVX2 order takes no bias (test_a_bfloat16_layer_with_a_bias_is_never_served_on_avx2).
+    bias = bias if IN_RUNS else None
+    layer = Linear(weight.clone(), None if bias is None else bias.clone())
     with caplog.at_level(logging.INFO, logger=LOGGER):
         choose_linear_kernels([layer])
     if layer.paths[0] != "gemv":

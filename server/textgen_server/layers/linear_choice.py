@@ -5,7 +5,8 @@ A projection y = x @ W^T + b has up to four paths on a CPU, each reading W in it
 - `mkl` (float32): MKL's packed GEMM on a weight packed once at load;
 - `onednn` (float32, bfloat16 where the CPU has native bf16 kernels, AMX included): oneDNN's GEMM on a weight
   reordered once at load into its blocked layout;
-- `gemv` (one row; float32 on CPUs with AVX-512 or AVX2 and FMA, bfloat16 with AVX512-BF16): textgen's own kernel
+- `gemv` (one row; float32 on CPUs with AVX-512 or AVX2 and FMA, bfloat16 with AVX512-BF16 or with AVX2 and FMA
+  but no AVX-512): textgen's own kernel
   (layers/linear_ops.cpp), which streams the weight from memory faster than the libraries' at one row on some
   CPUs. In bfloat16 it serves a shape only where it reproduces `F.linear`'s bits there, checked at load (see
   `GemvKernel`).
@@ -174,16 +175,20 @@ class OnednnKernel(Kernel):
 
 class GemvKernel(Kernel):
     """One row by textgen::gemv (layers/linear_ops.cpp) on a weight packed in blocks of 16 (AVX-512) or 8 (AVX2)
-    outputs.
+    outputs (bfloat16 on AVX2: the weight as it is).
 
     float32: each output sums its products in order, in runs of FLOAT32_RUN values then added, which keeps it
     within float32's tolerance like the other paths (test_linear.py).
 
-    bfloat16: oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in order, in runs of K values
-    that are then added; the run length is oneDNN's own choice (benchmark/README.md, "gemv"). This kernel sums in
-    runs of `k_chunk`, found at load per shape and thread count: the first of CHUNKS whose outputs equal
-    `F.linear`'s on CHECK_OUTPUTS random values; where none does (another CPU, AMX, another oneDNN), the kernel
-    serves no bucket and the shard never uses it."""
+    bfloat16 with AVX512-BF16: oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in order, in
+    runs of K values that are then added; the run length is oneDNN's own choice (benchmark/README.md, "gemv").
+    This kernel sums in runs of `k_chunk`, found at load per shape and thread count: the first of CHUNKS whose
+    outputs equal `F.linear`'s on CHECK_OUTPUTS random values; where none does (another CPU, AMX, another
+    oneDNN), the kernel serves no bucket and the shard never uses it.
+
+    bfloat16 on AVX2 (`gemv_sums_in_runs` False): the op sums in the order of torch's own one-row product, which
+    is `F.linear`'s there; it has that one order (k_chunk 0) and no bias, and the same check at load decides
+    whether it serves (a layer with a bias never: `F.linear` then takes another path)."""
 
     path = "gemv"
     FLOAT32_RUN = 256
@@ -217,12 +222,16 @@ class GemvKernel(Kernel):
         self.k_chunk = found["k_chunk"]
 
     def _matching_chunk(self, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
+        in_runs = bool(torch.ops.textgen.gemv_sums_in_runs(weight.dtype))
+        if not in_runs and bias is not None:
+            return None
+        chunks = self.CHUNKS if in_runs else (0,)
         g = torch.Generator(device=weight.device).manual_seed(0)
         samples = -(-self.CHECK_OUTPUTS // self.out_features)
         xs = torch.randn(samples, 1, self.in_features, generator=g).to(weight.dtype)
         with torch.inference_mode():
             expected = [F.linear(x, weight, bias) for x in xs]
-            for chunk in self.CHUNKS:
+            for chunk in chunks:
                 if chunk >= self.in_features:
                     continue  # the same sums as 0
                 outs = (torch.ops.textgen.gemv(x, self.packed, self.bias_f32, self.out_features, chunk) for x in xs)

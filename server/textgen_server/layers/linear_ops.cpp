@@ -1,39 +1,51 @@
 // A projection of one row, y = x @ W^T (+ b), for batch-1 decode steps on x86 CPUs (layers/linear_choice.py,
-// path `gemv`): float32 with AVX-512 or with AVX2 and FMA, and bfloat16 where the CPU has AVX512-BF16. At one row
-// a projection reads its whole weight for two flops a value, so its speed is how fast the weight streams from
-// memory; the GEMM libraries' kernels reach well below the read bandwidth there on some CPUs (benchmark/README.md,
-// "gemv"). This one streams several blocks of outputs at once, each a contiguous run of memory, with software
-// prefetch.
+// path `gemv`): float32 with AVX-512 or with AVX2 and FMA; bfloat16 where the CPU has AVX512-BF16, or AVX2 and FMA
+// without AVX-512. At one row a projection reads its whole weight for two flops a value, so its speed is how fast
+// the weight streams from memory; the GEMM libraries' kernels reach well below the read bandwidth there on some
+// CPUs (benchmark/README.md, "gemv"). This one streams its outputs' weights as contiguous runs of memory, with
+// software prefetch.
 //
-// textgen::gemv_pack(w [N, K]) -> packed: the weight in blocks of LANES outputs (16 with AVX-512, 8 with AVX2: one
-//   float32 vector), zero-padded, each block one contiguous run: bf16 [ceil(N/16), ceil(K/2), 16, 2] (output n's
-//   value pair k at [n / 16, k, n % 16, :]), float32 [ceil(N/LANES), K, LANES].
+// textgen::gemv_pack(w [N, K]) -> packed: float32, and bf16 with AVX512-BF16, in blocks of LANES outputs (16 with
+//   AVX-512, 8 with AVX2: one float32 vector), zero-padded, each block one contiguous run: bf16 [ceil(N/16),
+//   ceil(K/2), 16, 2] (output n's value pair k at [n / 16, k, n % 16, :]), float32 [ceil(N/LANES), K, LANES].
+//   bf16 in the AVX2 build: w itself, [N, K] (each output's sum reads its own row, below).
 // textgen::gemv(x [..., K], packed, bias [N] float32 or None, n, k_chunk) -> y [..., N] in x's dtype, row by row
 //   (each row streams the whole weight: at 2+ rows the libraries' kernels, which reuse each loaded weight, win;
 //   the bias is float32 whatever x's dtype, converted once by the caller, not on every call). Each
 //   output sums in order, in runs of k_chunk values (0: one run) that are then added in order, plus the bias,
 //   in float32:
 //   - float32: one fused multiply-add a value;
-//   - bfloat16: vdpbf16ps a value pair (the pair's odd product added, then its even one, each rounded to
-//     float32), the sum rounded once to bf16. That is how oneDNN's bf16 matmul sums on AVX512-BF16 CPUs
-//     where it splits K into runs of that length, and so F.linear's bits; linear_choice.py checks the bits on
-//     each shape before this kernel may serve, and finds the k_chunk that gives them. (On AVX2, F.linear's one
-//     bf16 row is torch's own gemv, eight interleaved accumulators per output, which no run length reproduces;
-//     a kernel in its order ran no faster than torch's, benchmark/README.md: no bf16 kernel there.)
+//   - bfloat16 with AVX512-BF16: vdpbf16ps a value pair (the pair's odd product added, then its even one, each
+//     rounded to float32), the sum rounded once to bf16. That is how oneDNN's bf16 matmul sums on AVX512-BF16
+//     CPUs where it splits K into runs of that length, and so F.linear's bits; linear_choice.py checks the bits
+//     on each shape before this kernel may serve, and finds the k_chunk that gives them.
+//   - bfloat16 in the AVX2 build (k_chunk 0, no bias): F.linear's one bf16 row on such a CPU is torch's own dot
+//     product with float32 arithmetic, one output at a time; this kernel sums in its order (`dot_row` below), so
+//     again F.linear's bits, checked at load the same way. Torch's kernel converts x on every output and its loop
+//     is bound by its instructions, not by memory: this one converts x once per row and reads 1.2-1.9x faster
+//     (benchmark/README.md, "bfloat16 gemv on AVX2").
 // textgen::gemv_supported(dtype) -> bool: whether the library was built with the instructions `dtype` needs.
+// textgen::gemv_sums_in_runs(dtype) -> bool: whether `dtype`'s sums take runs of k_chunk and a bias (False for the
+//   AVX2 build's bfloat16, whose one order takes k_chunk 0 and no bias).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define TEXTGEN_GEMV 1
 #include <immintrin.h>
+#endif
+#if defined(TEXTGEN_GEMV) && !defined(__AVX512F__)
+#define TEXTGEN_GEMV_DOT 1  // bfloat16 in torch's AVX2 dot order
 #endif
 
 namespace {
@@ -51,10 +63,18 @@ bool supported([[maybe_unused]] c10::ScalarType dtype) {
 #if defined(TEXTGEN_GEMV)
   if (dtype == at::kFloat) return true;
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(TEXTGEN_GEMV_DOT)
   if (dtype == at::kBFloat16) return true;
 #endif
   return false;
+}
+
+bool sums_in_runs(c10::ScalarType dtype) {
+#if defined(TEXTGEN_GEMV_DOT)
+  return dtype != at::kBFloat16;
+#else
+  return true;
+#endif
 }
 
 // Values of x one step of the sum takes: a pair in bf16 (vdpbf16ps), one in float32.
@@ -68,6 +88,7 @@ int64_t step_of(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? 1 
 at::Tensor pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
               "gemv_pack: a 2-D float32 or bfloat16 weight");
+  if (!sums_in_runs(w.scalar_type())) return w.contiguous();
   const int64_t n = w.size(0), k = w.size(1), step = step_of(w);
   const int64_t blocks = (n + LANES - 1) / LANES, steps = (k + step - 1) / step;
   at::Tensor padded = at::zeros({blocks * LANES, steps * step}, w.options());
@@ -182,12 +203,114 @@ void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t 
 }
 #endif
 
+#if defined(TEXTGEN_GEMV_DOT)
+// Torch's one-row bf16 product on AVX2 (at::native's bf16 dot with float32 arithmetic), output by output:
+// - whole steps of 64 values: value i of a step into accumulator i / 8, lane i % 8 (8 accumulators of 8 lanes),
+//   one fused multiply-add each;
+// - the accumulators added pairwise (a += a + 4, then a += a + 2, then 0 += 1), then the 8 lanes folded the same
+//   way (`fold`);
+// - the values after the last whole step, 16 at a time, into one more accumulator (lane l takes value l, then
+//   8 + l), folded and added; the last K % 16 one by one, a fused multiply-add each;
+// - rounded once to bf16.
+// A bf16 value becomes float32 in the upper half of a 32-bit lane: unpacking 16 loaded values against zero does
+// that in two instructions, but puts values 0-3 and 8-11 in one register, 4-7 and 12-15 in the other. Each lane
+// still sums one value index of the step, so only which register holds which chain changes; x, converted once
+// per row into `xp`, is stored in that order, and the pairwise sums take each chain's partner where it lies.
+constexpr int64_t DOT_STEP = 64;
+constexpr int64_t DOT_PREFETCH = 1024;  // values ahead (2 KiB): the next row or two of a small K
+
+inline float fold(__m128 lo, __m128 hi) {  // lanes 0-3 and 4-7 of an 8-lane vector: torch's vec_reduce_all
+  const __m128 t = _mm_add_ps(lo, hi);
+  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+}
+
+inline __m128 half_sum(__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
+
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// x's row as float32: each whole step's 16-value groups as [0-3, 8-11, 4-7, 12-15], the rest in order.
+void dot_operand(const at::BFloat16* x, int64_t k, float* xp) {
+  const int64_t main = k & ~(DOT_STEP - 1);
+  const auto* raw = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t g = 0; g < main; g += 16)
+    for (int64_t i = 0; i < 16; ++i) xp[g + (i & 3) + ((i >> 3) << 2) + (((i >> 2) & 1) << 3)] =
+        textgen_cpu::bf16_to_float(raw[g + i]);
+  for (int64_t i = main; i < k; ++i) xp[i] = textgen_cpu::bf16_to_float(raw[i]);
+}
+
+float dot_row(const float* xp, const uint16_t* w, int64_t k) {
+  const int64_t main = k & ~(DOT_STEP - 1), vec = k & ~int64_t(15);
+  const __m256i zero = _mm256_setzero_si256();
+  __m256 p[8];
+  for (auto& acc : p) acc = _mm256_setzero_ps();
+  for (int64_t s = 0; s < main; s += DOT_STEP) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + s + DOT_PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + s + DOT_PREFETCH + 32), _MM_HINT_T0);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s + 16 * j));
+      // p[2j]: values 0-3 (lanes 0-3 of accumulator 2j) and 8-11 (of 2j + 1); p[2j + 1]: values 4-7 and 12-15
+      p[2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 16 * j),
+                                 _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), p[2 * j]);
+      p[2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 16 * j + 8),
+                                     _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), p[2 * j + 1]);
+    }
+  }
+  // Accumulators a += a + 4 (registers j and j + 4 hold the same lanes of accumulators 2j, 2j+1 and 2j+4, 2j+5),
+  // a += a + 2, then 0 += 1: accumulator 1's lanes lie in the upper halves.
+  const __m256 r0 = _mm256_add_ps(_mm256_add_ps(p[0], p[4]), _mm256_add_ps(p[2], p[6]));  // lanes 0-3
+  const __m256 r1 = _mm256_add_ps(_mm256_add_ps(p[1], p[5]), _mm256_add_ps(p[3], p[7]));  // lanes 4-7
+  float sum = fold(half_sum(r0), half_sum(r1));
+  __m256 tail = _mm256_setzero_ps();
+  for (int64_t s = main; s < vec; s += 16) {
+    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s), bf16x8(w + s), tail);
+    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 8), bf16x8(w + s + 8), tail);
+  }
+  sum += fold(_mm256_castps256_ps128(tail), _mm256_extractf128_ps(tail, 1));
+  for (int64_t s = vec; s < k; ++s) sum = std::fma(xp[s], textgen_cpu::bf16_to_float(w[s]), sum);
+  return sum;
+}
+
+// Every row of x [m, k] against w [n, k], the outputs split over threads.
+void dot_rows(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w, at::BFloat16* y, int64_t n) {
+  std::vector<float> xps(static_cast<size_t>(m * k));
+  for (int64_t r = 0; r < m; ++r) dot_operand(x + r * k, k, xps.data() + r * k);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w);
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = begin; i < end; ++i) y[r * n + i] = at::BFloat16(dot_row(xps.data() + r * k, wp + i * k, k));
+  });
+}
+
+at::Tensor dot_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
+                    int64_t k_chunk) {
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+              "gemv: a weight packed by gemv_pack");
+  TORCH_CHECK(w.size(1) == k && w.size(0) == n, "gemv: x or n does not match the packed weight");
+  TORCH_CHECK(k_chunk == 0, "gemv: bfloat16 on this build sums in torch's one order: k_chunk must be 0");
+  TORCH_CHECK(!bias.has_value(), "gemv: bfloat16 on this build takes no bias");
+  const at::Tensor flat = x.reshape({-1, k}).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  dot_rows(flat.data_ptr<at::BFloat16>(), flat.size(0), k, w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), n);
+  return y;
+}
+#endif
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
                 int64_t k_chunk) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(packed.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
               "gemv: x and the packed weight of one dtype, float32 or bfloat16");
   TORCH_CHECK(supported(dtype), "gemv: the library was built without the instructions for ", dtype);
+#if defined(TEXTGEN_GEMV_DOT)
+  if (!sums_in_runs(dtype)) return dot_gemv(x, packed, bias, n, k_chunk);
+#endif
   const int64_t step = step_of(x);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == LANES * step && packed.is_contiguous(),
               "gemv: a weight packed by gemv_pack");
@@ -225,6 +348,7 @@ TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def("gemv_pack(Tensor w) -> Tensor");
   m.def("gemv(Tensor x, Tensor packed, Tensor? bias, int n, int k_chunk) -> Tensor");
   m.def("gemv_supported(ScalarType dtype) -> bool", &supported);
+  m.def("gemv_sums_in_runs(ScalarType dtype) -> bool", &sums_in_runs);
 }
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) {
