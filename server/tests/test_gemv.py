@@ -230,18 +230,32 @@ def test_float32_is_within_float32_s_tolerance(shape: tuple[int, int]) -> None:
     assert kernel(torch.randn(0, shape[1])).shape == (0, shape[0])
 
 
+# Rows per bucket (1, 2-8, 9-64, >64): a count at each bucket's ends and between.
+ROWS_IN_BUCKET = ((1,), (2, 5, 8), (9, 40), (65, 130))
+
+
+def expected_buckets() -> list[int]:
+    """The buckets a bias-free bf16 layer's `gemv` serves here: one row where it sums in runs; every bucket for
+    the AVX2 order on an AVX2 CPU, whose `F.linear` is torch's dot product at every row count."""
+    return [0] if IN_RUNS else list(range(len(BUCKET_ROWS)))
+
+
 @needs_gemv
 @pytest.mark.parametrize("shape", [(2304, 768), (768, 2048), (16000, 768), (320, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_a_served_shape_gives_f_linear_s_bits(shape: tuple[int, int]) -> None:
     g = torch.Generator().manual_seed(shape[0])
     weight = torch.randn(shape, generator=g).bfloat16()
     kernel = GemvKernel(weight, None)
-    if not kernel.serves(0):
-        pytest.skip(f"oneDNN sums {shape} in another order on this CPU: the kernel stays unused")
-    assert not any(kernel.serves(b) for b in range(1, len(BUCKET_ROWS)))
-    for _ in range(64):
-        x = torch.randn(1, shape[1], generator=g).bfloat16()
-        assert torch.equal(kernel(x), F.linear(x, weight))
+    served = [b for b in range(len(BUCKET_ROWS)) if kernel.serves(b)]
+    if not served:
+        pytest.skip(f"F.linear sums {shape} in another order on this CPU: the kernel stays unused")
+    if IN_RUNS or "avx512f" not in cpu_ops.cpu_flags():
+        assert served == expected_buckets()
+    for bucket in served:
+        for rows in ROWS_IN_BUCKET[bucket]:
+            for _ in range(64 // rows or 1):
+                x = torch.randn(rows, shape[1], generator=g).bfloat16()
+                assert torch.equal(kernel(x), F.linear(x, weight))
 
 
 @needs_runs
@@ -274,7 +288,7 @@ def test_a_shape_no_run_length_reproduces_is_never_chosen(
 
 
 @needs_gemv
-def test_forcing_gemv_serves_one_row_and_f_linear_the_rest(
+def test_forcing_gemv_serves_its_buckets_and_f_linear_the_rest(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv(ENV, "gemv")
@@ -286,9 +300,10 @@ def test_forcing_gemv_serves_one_row_and_f_linear_the_rest(
     with caplog.at_level(logging.INFO, logger=LOGGER):
         choose_linear_kernels([layer])
     if layer.paths[0] != "gemv":
-        pytest.skip("oneDNN sums this shape in another order on this CPU")
-    assert layer.paths == ("gemv", "linear", "linear", "linear")
-    for rows in (1, 4, 40):
+        pytest.skip("F.linear sums this shape in another order on this CPU")
+    served = expected_buckets()
+    assert layer.paths == tuple("gemv" if b in served else "linear" for b in range(len(BUCKET_ROWS)))
+    for rows in (1, 4, 40, 70):
         x = torch.randn(rows, 768, generator=g).bfloat16()
         assert torch.equal(layer(x), F.linear(x, weight, bias))
 

@@ -23,6 +23,7 @@ from testing.shards import ShardProcess
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import DISABLE_CUSTOM_KERNELS, ServeConfig, UnsupportedConfigError
 from textgen_server.layers import cpu_ops, quant_kernels
+from textgen_server.layers.linear_choice import KERNELS
 from textgen_server.layers.quant_kernels import DEQUANTIZE_ROWS, GEMV_ROWS, Int4Kernel, Int8Kernel, packed_kernel
 from textgen_server.layers.quantization import REFUSED, read_quant_config
 from textgen_server.layers.quantized_weight import QuantizedWeight
@@ -125,7 +126,9 @@ def test_bfloat16_shards_keep_4_bit_weights_packed(quantized: tuple[str, Path, P
     head = linears[-1]
     projections = linears if VARIANTS[variant].get("lm_head") else linears[:-1]
     if not VARIANTS[variant].get("lm_head"):  # the LM head stays a float weight unless the checkpoint quantized it
-        assert head.packed is None and head.dequantized is None and head.weight is not None
+        # (kept as loaded, or only in the float layouts of the paths chosen for it: `gemv` alone on an AVX2 CPU)
+        assert head.packed is None and head.dequantized is None
+        assert set(head.paths) <= set(KERNELS)
     if VARIANTS[variant].get("bits", 4) == 4:
         assert all(isinstance(m.packed, Int4Kernel) and m.weight is None for m in projections)
     else:

@@ -5,11 +5,11 @@ A projection y = x @ W^T + b has up to four paths on a CPU, each reading W in it
 - `mkl` (float32): MKL's packed GEMM on a weight packed once at load;
 - `onednn` (float32, bfloat16 where the CPU has native bf16 kernels, AMX included): oneDNN's GEMM on a weight
   reordered once at load into its blocked layout;
-- `gemv` (one row; float32 on CPUs with AVX-512 or AVX2 and FMA, bfloat16 with AVX512-BF16 or with AVX2 and FMA
-  but no AVX-512): textgen's own kernel
-  (layers/linear_ops.cpp), which streams the weight from memory faster than the libraries' at one row on some
-  CPUs. In bfloat16 it serves a shape only where it reproduces `F.linear`'s bits there, checked at load (see
-  `GemvKernel`).
+- `gemv` (one row: float32 on CPUs with AVX-512 or AVX2 and FMA, bfloat16 with AVX512-BF16; any rows: bfloat16
+  with AVX2 and FMA but no AVX-512): textgen's own kernel (layers/linear_ops.cpp), which streams the weight from
+  memory faster than the libraries' at one row on some CPUs, and on AVX2 computes torch's own bf16 product
+  3-4x faster than torch at every row count. In bfloat16 it serves a bucket only where it reproduces
+  `F.linear`'s bits there, checked at load (see `GemvKernel`).
 Which is fastest depends on the CPU (MKL's fp32 kernels are slow on some vendors' cores, oneDNN's blocked layout
 loses to them at one row on others) and on the row count. So the shard does not guess: for each distinct
 (out, in, dtype) shape it times every available path (one row on the shard's threads, more on one thread: see
@@ -174,21 +174,22 @@ class OnednnKernel(Kernel):
 
 
 class GemvKernel(Kernel):
-    """One row by textgen::gemv (layers/linear_ops.cpp) on a weight packed in blocks of 16 (AVX-512) or 8 (AVX2)
-    outputs (bfloat16 on AVX2: the weight as it is).
+    """textgen::gemv (layers/linear_ops.cpp) on a weight packed in blocks of 16 (AVX-512) or 8 (AVX2) outputs
+    (bfloat16 on AVX2: the weight as it is).
 
-    float32: each output sums its products in order, in runs of FLOAT32_RUN values then added, which keeps it
-    within float32's tolerance like the other paths (test_linear.py).
+    float32: one row; each output sums its products in order, in runs of FLOAT32_RUN values then added, which
+    keeps it within float32's tolerance like the other paths (test_linear.py).
 
-    bfloat16 with AVX512-BF16: oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in order, in
-    runs of K values that are then added; the run length is oneDNN's own choice (benchmark/README.md, "gemv").
-    This kernel sums in runs of `k_chunk`, found at load per shape and thread count: the first of CHUNKS whose
-    outputs equal `F.linear`'s on CHECK_OUTPUTS random values; where none does (another CPU, AMX, another
+    bfloat16 with AVX512-BF16: one row; oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in
+    order, in runs of K values that are then added; the run length is oneDNN's own choice (benchmark/README.md,
+    "gemv"). This kernel sums in runs of `k_chunk`, found at load per shape and thread count: the first of CHUNKS
+    whose outputs equal `F.linear`'s on CHECK_OUTPUTS random values; where none does (another CPU, AMX, another
     oneDNN), the kernel serves no bucket and the shard never uses it.
 
-    bfloat16 on AVX2 (`gemv_sums_in_runs` False): the op sums in the order of torch's own one-row product, which
-    is `F.linear`'s there; it has that one order (k_chunk 0) and no bias, and the same check at load decides
-    whether it serves (a layer with a bias never: `F.linear` then takes another path)."""
+    bfloat16 on AVX2 (`gemv_sums_in_runs` False): the op sums in the order of torch's own dot product, which is
+    `F.linear`'s there at every row count; it has that one order (k_chunk 0) and no bias. The same check at
+    load, at each bucket's row count, decides which buckets it may serve (a layer with a bias: none, `F.linear`
+    then takes another path); the timing then decides which it does."""
 
     path = "gemv"
     FLOAT32_RUN = 256
@@ -208,6 +209,7 @@ class GemvKernel(Kernel):
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         if weight.dtype == torch.float32:
             self.k_chunk: int | None = self.FLOAT32_RUN
+            self.buckets: tuple[int, ...] = (0,)
             return
         # Found once per CPU, torch, shape and thread count (layers/measurements.py): the check runs F.linear and
         # the kernel on CHECK_OUTPUTS outputs per run length.
@@ -216,31 +218,42 @@ class GemvKernel(Kernel):
             f"gemv run {self.out_features}x{self.in_features} bias {bias is not None} threads {torch.get_num_threads()}"
         )
         found = known.get(key)
-        if not isinstance(found, dict):
-            found = {"k_chunk": self._matching_chunk(weight, bias)}
+        if not isinstance(found, dict) or "buckets" not in found:
+            found = self._check(weight, bias)
             known.put(key, found)
-        self.k_chunk = found["k_chunk"]
+        chunk, buckets = found["k_chunk"], found["buckets"]
+        self.k_chunk = chunk if isinstance(chunk, int) else None
+        self.buckets = tuple(buckets) if isinstance(buckets, list) else ()
 
-    def _matching_chunk(self, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
-        in_runs = bool(torch.ops.textgen.gemv_sums_in_runs(weight.dtype))
-        if not in_runs and bias is not None:
-            return None
-        chunks = self.CHUNKS if in_runs else (0,)
+    def _check(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, object]:
+        """The run length that gives `F.linear`'s bits, and the buckets where it does."""
+        if torch.ops.textgen.gemv_sums_in_runs(weight.dtype):
+            for chunk in self.CHUNKS:
+                if chunk < self.in_features or chunk == 0:  # a run of K or more is the same sums as 0
+                    if self._same_bits(weight, bias, chunk, 1, self.CHECK_OUTPUTS):
+                        return {"k_chunk": chunk, "buckets": [0]}
+            return {"k_chunk": None, "buckets": []}
+        if bias is not None:
+            return {"k_chunk": None, "buckets": []}
+        share = self.CHECK_OUTPUTS // len(BUCKET_ROWS)
+        buckets = [i for i, rows in enumerate(BUCKET_ROWS) if self._same_bits(weight, None, 0, rows, share)]
+        return {"k_chunk": 0 if buckets else None, "buckets": buckets}
+
+    def _same_bits(self, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int, rows: int, outputs: int) -> bool:
         g = torch.Generator(device=weight.device).manual_seed(0)
-        samples = -(-self.CHECK_OUTPUTS // self.out_features)
-        xs = torch.randn(samples, 1, self.in_features, generator=g).to(weight.dtype)
+        samples = -(-outputs // (self.out_features * rows))
+        xs = torch.randn(samples, rows, self.in_features, generator=g).to(weight.dtype)
         with torch.inference_mode():
-            expected = [F.linear(x, weight, bias) for x in xs]
-            for chunk in chunks:
-                if chunk >= self.in_features:
-                    continue  # the same sums as 0
-                outs = (torch.ops.textgen.gemv(x, self.packed, self.bias_f32, self.out_features, chunk) for x in xs)
-                if all(torch.equal(out, want) for out, want in zip(outs, expected, strict=True)):
-                    return chunk
-        return None
+            return all(
+                torch.equal(
+                    torch.ops.textgen.gemv(x, self.packed, self.bias_f32, self.out_features, chunk),
+                    F.linear(x, weight, bias),
+                )
+                for x in xs
+            )
 
     def serves(self, bucket_index: int) -> bool:
-        return bucket_index == 0 and self.k_chunk is not None
+        return bucket_index in self.buckets
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_chunk is None:
