@@ -208,7 +208,9 @@ def test_a_later_start_reads_the_times_and_measures_nothing(
     assert [layer.paths for layer in again[:2]] == [layer.paths for layer in first]
 
 
-def test_another_cpu_or_torch_measures_anew(own_measurements: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_cpu_torch_or_kernel_code_measures_anew(
+    own_measurements: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     here = measurements.cache_file(32 * 2**20)
     assert here is not None and here.parent == own_measurements
     assert measurements.cache_file(16 * 2**20) != here
@@ -216,6 +218,16 @@ def test_another_cpu_or_torch_measures_anew(own_measurements: Path, monkeypatch:
     monkeypatch.setattr(measurements, "cpu_model_name", lambda: "another CPU")
     assert measurements.cache_file(32 * 2**20) != here
     monkeypatch.setattr(measurements, "cpu_model_name", real_name)
+    assert measurements.cache_file(32 * 2**20) == here
+    # A kernel's code changed (what it serves, how fast it runs): its kept times would mislead the choice.
+    code = measurements.KERNEL_CODE
+    edited = tmp_path / "linear_choice.py"
+    edited.write_text(code[-2].read_text() + "# edited\n")
+    monkeypatch.setattr(measurements, "KERNEL_CODE", (*code[:-2], edited, code[-1]))
+    measurements.kernels_tag.cache_clear()
+    assert measurements.cache_file(32 * 2**20) != here
+    monkeypatch.setattr(measurements, "KERNEL_CODE", code)
+    measurements.kernels_tag.cache_clear()
     assert measurements.cache_file(32 * 2**20) == here
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     other = measurements.cache_file(32 * 2**20)

@@ -2,10 +2,11 @@
 (linear_choice.time_paths) and the bfloat16 `gemv` run length that gives `F.linear`'s bits (linear_choice.GemvKernel).
 
 Measuring is most of a small model's load (every path timed per shape, each call after a read of twice the
-last-level cache), and its result depends only on the CPU and the libraries. So the figures are kept in one JSON
-file per CPU and torch, under TEXTGEN_CACHE_DIR (textgen_common/cache_dir.py; empty: nothing is kept), named after a
-hash of what changes them: the CPU's model name and feature flags, its last-level cache size, and torch's version
-(with its oneDNN and MKL). Another CPU, a VM that hides flags, or another torch measures anew.
+last-level cache), and its result depends only on the CPU, the libraries and the kernels. So the figures are kept
+in one JSON file under TEXTGEN_CACHE_DIR (textgen_common/cache_dir.py; empty: nothing is kept), named after a hash
+of what changes them: the CPU's model name and feature flags, its last-level cache size, torch's version (with its
+oneDNN and MKL), and the kernels' own code (KERNEL_CODE). Another CPU, a VM that hides flags, another torch or
+another version of the kernels measures anew.
 
 Ranks that load at once may both write: each write merges with the file as it is then and lands whole
 (cache_dir.write_whole), so a reader never sees half a file and at worst one start measures a shape again.
@@ -14,6 +15,7 @@ Ranks that load at once may both write: each write merges with the file as it is
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import platform
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from textgen_common.cache_dir import kept_file, write_whole
-from textgen_server.layers.cpu_ops import cpu_flags
+from textgen_server.layers.cpu_ops import HEADERS, SOURCES, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +38,31 @@ def cpu_model_name() -> str:
         return platform.processor()
 
 
+# The code whose behaviour the figures record: the C++ ops, and the modules that decide which rows each kernel
+# serves and time them. A kept time of a path that then served fewer buckets would otherwise outlive the change.
+KERNEL_CODE = (
+    *SOURCES,
+    *HEADERS,
+    Path(__file__).with_name("linear_choice.py"),
+    Path(__file__).with_name("quant_kernels.py"),
+)
+
+
+@functools.cache
+def kernels_tag() -> str:
+    """A short hash of KERNEL_CODE."""
+    digest = hashlib.sha1()
+    for path in KERNEL_CODE:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def cache_file(last_level_cache: int) -> Path | None:
-    """This CPU's and torch's file under TEXTGEN_CACHE_DIR; None where the variable is set empty."""
-    identity = f"{cpu_model_name()}|{' '.join(sorted(cpu_flags()))}|{last_level_cache}|torch {torch.__version__}"
+    """This CPU's, torch's and the kernels' file under TEXTGEN_CACHE_DIR; None where the variable is set empty."""
+    identity = (
+        f"{cpu_model_name()}|{' '.join(sorted(cpu_flags()))}|{last_level_cache}|torch {torch.__version__}"
+        f"|kernels {kernels_tag()}"
+    )
     return kept_file("cpu-measurements", identity)
 
 
