@@ -53,6 +53,7 @@ AVX2_TESTS = (
     "test_gemv.py::test_the_float32_op_sums_as_documented",
     "test_gemv.py::test_the_avx2_bfloat16_op_sums_in_torch_s_order",
     "test_gemv.py::test_the_avx2_bfloat16_op_refuses_runs_a_bias_and_bad_inputs",
+    "test_attention_products.py",
     "test_paged_lm.py::test_uneven_batch_through_filter_and_concatenate_matches_transformers",
     "test_paged_lm.py::test_bfloat16_matches_transformers_eager",
     "test_causal_lm.py::test_llama_uneven_batch_matches_transformers",

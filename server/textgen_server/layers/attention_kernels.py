@@ -10,15 +10,20 @@ bf16 decode steps of the padded cache go to the op of decode_attention.py instea
 In bfloat16, causal blocks (a prefill, a prefill chunk: `mask` None, or `causal_attention` with a window) take
 their masked float32 softmax from `textgen::causal_softmax_bf16` (decode_attention.cpp) where it builds: one
 pass over the bf16 scores instead of four elementwise passes over a float32 copy, bit for bit torch's result.
+On a CPU whose bf16 matmuls are torch's own loops (AVX2 without AVX-512), their two products come from
+`textgen::causal_scores_bf16` and `textgen::causal_values_bf16` (attention_products.cpp): torch's sums in torch's
+order, over only the keys each query sees (`torch_order_products`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from textgen_server.layers import cpu_ops
 from textgen_server.layers.decode_attention import use_decode_kernel
 
 # (q [B, H, S, D], k / v [B, H_kv, T, D], bool mask [B, 1, S, T] or None for causal / none, scale) -> [B, H, S, D]
@@ -64,9 +69,40 @@ def _causal_op(
     (scaled), k / v [B, H_kv, T, D]; query s sees keys (T - S + s - window, T - S + s] (window 0: all up to it)."""
     batch, kv_heads, rows, dim = queries.shape
     total = k.shape[2]
+    if torch_order_products():
+        flat = batch * kv_heads
+        scores = torch.ops.textgen.causal_scores_bf16(
+            queries.reshape(flat, rows, dim), k.reshape(flat, total, dim), seq, window
+        ).view(batch, kv_heads, rows // seq, seq, total)
+        probs = torch.ops.textgen.causal_softmax_bf16(scores, total - seq, window)
+        out = torch.ops.textgen.causal_values_bf16(
+            probs.view(flat, rows, total), v.reshape(flat, total, dim), seq, window
+        )
+        return out.view(batch, heads, seq, dim)
     scores = torch.matmul(queries, k.transpose(-1, -2)).view(batch, kv_heads, rows // seq, seq, total)
     probs = torch.ops.textgen.causal_softmax_bf16(scores.contiguous(), total - seq, window)
     return torch.matmul(probs.view(batch, kv_heads, rows, total), v).view(batch, heads, seq, dim)
+
+
+@functools.cache
+def torch_order_products() -> bool:
+    """Whether the causal block's two products come from the ops of attention_products.cpp: built (AVX2 without
+    AVX-512), and giving `torch.matmul`'s bits on this CPU, checked once on random operands (a library built for
+    AVX2 on an AVX-512 CPU, where torch multiplies bf16 through oneDNN, would not)."""
+    if not (cpu_ops.kernel_available() and torch.ops.textgen.torch_order_products()):
+        return False
+    g = torch.Generator().manual_seed(0)
+    # 8 heads of 128 queries over 256 keys: about 200,000 seen scores and 65,000 outputs, enough for another
+    # order to show differing ones (a few per 10,000 outputs differ between the orders measured).
+    q, k, v = (torch.randn(8, rows, 64, generator=g).bfloat16() for rows in (128, 256, 256))
+    seen = torch.ones(128, 256, dtype=torch.bool).tril(128)
+    with torch.inference_mode():
+        scores = torch.ops.textgen.causal_scores_bf16(q, k, 128, 0)
+        if not torch.equal(scores[:, seen], torch.matmul(q, k.transpose(-1, -2))[:, seen]):
+            return False
+        # Signed weights (0 where unseen, as the op requires) cancel in the sums: another order shows more often.
+        weights = (torch.randn(8, 128, 256, generator=g) * seen).bfloat16()
+        return torch.equal(torch.ops.textgen.causal_values_bf16(weights, v, 128, 0), torch.matmul(weights, v))
 
 
 def causal_attention(

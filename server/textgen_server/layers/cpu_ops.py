@@ -36,9 +36,10 @@ SOURCES = tuple(
         "linear_ops.cpp",
         "int4_ops.cpp",
         "int8_ops.cpp",
+        "attention_products.cpp",
     )
 )
-HEADERS = (_HERE / "cpu_ops.h",)
+HEADERS = (_HERE / "cpu_ops.h", _HERE / "torch_order.h")
 ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
 # The CPU the ops are compiled for (gcc's -march): this machine's by default. An older target (x86-64-v3: the AVX2
 # servers) builds and tests another vector path on an AVX-512 machine (tests/test_cpu_targets.py).

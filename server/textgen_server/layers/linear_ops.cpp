@@ -22,7 +22,7 @@
 //     on each shape before this kernel may serve, and finds the k_chunk that gives them.
 //   - bfloat16 in the AVX2 build (k_chunk 0, no bias): F.linear's bf16 product on such a CPU is torch's own dot
 //     product with float32 arithmetic, one output of one row at a time, at every row count; this kernel sums in
-//     its order (`dot_row` below), so again F.linear's bits, checked at load the same way. Torch's loop converts
+//     its order (`dot_row`, torch_order.h), so again F.linear's bits, checked at load the same way. Torch's loop converts
 //     x again for every output and is bound by its instructions, not by memory: this one converts x once per
 //     row, reads one row's weight 1.3-1.45x faster and computes many rows 3-4x faster (blocks of outputs whose
 //     weight rows stay in L2 while every row of x passes over them; benchmark/README.md, "bfloat16 gemv on
@@ -41,13 +41,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_ops.h"
+#include "torch_order.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define TEXTGEN_GEMV 1
 #include <immintrin.h>
 #endif
-#if defined(TEXTGEN_GEMV) && !defined(__AVX512F__)
+#if defined(TEXTGEN_TORCH_ORDER)
 #define TEXTGEN_GEMV_DOT 1  // bfloat16 in torch's AVX2 dot order
 #endif
 
@@ -207,76 +207,6 @@ void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t 
 #endif
 
 #if defined(TEXTGEN_GEMV_DOT)
-// Torch's one-row bf16 product on AVX2 (at::native's bf16 dot with float32 arithmetic), output by output:
-// - whole steps of 64 values: value i of a step into accumulator i / 8, lane i % 8 (8 accumulators of 8 lanes),
-//   one fused multiply-add each;
-// - the accumulators added pairwise (a += a + 4, then a += a + 2, then 0 += 1), then the 8 lanes folded the same
-//   way (`fold`);
-// - the values after the last whole step, 16 at a time, into one more accumulator (lane l takes value l, then
-//   8 + l), folded and added; the last K % 16 one by one, a fused multiply-add each;
-// - rounded once to bf16.
-// A bf16 value becomes float32 in the upper half of a 32-bit lane: unpacking 16 loaded values against zero does
-// that in two instructions, but puts values 0-3 and 8-11 in one register, 4-7 and 12-15 in the other. Each lane
-// still sums one value index of the step, so only which register holds which chain changes; x, converted once
-// per row into `xp`, is stored in that order, and the pairwise sums take each chain's partner where it lies.
-constexpr int64_t DOT_STEP = 64;
-constexpr int64_t DOT_PREFETCH = 1024;  // values ahead (2 KiB): the next row or two of a small K
-
-inline float fold(__m128 lo, __m128 hi) {  // lanes 0-3 and 4-7 of an 8-lane vector: torch's vec_reduce_all
-  const __m128 t = _mm_add_ps(lo, hi);
-  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
-}
-
-inline __m128 half_sum(__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
-
-inline __m256 bf16x8(const uint16_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-// x's row as float32: each whole step's 16-value groups as [0-3, 8-11, 4-7, 12-15], the rest in order.
-void dot_operand(const at::BFloat16* x, int64_t k, float* xp) {
-  const int64_t main = k & ~(DOT_STEP - 1);
-  const auto* raw = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t g = 0; g < main; g += 16)
-    for (int64_t i = 0; i < 16; ++i) xp[g + (i & 3) + ((i >> 3) << 2) + (((i >> 2) & 1) << 3)] =
-        textgen_cpu::bf16_to_float(raw[g + i]);
-  for (int64_t i = main; i < k; ++i) xp[i] = textgen_cpu::bf16_to_float(raw[i]);
-}
-
-float dot_row(const float* xp, const uint16_t* w, int64_t k) {
-  const int64_t main = k & ~(DOT_STEP - 1), vec = k & ~int64_t(15);
-  const __m256i zero = _mm256_setzero_si256();
-  __m256 p[8];
-  for (auto& acc : p) acc = _mm256_setzero_ps();
-  for (int64_t s = 0; s < main; s += DOT_STEP) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + s + DOT_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + s + DOT_PREFETCH + 32), _MM_HINT_T0);
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s + 16 * j));
-      // p[2j]: values 0-3 (lanes 0-3 of accumulator 2j) and 8-11 (of 2j + 1); p[2j + 1]: values 4-7 and 12-15
-      p[2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 16 * j),
-                                 _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), p[2 * j]);
-      p[2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 16 * j + 8),
-                                     _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), p[2 * j + 1]);
-    }
-  }
-  // Accumulators a += a + 4 (registers j and j + 4 hold the same lanes of accumulators 2j, 2j+1 and 2j+4, 2j+5),
-  // a += a + 2, then 0 += 1: accumulator 1's lanes lie in the upper halves.
-  const __m256 r0 = _mm256_add_ps(_mm256_add_ps(p[0], p[4]), _mm256_add_ps(p[2], p[6]));  // lanes 0-3
-  const __m256 r1 = _mm256_add_ps(_mm256_add_ps(p[1], p[5]), _mm256_add_ps(p[3], p[7]));  // lanes 4-7
-  float sum = fold(half_sum(r0), half_sum(r1));
-  __m256 tail = _mm256_setzero_ps();
-  for (int64_t s = main; s < vec; s += 16) {
-    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s), bf16x8(w + s), tail);
-    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 8), bf16x8(w + s + 8), tail);
-  }
-  sum += fold(_mm256_castps256_ps128(tail), _mm256_extractf128_ps(tail, 1));
-  for (int64_t s = vec; s < k; ++s) sum = std::fma(xp[s], textgen_cpu::bf16_to_float(w[s]), sum);
-  return sum;
-}
-
 // Bytes of weight rows one block of outputs takes: they stay in a core's L2 cache while every row of x, converted
 // to float32 (twice a bf16 weight row's bytes) and held in L1, passes over them.
 constexpr int64_t DOT_BLOCK_BYTES = 128 * 1024;
@@ -284,8 +214,9 @@ constexpr int64_t DOT_BLOCK_BYTES = 128 * 1024;
 // Every row of x [m, k] against w [n, k], the outputs split over threads.
 void dot_rows(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w, at::BFloat16* y, int64_t n) {
   std::vector<float> xps(static_cast<size_t>(m * k));
+  const auto* raw = reinterpret_cast<const uint16_t*>(x);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dot_operand(x + r * k, k, xps.data() + r * k);
+    for (int64_t r = begin; r < end; ++r) textgen_cpu::dot_operand(raw + r * k, k, xps.data() + r * k);
   });
   const auto* wp = reinterpret_cast<const uint16_t*>(w);
   const int64_t block = std::max<int64_t>(1, DOT_BLOCK_BYTES / (2 * std::max<int64_t>(k, 1)));
@@ -293,7 +224,7 @@ void dot_rows(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w
     for (int64_t i0 = begin; i0 < end; i0 += block) {
       const int64_t i1 = std::min(end, i0 + block);
       for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = i0; i < i1; ++i) y[r * n + i] = at::BFloat16(dot_row(xps.data() + r * k, wp + i * k, k));
+        for (int64_t i = i0; i < i1; ++i) y[r * n + i] = at::BFloat16(textgen_cpu::dot_row(xps.data() + r * k, wp + i * k, k));
     }
   });
 }

@@ -1,0 +1,108 @@
+"""textgen::causal_scores_bf16 and textgen::causal_values_bf16 (layers/attention_products.cpp), and their use in a
+causal block's bf16 attention (layers/attention_kernels.py).
+
+Oracles: the documented sums written out in torch (scores: torch's bf16 dot order, `dot_order` of test_gemv.py;
+values: four float32 partial sums by key index, added in order), the same bits on any CPU the ops are built for;
+and on an AVX2 CPU `torch.matmul` itself, whose bf16 products there are exactly those sums.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gemv import dot_order
+
+from textgen_server.layers import attention_kernels, cpu_ops
+
+BUILT = cpu_ops.kernel_available() and bool(torch.ops.textgen.torch_order_products())
+needs_ops = pytest.mark.skipif(not BUILT, reason="no AVX2 build (without AVX-512) of the CPU ops here")
+# torch multiplies bf16 with its own loops only without AVX-512 (with it, through oneDNN: another order).
+TORCH_ORDER_HERE = "avx512f" not in cpu_ops.cpu_flags()
+
+
+def seen(rows: int, seq: int, total: int, window: int) -> torch.Tensor:
+    """[rows, total]: the keys each row's query sees (row r is query r % seq, at position total - seq + r % seq)."""
+    hi = (total - seq + torch.arange(rows) % seq).unsqueeze(1)
+    keys = torch.arange(total).unsqueeze(0)
+    return (keys <= hi) & (keys > hi - window) if window else keys <= hi
+
+
+def values_order(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """probs @ v as the op documents it: per output, key t's product into partial sum t % 4 (the keys after the
+    last whole four into sum 0), each product exact in float32, the sums added ((0 + 1) + 2) + 3."""
+    total = probs.shape[-1]
+    whole = total - total % 4
+    parts = [torch.zeros(*probs.shape[:-1], v.shape[-1]) for _ in range(4)]
+    for t in range(total):
+        part = t % 4 if t < whole else 0
+        parts[part] = parts[part] + probs[..., t : t + 1].float() * v[:, t : t + 1, :].float()
+    return (((parts[0] + parts[1]) + parts[2]) + parts[3]).bfloat16()
+
+
+# (heads, group, seq, total, dim, window)
+CASES = pytest.mark.parametrize(
+    ("heads", "group", "seq", "total", "dim", "window"),
+    [
+        (3, 1, 40, 40, 64, 0),  # a whole prompt
+        (2, 2, 24, 61, 64, 0),  # a chunk after 37 cached tokens, two query heads a KV head, keys not in fours
+        (2, 1, 30, 30, 64, 8),  # a sliding window
+        (1, 1, 17, 23, 80, 0),  # a head size with a 16-value tail (scores) and no 16-column tail (values)
+        (1, 1, 9, 12, 72, 0),  # 8 trailing values: dot's scalar tail, values' last columns one by one
+        (2, 1, 1, 5, 64, 0),  # one query
+        (8, 1, 128, 256, 64, 0),  # 65,536 outputs: enough for another order of the scores' sums to show
+    ],
+)
+
+
+@needs_ops
+@CASES
+def test_the_ops_sum_as_documented(heads: int, group: int, seq: int, total: int, dim: int, window: int) -> None:
+    g = torch.Generator().manual_seed(seq + total + dim)
+    rows = group * seq
+    q = torch.randn(heads, rows, dim, generator=g).bfloat16()
+    k, v = (torch.randn(heads, total, dim, generator=g).bfloat16() for _ in range(2))
+    visible = seen(rows, seq, total, window)
+    scores = torch.ops.textgen.causal_scores_bf16(q, k, seq, window)
+    assert scores.shape == (heads, rows, total) and scores.dtype == torch.bfloat16
+    assert not scores[:, ~visible].any()  # unseen: 0
+    want = torch.stack([dot_order(q[h], k[h]) for h in range(heads)])
+    assert torch.equal(scores[:, visible], want[:, visible])
+    # Any weights the op may skip as 0 where unseen, not only a softmax's: signed ones cancel in the sums, so
+    # that another order shows in many more bf16 outputs.
+    probs = (torch.randn(heads, rows, total, generator=g) * visible).bfloat16()
+    out = torch.ops.textgen.causal_values_bf16(probs, v, seq, window)
+    assert out.shape == (heads, rows, dim) and torch.equal(out, values_order(probs, v))
+    if TORCH_ORDER_HERE:  # the orders written out are torch.matmul's own on this CPU
+        assert torch.equal(scores[:, visible], torch.matmul(q, k.transpose(-1, -2))[:, visible])
+        assert torch.equal(out, torch.matmul(probs, v))
+
+
+@needs_ops
+def test_the_ops_refuse_what_they_cannot_compute() -> None:
+    q, k = torch.randn(2, 8, 64).bfloat16(), torch.randn(2, 10, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bf16 operands"):
+        torch.ops.textgen.causal_scores_bf16(q.float(), k.float(), 8, 0)
+    with pytest.raises(RuntimeError, match="bf16 operands"):
+        torch.ops.textgen.causal_scores_bf16(q, k[:1], 8, 0)
+    with pytest.raises(RuntimeError, match="whole groups of seq queries"):
+        torch.ops.textgen.causal_scores_bf16(q, k, 3, 0)
+    with pytest.raises(RuntimeError, match="one head size"):
+        torch.ops.textgen.causal_scores_bf16(q, k[..., :32], 8, 0)
+    with pytest.raises(RuntimeError, match="fewer keys than queries"):
+        torch.ops.textgen.causal_scores_bf16(q, k[:, :4], 8, 0)
+    with pytest.raises(RuntimeError, match="one probability a key"):
+        torch.ops.textgen.causal_values_bf16(torch.zeros(2, 8, 9).bfloat16(), k, 8, 0)
+
+
+@needs_ops
+def test_a_causal_block_takes_the_ops_where_they_give_torch_s_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert attention_kernels.torch_order_products() == TORCH_ORDER_HERE
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 12, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 20, 64, generator=g).bfloat16() for _ in range(2))
+    through_ops = attention_kernels.causal_attention(q, k, v, 0.125, None, attention_kernels.matmul_attention)
+    # The same block by torch's matmuls (the path where the ops are not built, or not torch's order).
+    monkeypatch.setattr(attention_kernels, "torch_order_products", lambda: False)
+    through_torch = attention_kernels.causal_attention(q, k, v, 0.125, None, attention_kernels.matmul_attention)
+    if TORCH_ORDER_HERE:
+        assert torch.equal(through_ops, through_torch)
