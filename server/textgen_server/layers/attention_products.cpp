@@ -1,9 +1,10 @@
 // The two bfloat16 products of a causal prefill's attention (layers/attention_kernels.py, `_causal_op`) as torch
 // computes them on an x86 CPU with AVX2 and FMA but no AVX-512: there torch has no oneDNN bf16 kernels and
-// multiplies bf16 matrices with its own loops, which ran a prefill's attention at about 1 GMAC/s (benchmark/README.md,
-// "bfloat16 prefill attention on AVX2"). These ops sum in torch's orders, so they give its bits, and compute only
-// what a causal row sees. The rows are a prefill's queries with grouped heads folded in ([N, G * S, D]): row r is
-// query s = r % seq, which sees keys (T - seq + s - window, T - seq + s] (window 0: every key up to it).
+// multiplies bf16 matrices with its own loops, which ran a prefill's attention at about 1 GMAC/s
+// (benchmark/README.md, "bfloat16 on AVX2 at every row count, and the prefill's attention"). These ops sum in
+// torch's orders, so they give its bits, and compute only what a causal row sees. The rows are a prefill's queries
+// with grouped heads folded in ([N, G * S, D]): row r is query s = r % seq, which sees keys
+// (T - seq + s - window, T - seq + s] (window 0: every key up to it).
 //
 // textgen::causal_scores_bf16(q [N, R, D], k [N, T, D], seq, window) -> scores [N, R, T] bf16: q @ k^T, each seen
 //   score by torch's bf16 dot product (`dot_row`, torch_order.h), as torch's matmul sums a product whose second

@@ -1,9 +1,9 @@
-// A projection of one row, y = x @ W^T (+ b), for batch-1 decode steps on x86 CPUs (layers/linear_choice.py,
-// path `gemv`): float32 with AVX-512 or with AVX2 and FMA; bfloat16 where the CPU has AVX512-BF16, or AVX2 and FMA
-// without AVX-512. At one row a projection reads its whole weight for two flops a value, so its speed is how fast
-// the weight streams from memory; the GEMM libraries' kernels reach well below the read bandwidth there on some
-// CPUs (benchmark/README.md, "gemv"). This one streams its outputs' weights as contiguous runs of memory, with
-// software prefetch.
+// A projection y = x @ W^T (+ b) by textgen's own kernels on x86 CPUs (layers/linear_choice.py, path `gemv`): one
+// row (batch-1 decode steps) in float32 with AVX-512 or with AVX2 and FMA, and in bfloat16 where the CPU has
+// AVX512-BF16; any number of rows in bfloat16 on a CPU with AVX2 and FMA but no AVX-512. At one row a projection
+// reads its whole weight for two flops a value, so its speed is how fast the weight streams from memory; the GEMM
+// libraries' kernels reach well below the read bandwidth there on some CPUs (benchmark/README.md, "gemv"). This one
+// streams its outputs' weights as contiguous runs of memory, with software prefetch.
 //
 // textgen::gemv_pack(w [N, K]) -> packed: float32, and bf16 with AVX512-BF16, in blocks of LANES outputs (16 with
 //   AVX-512, 8 with AVX2: one float32 vector), zero-padded, each block one contiguous run: bf16 [ceil(N/16),
@@ -22,11 +22,11 @@
 //     on each shape before this kernel may serve, and finds the k_chunk that gives them.
 //   - bfloat16 in the AVX2 build (k_chunk 0, no bias): F.linear's bf16 product on such a CPU is torch's own dot
 //     product with float32 arithmetic, one output of one row at a time, at every row count; this kernel sums in
-//     its order (`dot_row`, torch_order.h), so again F.linear's bits, checked at load the same way. Torch's loop converts
-//     x again for every output and is bound by its instructions, not by memory: this one converts x once per
-//     row, reads one row's weight 1.3-1.45x faster and computes many rows 3-4x faster (blocks of outputs whose
-//     weight rows stay in L2 while every row of x passes over them; benchmark/README.md, "bfloat16 gemv on
-//     AVX2").
+//     its order (`dot_row`, torch_order.h), so again F.linear's bits, checked at load the same way. Torch's loop
+//     converts x again for every output and is bound by its instructions, not by memory: this one converts x
+//     once per row, reads one row's weight 1.3-1.45x faster and computes many rows 3-4x faster (blocks of outputs
+//     whose weight rows stay in L2 while every row of x passes over them; benchmark/README.md, "bfloat16 `gemv`
+//     on AVX2" and "bfloat16 on AVX2 at every row count").
 // textgen::gemv_supported(dtype) -> bool: whether the library was built with the instructions `dtype` needs.
 // textgen::gemv_sums_in_runs(dtype) -> bool: whether `dtype`'s sums take runs of k_chunk and a bias (False for the
 //   AVX2 build's bfloat16, whose one order takes k_chunk 0 and no bias).
@@ -223,8 +223,10 @@ void dot_rows(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i0 = begin; i0 < end; i0 += block) {
       const int64_t i1 = std::min(end, i0 + block);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = i0; i < i1; ++i) y[r * n + i] = at::BFloat16(textgen_cpu::dot_row(xps.data() + r * k, wp + i * k, k));
+      for (int64_t r = 0; r < m; ++r) {
+        const float* xr = xps.data() + r * k;
+        for (int64_t i = i0; i < i1; ++i) y[r * n + i] = at::BFloat16(textgen_cpu::dot_row(xr, wp + i * k, k));
+      }
     }
   });
 }
