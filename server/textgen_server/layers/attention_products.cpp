@@ -91,13 +91,13 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
 #if defined(TEXTGEN_TORCH_ORDER)
   const auto* pp = reinterpret_cast<const uint16_t*>(pc.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
-  auto* op = out.data_ptr<at::BFloat16>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t whole = total - total % 4;  // keys summed in fours; the rest join partial sum 0
   const int64_t vec = dim - dim % 16;
   each_row(n, rows, seq, total, window, [&](int64_t i, int64_t head, int64_t lo, int64_t hi) {
     const uint16_t* p = pp + i * total;
     const uint16_t* values = vp + head * total * dim;
-    at::BFloat16* y = op + i * dim;
+    uint16_t* y = op + i * dim;
     // 16 columns at a time: 4 partial sums of 2 vectors each, in registers across the keys.
     for (int64_t c = 0; c < vec; c += 16) {
       __m256 acc[4][2];
@@ -106,15 +106,12 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
         const int64_t part = t < whole ? t % 4 : 0;
         const __m256 pt = _mm256_set1_ps(textgen_cpu::bf16_to_float(p[t]));
         const uint16_t* vt = values + t * dim + c;
-        acc[part][0] = _mm256_fmadd_ps(pt, textgen_cpu::bf16x8(vt), acc[part][0]);
-        acc[part][1] = _mm256_fmadd_ps(pt, textgen_cpu::bf16x8(vt + 8), acc[part][1]);
+        acc[part][0] = _mm256_fmadd_ps(pt, textgen_cpu::load8(vt), acc[part][0]);
+        acc[part][1] = _mm256_fmadd_ps(pt, textgen_cpu::load8(vt + 8), acc[part][1]);
       }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0][h], acc[1][h]), acc[2][h]), acc[3][h]);
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, sum);
-        for (int l = 0; l < 8; ++l) y[c + 8 * h + l] = at::BFloat16(lanes[l]);
-      }
+      for (int h = 0; h < 2; ++h)
+        textgen_cpu::store8(y + c + 8 * h,
+                            _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0][h], acc[1][h]), acc[2][h]), acc[3][h]));
     }
     // A head size not a multiple of 16: its last columns one at a time, in the same order.
     for (int64_t c = vec; c < dim; ++c) {
@@ -123,7 +120,7 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
         float& sum = part[t < whole ? t % 4 : 0];
         sum = std::fma(textgen_cpu::bf16_to_float(p[t]), textgen_cpu::bf16_to_float(values[t * dim + c]), sum);
       }
-      y[c] = at::BFloat16(((part[0] + part[1]) + part[2]) + part[3]);
+      y[c] = textgen_cpu::float_to_bf16(((part[0] + part[1]) + part[2]) + part[3]);
     }
   });
 #endif

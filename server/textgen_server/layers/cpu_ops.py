@@ -18,6 +18,7 @@ import os
 import platform
 import re
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -64,13 +65,18 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:12]
 
 
+def files_digest(paths: Iterable[Path]) -> str:
+    """The SHA-1 of the files' bytes, in order (hex)."""
+    digest = hashlib.sha1()
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def _source_tag() -> str:
     """A short hash of the sources: worktrees or versions with other sources sharing one build cache would
     otherwise rebuild the one name over each other, and a process could load a library without its ops."""
-    digest = hashlib.sha1()
-    for path in (*SOURCES, *HEADERS):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:8]
+    return files_digest((*SOURCES, *HEADERS))[:8]
 
 
 @functools.cache

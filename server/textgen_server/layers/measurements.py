@@ -15,7 +15,6 @@ Ranks that load at once may both write: each write merges with the file as it is
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import platform
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from textgen_common.cache_dir import kept_file, write_whole
-from textgen_server.layers.cpu_ops import HEADERS, SOURCES, cpu_flags
+from textgen_server.layers.cpu_ops import HEADERS, SOURCES, cpu_flags, files_digest
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +50,7 @@ KERNEL_CODE = (
 @functools.cache
 def kernels_tag() -> str:
     """A short hash of KERNEL_CODE."""
-    digest = hashlib.sha1()
-    for path in KERNEL_CODE:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
+    return files_digest(KERNEL_CODE)[:12]
 
 
 def cache_file(last_level_cache: int) -> Path | None:

@@ -18,7 +18,7 @@ namespace textgen_cpu {
 // - whole steps of 64 values: value i of a step into accumulator i / 8, lane i % 8 (8 accumulators of 8 lanes),
 //   one fused multiply-add each;
 // - the accumulators added pairwise (a += a + 4, then a += a + 2, then 0 += 1), then the 8 lanes folded the same
-//   way (`fold`);
+//   way (`fold_add`, cpu_ops.h);
 // - the values after the last whole step, 16 at a time, into one more accumulator (lane l takes value l, then
 //   8 + l), folded and added; the last K % 16 one by one, a fused multiply-add each;
 // - rounded once to bf16.
@@ -28,19 +28,6 @@ namespace textgen_cpu {
 // per row into `xp`, is stored in that order, and the pairwise sums take each chain's partner where it lies.
 constexpr int64_t DOT_STEP = 64;
 constexpr int64_t DOT_PREFETCH = 1024;  // values ahead (2 KiB): the next row or two of a small K
-
-inline float fold(__m128 lo, __m128 hi) {  // lanes 0-3 and 4-7 of an 8-lane vector: torch's vec_reduce_all
-  const __m128 t = _mm_add_ps(lo, hi);
-  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
-}
-
-inline __m128 half_sum(__m256 v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
-
-inline __m256 bf16x8(const uint16_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
 
 // x's row as float32: each whole step's 16-value groups as [0-3, 8-11, 4-7, 12-15], the rest in order.
 inline void dot_operand(const uint16_t* raw, int64_t k, float* xp) {
@@ -69,16 +56,16 @@ inline float dot_row(const float* xp, const uint16_t* w, int64_t k) {
     }
   }
   // Accumulators a += a + 4 (registers j and j + 4 hold the same lanes of accumulators 2j, 2j+1 and 2j+4, 2j+5),
-  // a += a + 2, then 0 += 1: accumulator 1's lanes lie in the upper halves.
+  // a += a + 2, then 0 += 1: accumulator 1's lanes lie in the upper halves. Then the lanes, as torch folds them.
   const __m256 r0 = _mm256_add_ps(_mm256_add_ps(p[0], p[4]), _mm256_add_ps(p[2], p[6]));  // lanes 0-3
   const __m256 r1 = _mm256_add_ps(_mm256_add_ps(p[1], p[5]), _mm256_add_ps(p[3], p[7]));  // lanes 4-7
-  float sum = fold(half_sum(r0), half_sum(r1));
+  float sum = fold_add(_mm256_add_ps(_mm256_permute2f128_ps(r0, r1, 0x20), _mm256_permute2f128_ps(r0, r1, 0x31)));
   __m256 tail = _mm256_setzero_ps();
   for (int64_t s = main; s < vec; s += 16) {
-    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s), bf16x8(w + s), tail);
-    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 8), bf16x8(w + s + 8), tail);
+    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s), load8(w + s), tail);
+    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 8), load8(w + s + 8), tail);
   }
-  sum += fold(_mm256_castps256_ps128(tail), _mm256_extractf128_ps(tail, 1));
+  sum += fold_add(tail);
   for (int64_t s = vec; s < k; ++s) sum = std::fma(xp[s], bf16_to_float(w[s]), sum);
   return sum;
 }
