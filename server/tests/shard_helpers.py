@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from testing.shards import ShardHandle
     from textgen_server.layers.tensor_parallel import Linear
     from textgen_server.models.model import Batch, Model
+    from textgen_server.models.paged_lm import PagedCausalLM
 
 
 def chooser(**overrides: object) -> pb.NextTokenChooserParameters:
@@ -164,6 +165,35 @@ TOP_N_ROWS = {
     2: ("x = 1\nx = 1\nx = 1\nx =", chooser(repetition_penalty=3.0, frequency_penalty=2.0)),
     3: ("class", chooser()),
 }
+
+
+def check_decode_paths(model: PagedCausalLM, rows: int) -> None:
+    """Each decode step's logits through the C++ decode blocks, through `DecoderLayer.decode` and through the
+    modules' `forward`, on the same inputs, are the same bits (writing a step's keys and values again writes the
+    same values); `rows` prompts of different lengths."""
+    from textgen_server.layers.linear_choice import bucket
+    from textgen_server.models.paged_batch import PagedBatch
+
+    module = model.module
+    assert module.decodes_straight and module.decodes_in_blocks
+    prompts = ["def foo(x):", "class A:\n    pass\n" * 3, "x"][:rows]
+    batch = PagedBatch.from_pb(make_batch(7, [make_request(i, p, 6) for i, p in enumerate(prompts)]), model)
+    _, next_batch, _ = model.generate_token(batch)  # the prefill
+    steps = 0
+    while next_batch is not None:
+        input_ids, positions, step = model._step(next_batch)
+        logits = []
+        for straight, blocks in ((True, True), (True, False), (False, False)):
+            module.decodes_straight, module.decodes_in_blocks = straight, blocks
+            try:
+                logits.append(module.forward_paged(input_ids, positions, step, None, None))
+            finally:
+                module.decodes_straight = module.decodes_in_blocks = True
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], logits[2])
+        _, next_batch, _ = model.generate_token(next_batch)
+        steps += 1
+    assert steps == 5
+    assert module._layer_blocks[bucket(rows)] is not None  # the steps went through the blocks
 
 
 def check_top_n_distribution(model: Model, oracle: HFOracle, *, processed: bool) -> None:

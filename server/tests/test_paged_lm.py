@@ -14,6 +14,7 @@ import pytest
 import torch
 from shard_helpers import (
     HFOracle,
+    check_decode_paths,
     check_top_n_distribution,
     check_uneven_batch,
     generate_all,
@@ -115,32 +116,16 @@ def test_bfloat16_matches_transformers_eager(tiny_llama: Path, cpu_ops: str, mon
     check_uneven_batch(model, HFOracle(tiny_llama, "bfloat16", "eager"))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_rows_through_the_straight_layer_path_give_the_module_path_s_bits(tiny_llama: Path, dtype: str) -> None:
-    """A paged step of decode rows runs `DecoderLayer.decode` (the fused ops called straight) where the C++ ops
-    build; each decode step's logits, rows of three lengths, equal those of the modules' `forward` on the same
-    inputs to the bit (writing a step's keys and values again writes the same values)."""
+def test_decode_rows_through_the_blocks_and_the_straight_layer_path_give_the_module_path_s_bits(
+    tiny_llama: Path, dtype: str, rows: int
+) -> None:
+    """A paged step of decode rows runs the C++ decode blocks (`DecoderLayer.decode` given `blocks`) where the C++ ops
+    build and every projection is one op they call, else `DecoderLayer.decode` (the fused ops called straight)."""
     if not kernel_available():
         pytest.skip("the C++ ops do not build here: every step takes the modules' forward")
-    model = paged_model(tiny_llama, dtype=dtype)
-    module = model.module
-    assert module.decodes_straight
-    prompts = ["def foo(x):", "class A:\n    pass\n" * 3, "x"]
-    batch = PagedBatch.from_pb(make_batch(7, [make_request(i, p, 6) for i, p in enumerate(prompts)]), model)
-    _, next_batch, _ = model.generate_token(batch)  # the prefill
-    steps = 0
-    while next_batch is not None:
-        input_ids, positions, step = model._step(next_batch)
-        straight = module.forward_paged(input_ids, positions, step, None, None)
-        module.decodes_straight = False
-        try:
-            modules = module.forward_paged(input_ids, positions, step, None, None)
-        finally:
-            module.decodes_straight = True
-        assert torch.equal(straight, modules)
-        _, next_batch, _ = model.generate_token(next_batch)
-        steps += 1
-    assert steps == 5
+    check_decode_paths(paged_model(tiny_llama, dtype=dtype), rows)
 
 
 def test_a_prefix_hit_computes_only_the_postfix(model: PagedCausalLM, llama_oracle: HFOracle) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shard_helpers import HFOracle, chooser, generate_on_ranks, make_request, quantized_logits
+from shard_helpers import HFOracle, check_decode_paths, chooser, generate_on_ranks, make_request, quantized_logits
 from transformers import AutoConfig, AutoTokenizer
 
 from testing.models import build_dequantized_oracle, build_int8_oracle, build_quantized_model
@@ -27,7 +27,10 @@ from textgen_server.layers.linear_choice import KERNELS
 from textgen_server.layers.quant_kernels import DEQUANTIZE_ROWS, GEMV_ROWS, Int4Kernel, Int8Kernel, packed_kernel
 from textgen_server.layers.quantization import REFUSED, read_quant_config
 from textgen_server.layers.quantized_weight import QuantizedWeight
+from textgen_server.layers.tensor_parallel import Linear
 from textgen_server.loader import get_model
+from textgen_server.models.kv_pool import POOL_TOKENS_ENV
+from textgen_server.models.paged_lm import PagedCausalLM
 from textgen_server.models.tp_llama import load_tp_model
 from textgen_server.utils.dist import DistInfo
 
@@ -250,6 +253,22 @@ def test_eetq_quantizes_the_projections_to_int8_at_load(tiny_llama: Path, dtype:
     else:
         logprobs = torch.log_softmax(got, -1) - torch.log_softmax(want, -1)
         assert logprobs.abs().max() < BF16_LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "eetq"])
+def test_quantized_decode_steps_through_the_blocks_give_the_module_path_s_bits(
+    scheme: str, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int4 and int8 one-row kernels are ops the C++ decode blocks call: a batch-1 step goes through them."""
+    if not cpu_ops.kernel_available():
+        pytest.skip("the C++ ops do not build here: every step takes the modules' forward")
+    model_dir, flag = (build_quantized_model("gptq"), None) if scheme == "gptq" else (tiny_llama, "eetq")
+    monkeypatch.setenv(POOL_TOKENS_ENV, "4096")
+    model = get_model(ServeConfig(str(model_dir), dtype="bfloat16", quantize=flag))
+    assert isinstance(model, PagedCausalLM)
+    kernels = {type(m.packed) for m in model.module.modules() if isinstance(m, Linear) and m.packed is not None}
+    assert kernels == {Int4Kernel if scheme == "gptq" else Int8Kernel}
+    check_decode_paths(model, 1)
 
 
 @pytest.mark.parametrize("scheme", ["gptq-act-order", "gptq-lm-head", "eetq"])

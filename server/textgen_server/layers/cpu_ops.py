@@ -2,7 +2,8 @@
 see decode_attention.py and paged_attention.py), a decoder layer's small ops (fused_ops.cpp: norm.py, rotary.py,
 the MLP of models/tp_llama.py), the greedy token choice (token_ops.cpp: sampling/greedy.py), a bfloat16 projection
 of a few rows (linear_ops.cpp: linear_choice.py) and one row of a 4-bit or an 8-bit projection (int4_ops.cpp,
-int8_ops.cpp: quant_kernels.py), sharing the helpers of cpu_ops.h.
+int8_ops.cpp: quant_kernels.py), sharing the helpers of cpu_ops.h, and a decode step's decoder layer in two calls of
+those ops (decode_blocks.cpp: models/tp_llama.py).
 
 They are compiled for this CPU (-march=native, or TEXTGEN_CPU_ARCH) with torch's extension builder (a C++ compiler
 and ninja; once per machine and target, cached under TORCH_EXTENSIONS_DIR). Where the library cannot be built, or
@@ -38,6 +39,7 @@ SOURCES = tuple(
         "int4_ops.cpp",
         "int8_ops.cpp",
         "attention_products.cpp",
+        "decode_blocks.cpp",
     )
 )
 HEADERS = (_HERE / "cpu_ops.h", _HERE / "torch_order.h")

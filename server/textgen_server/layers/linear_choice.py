@@ -101,6 +101,24 @@ def bucket(rows: int) -> int:
     return bisect_left(BUCKET_LIMITS, rows)
 
 
+class Direct(NamedTuple):
+    """A kernel's projection as the C++ decode blocks call it (layers/decode_blocks.cpp, whose header lists what
+    `tensors` and `ints` hold for each `kind`)."""
+
+    kind: int
+    tensors: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    ints: tuple[int, int]
+
+
+# Direct.kind: the op a projection runs (decode_blocks.cpp's `Kind`).
+DIRECT_LINEAR, DIRECT_GEMV, DIRECT_INT4, DIRECT_INT8 = range(4)
+
+
+def bucket_max_rows(bucket_index: int) -> int | None:
+    """The most rows bucket `bucket_index` takes (None: no limit)."""
+    return BUCKET_LIMITS[bucket_index] if bucket_index < len(BUCKET_LIMITS) else None
+
+
 class Kernel(ABC):
     """One path of y = x @ W^T + b, holding W in the layout it reads."""
 
@@ -118,6 +136,11 @@ class Kernel(ABC):
         """Whether this kernel computes the rows of bucket `bucket_index` as its path promises."""
         return True
 
+    def direct(self, bucket_index: int) -> Direct | None:
+        """This kernel's `__call__` on the rows of bucket `bucket_index` as one op the C++ decode blocks call with
+        the same arguments, or None where it is not one such op."""
+        return None
+
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -132,6 +155,9 @@ class PlainKernel(Kernel):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
         self.weight = weight
+
+    def direct(self, bucket_index: int) -> Direct | None:
+        return Direct(DIRECT_LINEAR, (self.weight, self.bias, None), (0, 0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -254,6 +280,11 @@ class GemvKernel(Kernel):
 
     def serves(self, bucket_index: int) -> bool:
         return bucket_index in self.buckets
+
+    def direct(self, bucket_index: int) -> Direct | None:
+        if self.k_chunk is None:
+            return None
+        return Direct(DIRECT_GEMV, (self.packed, self.bias_f32, None), (self.out_features, self.k_chunk))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_chunk is None:

@@ -41,7 +41,17 @@ import torch.nn.functional as F
 
 from textgen_server.config import UnsupportedConfigError, custom_kernels_disabled
 from textgen_server.layers import cpu_ops
-from textgen_server.layers.linear_choice import BUCKET_NAMES, BUCKET_ROWS, Kernel, bucket, last_level_cache_bytes
+from textgen_server.layers.linear_choice import (
+    BUCKET_NAMES,
+    BUCKET_ROWS,
+    DIRECT_INT4,
+    DIRECT_INT8,
+    Direct,
+    Kernel,
+    bucket,
+    bucket_max_rows,
+    last_level_cache_bytes,
+)
 from textgen_server.layers.measurements import measurements
 from textgen_server.layers.quantized_weight import QuantizedWeight
 
@@ -239,6 +249,12 @@ class Int4Kernel(PackedKernel):
         )
         self.gemv_until = gemv_until(label, self._op, self._int4, k, weight.scales.dtype) if self.gemv else 0
 
+    def direct(self, bucket_index: int) -> Direct | None:
+        most = bucket_max_rows(bucket_index)
+        if self.order is not None or not self.gemv or most is None or most > self.gemv_until:
+            return None
+        return Direct(DIRECT_INT4, (self.packed, self.bias, self.scales_offsets), (self.group_size, 0))
+
     def _op(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.textgen.int4_gemv(rows, self.packed, self.scales_offsets, self.group_size)
 
@@ -299,6 +315,11 @@ class Int8Kernel(Int8Weights):
         self.dequantize_from = (
             dequantize_from(f"int8 {n}x{k}", self._int8, self._gemm, k, self.scales.dtype) if self.gemv else None
         )
+
+    def direct(self, bucket_index: int) -> Direct | None:
+        if not self.gemv or bucket_max_rows(bucket_index) != 1:
+            return None
+        return Direct(DIRECT_INT8, (self.ints, self.bias, self.scales), (0, 0))
 
     def _int8(self, rows: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(rows, self.ints, self.scales)

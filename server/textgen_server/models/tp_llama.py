@@ -22,7 +22,7 @@ from torch import nn
 from textgen_server.layers.attention_kernels import attention_for, uses_matmul
 from textgen_server.layers.cpu_ops import ops_for
 from textgen_server.layers.decode_attention import decode_attention, first_visible, use_decode_kernel
-from textgen_server.layers.linear_choice import bucket, choose_linear_kernels
+from textgen_server.layers.linear_choice import Direct, bucket, choose_linear_kernels
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.norm import RMSNorm
 from textgen_server.layers.paged_attention import paged_attention, write_kv
@@ -376,6 +376,20 @@ class MLP(nn.Module):
         return self.down(self.act(gate) * up, segments)
 
 
+class LayerBlocks(NamedTuple):
+    """A decoder layer's arguments to the C++ decode blocks (layers/decode_blocks.cpp) for one bucket of rows:
+    `attention` (norm weight, eps, kinds, weights, ints, shape, scale, window) and `mlp` (norm weight, eps, kinds,
+    weights, ints), each block's two projections as its schema takes them."""
+
+    attention: tuple[object, ...]
+    mlp: tuple[object, ...]
+
+
+def _projections(first: Direct, second: Direct) -> tuple[list[int], list[torch.Tensor | None], list[int]]:
+    """Two projections as a decode block's `kinds`, `weights` and `params` arguments."""
+    return [first.kind, second.kind], [*first.tensors, *second.tensors], [*first.ints, *second.ints]
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, weights: Weights, layer_idx: int, dist: DistInfo, window: int | None
@@ -422,6 +436,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         step: PagedStep,
         kernel: int,
+        blocks: LayerBlocks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for a paged step whose every row feeds one token and runs the base model (no adapter rows):
         the same ops in the same order on the same tensors, so the same bits, without the module calls, the
@@ -429,7 +444,29 @@ class DecoderLayer(nn.Module):
         is bound by what runs between its ops: on the tiny Llama a layer took about 145 us through `forward` and
         about 120 this way (benchmark/README.md, "A decode step's Python"). `kernel`: the linear kernels' bucket of the
         step's row count; `step`'s tables and lengths already as the attention op takes them (`_decode_layers`).
-        Only where `decodes_straight`."""
+        Only where `decodes_straight`.
+
+        `blocks` (`self.blocks(kernel)`): the same in two C++ calls, textgen::decode_attention_block and
+        decode_mlp_block (layers/decode_blocks.cpp), each the same ops in the same order on the same tensors, so the
+        same bits; the row-parallel projections' all_reduce between and after them. On the small Llama's batch-1
+        step the Python between the ops cost about 1.3 ms of 5.4 (benchmark/README.md, "A decode step's layers in
+        two C++ calls")."""
+        if blocks is not None:
+            attn, layer = self.self_attn, self.self_attn.layer_idx
+            hidden, out = torch.ops.textgen.decode_attention_block(
+                hidden,
+                pending,
+                *blocks.attention,
+                cos,
+                sin,
+                step.pool.keys[layer],
+                step.pool.values[layer],
+                step.slots,
+                step.block_tables,
+                step.seq_lens,
+            )
+            hidden, out = torch.ops.textgen.decode_mlp_block(hidden, attn.o_proj.dist.all_reduce(out), *blocks.mlp)
+            return hidden, self.mlp.down.dist.all_reduce(out)
         attn, mlp = self.self_attn, self.mlp
         if pending is None:
             normed = self.input_layernorm(hidden)
@@ -445,6 +482,22 @@ class DecoderLayer(nn.Module):
         hidden, normed = self.post_attention_layernorm.add(hidden, out)
         gate_up = mlp.gate_up.kernels[kernel](normed)
         return hidden, mlp.down.dist.all_reduce(mlp.down.kernels[kernel](torch.ops.textgen.silu_mul(gate_up)))
+
+    def blocks(self, kernel: int) -> LayerBlocks | None:
+        """This layer's arguments to the C++ decode blocks for rows of bucket `kernel`, or None where one of its
+        four projections is not one op the blocks call (`Kernel.direct`). Only where `decodes_straight`."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, o, gate_up, down = (
+            linear.kernels[kernel].direct(kernel) for linear in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
+        )
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        norms = self.input_layernorm, self.post_attention_layernorm
+        shape = [attn.rotated, attn.split[0], attn.split[1], attn.head_dim]
+        return LayerBlocks(
+            (norms[0].weight, norms[0].eps, *_projections(qkv, o), shape, attn.scaling, attn.window or 0),
+            (norms[1].weight, norms[1].eps, *_projections(gate_up, down)),
+        )
 
 
 class CausalLMOutput(NamedTuple):
@@ -477,6 +530,11 @@ class TPCausalLM(nn.Module):
         # A paged step of decode rows runs the layers after the first through `DecoderLayer.decode` (eager
         # `forward` stays the path of every other step, and of every step where this is False).
         self.decodes_straight = all(layer.decodes_straight for layer in self.layers)
+        # ... and through the C++ decode blocks (`DecoderLayer.decode` given `blocks`) where every projection of the
+        # step's bucket is one op they call: each bucket's arguments found at its first step, after the load chose
+        # the kernels (None: some projection is not).
+        self.decodes_in_blocks = self.decodes_straight
+        self._layer_blocks: dict[int, list[LayerBlocks] | None] = {}
         # bf16 on a CPU decodes with the op that reads only live keys; the matmul path, where it cannot be
         # built, reads whole buffers.
         self.decode_kernel = use_decode_kernel(weights.dtype, device)
@@ -591,11 +649,24 @@ class TPCausalLM(nn.Module):
             block_tables=step.block_tables.to(torch.int32).contiguous(),
             seq_lens=torch.as_tensor(step.seq_lens, dtype=torch.int64),
         )
+        layers = cast("Sequence[DecoderLayer]", self.layers)
+        blocks = self._blocks(layers, kernel) if self.decodes_in_blocks else None
         pending: torch.Tensor | None = None
-        for layer in cast("Sequence[DecoderLayer]", self.layers):
-            hidden, pending = layer.decode(hidden, pending, cos, sin, step, kernel)
+        for i, layer in enumerate(layers):
+            hidden, pending = layer.decode(
+                hidden, pending, cos, sin, step, kernel, None if blocks is None else blocks[i]
+            )
         assert pending is not None, "a model has at least one layer"
         return hidden, pending
+
+    def _blocks(self, layers: Sequence[DecoderLayer], kernel: int) -> list[LayerBlocks] | None:
+        """Every layer's arguments to the C++ decode blocks for bucket `kernel`, or None where a layer has none."""
+        if kernel not in self._layer_blocks:
+            found = [layer.blocks(kernel) for layer in layers]
+            self._layer_blocks[kernel] = (
+                None if any(args is None for args in found) else cast("list[LayerBlocks]", found)
+            )
+        return self._layer_blocks[kernel]
 
     def pool_shape(self, block_size: int) -> PoolShape:
         """The shape of one block of this shard's KV pool."""
