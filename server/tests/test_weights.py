@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +116,41 @@ def test_mapped_rows_are_the_stored_rows_in_a_map_of_the_file(tmp_path: Path, st
     assert _mapping_of(rows.data_ptr()).endswith(str(tmp_path / "model.safetensors"))
     rows.add_(1.0)  # private: a write changes this process's copy of the page, never the file
     assert (tmp_path / "model.safetensors").read_bytes() == file_bytes
+
+
+def _pages_in_memory(address: int, length: int) -> tuple[int, int]:
+    """(pages in memory, pages) of the `length` bytes at `address`, by mincore(2): for a map of a file, whether
+    the page cache holds them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = address - address % mmap.PAGESIZE
+    length += address - start
+    flags = (ctypes.c_ubyte * (-(-length // mmap.PAGESIZE)))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), flags) == 0, ctypes.get_errno()
+    return sum(flag & 1 for flag in flags), len(flags)
+
+
+def test_mapped_rows_are_read_into_the_page_cache_at_once(tmp_path: Path) -> None:
+    # A cold page cache made each token's first lookup a read from the disk. The table (32 MiB) follows 32 MiB of
+    # another tensor: reading the header reads ahead (up to the disk's read_ahead_kb, 8 MiB here), not that far;
+    # and the kernel reads at most that window for one madvise.
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(8 * 2**20), "table": torch.randn(8192, 1024)}, str(path))
+    with path.open("rb") as file:
+        os.fsync(file.fileno())  # dirty pages stay cached: once on the disk, the file's pages can be dropped
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    weights = Weights.from_dir(tmp_path, CPU, torch.float32)
+    with path.open("rb") as file:
+        probe = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    table_bytes = 8192 * 1024 * 4
+    cold = _pages_in_memory(ctypes.addressof(ctypes.c_char.from_buffer(probe)) + len(probe) - table_bytes, table_bytes)
+    if cold[0] > cold[1] // 4:
+        pytest.skip("this file system keeps the file's pages in memory: there is no cold page cache to read into")
+    rows = weights.mapped_rows("table", 0, 8192)
+    assert rows is not None
+    deadline = time.monotonic() + 10
+    while (found := _pages_in_memory(rows.data_ptr(), table_bytes))[0] < found[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert found[0] == found[1]
 
 
 def test_no_mapped_rows_off_the_cpu_or_for_an_empty_block(model_dir: Path) -> None:

@@ -20,6 +20,10 @@ from safetensors import safe_open
 if TYPE_CHECKING:  # layers/quantized_weight imports config; weights stays a leaf module
     from textgen_server.layers.quantized_weight import QuantConfig
 
+# The bytes of a mapped table asked into the page cache a call (`mapped_rows`): a disk's whole read-ahead window
+# at the smallest (read_ahead_kb, 128 KiB by default), and a 1B Llama's table in about a thousand calls.
+WILLNEED_BYTES = 128 * 2**10
+
 
 class Weights:
     """Tensor name -> safetensors file map over every `*.safetensors` file of a model directory.
@@ -137,6 +141,12 @@ class Weights:
             table = mmap.mmap(file.fileno(), length, access=mmap.ACCESS_COPY, offset=aligned)
         # One lookup reads one row: the kernel's read-ahead would bring in (and count) its neighbours too.
         table.madvise(mmap.MADV_RANDOM)
+        # But the file's pages of the table are read into the page cache now, in the background (they are the
+        # process's only once a lookup maps them): where the cache did not hold them, each token's first lookup
+        # waited for its page from the disk, 0.2-0.5 ms a decode step on the small Llama (benchmark/README.md,
+        # "A decode step's layers in two C++ calls"). The kernel reads at most its read-ahead window a call.
+        for at in range(0, length, WILLNEED_BYTES):
+            table.madvise(mmap.MADV_WILLNEED, at, min(WILLNEED_BYTES, length - at))
         rows = torch.frombuffer(table, dtype=dtype, count=(stop - start) * cols, offset=offset - aligned)
         return rows.view(stop - start, cols)
 
