@@ -7,7 +7,7 @@ used by requests without blocks, hands out high ones), so every request here is 
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,11 +27,10 @@ from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
 from textgen_server.layers.cpu_ops import kernel_available
 from textgen_server.loader import get_model
-from textgen_server.models.decode_ahead import DecodeAhead
 from textgen_server.models.kv_pool import POOL_TOKENS_ENV, SelfAllocator
 from textgen_server.models.model import InvalidRequestError, InvalidRequestsError
 from textgen_server.models.paged_batch import PagedBatch
-from textgen_server.models.paged_lm import AHEAD_MAX_ROWS, PagedCausalLM
+from textgen_server.models.paged_lm import PagedCausalLM
 
 POOL_TOKENS = 20_000
 SHARED = "You are a careful assistant who answers in one short sentence. " * 4
@@ -127,84 +126,6 @@ def test_decode_rows_through_the_blocks_and_the_straight_layer_path_give_the_mod
     if not kernel_available():
         pytest.skip("the C++ ops do not build here: every step takes the modules' forward")
     check_decode_paths(paged_model(tiny_llama, dtype=dtype), rows)
-
-
-class CountingAhead(DecodeAhead):
-    """DecodeAhead that counts the forwards a step took from it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = 0
-
-    def take(self, owner: object, state: Hashable) -> tuple[torch.Tensor, int] | None:
-        found = super().take(owner, state)
-        self.used += found is not None
-        return found
-
-
-def test_forwards_run_ahead_give_the_tokens_of_steps_computed_in_turn(tiny_llama: Path, llama_oracle: HFOracle) -> None:
-    """As the servicer does once each answer is sent, the model runs the next step's forward ahead (`run_ahead`);
-    a request leaving the batch after that (FilterBatch) leaves the forward unused, and the others' tokens are
-    still the oracle's."""
-    model = paged_model(tiny_llama)
-    model.ahead = ahead = CountingAhead()
-    prompts = ["def foo(x):", "class A:\n    pass\n", "x"]
-    batch: PagedBatch | None = PagedBatch.from_pb(
-        make_batch(1, [make_request(i, p, 8 if i else 3) for i, p in enumerate(prompts)]), model
-    )
-    tokens: dict[int, list[int]] = {}
-    steps = 0
-    while batch is not None:
-        generations, batch, _ = model.generate_token(batch)
-        model.run_ahead()
-        record(tokens, generations)
-        steps += 1
-        if steps == 5:  # request 2 cancelled: the forward that ran ahead is not this batch's next
-            batch = batch.filter([1]) if batch is not None else None
-        done = {g.request_id for g in generations if g.HasField("generated_text")}
-        if batch is not None and done:
-            batch = batch.filter([r.id for r in batch.requests if r.id not in done])
-    assert tokens[1] == llama_oracle.greedy(prompts[1], 8) and tokens[2] == llama_oracle.greedy(prompts[2], 8)[:5]
-    assert tokens[0] == llama_oracle.greedy(prompts[0], 3)  # it stopped at step 3: no forward ahead after it
-    # Every step took its forward from the step before but the prefill and the steps after the stop and the cancel.
-    assert steps == 8 and ahead.used == 5
-
-
-def test_no_forward_runs_ahead_for_more_rows_or_when_switched_off(tiny_llama: Path) -> None:
-    model = paged_model(tiny_llama)
-    model.ahead = ahead = CountingAhead()
-    many = [make_request(i, "x" * (i + 1), 4) for i in range(AHEAD_MAX_ROWS + 1)]
-    for requests, decodes_ahead in ((many, True), (many[:1], False)):
-        model.decodes_ahead = decodes_ahead
-        batch: PagedBatch | None = PagedBatch.from_pb(make_batch(2, requests), model)
-        while batch is not None:
-            _, batch, _ = model.generate_token(batch)
-            model.run_ahead()
-    assert ahead.used == 0
-
-
-def test_a_forward_ahead_runs_once_for_its_batch_and_state_and_keeps_its_error() -> None:
-    ahead, owner, calls = DecodeAhead(), object(), []
-    logits = torch.ones(1, 4)
-    ahead.start(owner, (1,), lambda: calls.append(1) or logits)
-    assert ahead.take(owner, (2,)) is None and calls == []  # another state: never run
-    ahead.start(owner, (1,), lambda: calls.append(1) or logits)
-    ahead.run()
-    ahead.run()
-    found = ahead.take(owner, (1,))
-    assert found is not None and found[0] is logits and calls == [1]
-    assert ahead.take(owner, (1,)) is None  # taken once
-
-    def fails() -> torch.Tensor:
-        raise RuntimeError("device lost")
-
-    ahead.start(owner, (1,), fails)
-    ahead.run()  # in the servicer's callback: nothing raised there
-    with pytest.raises(RuntimeError, match="device lost"):
-        ahead.take(owner, (1,))
-    ahead.start(owner, (1,), fails)
-    ahead.run()
-    assert ahead.take(object(), (1,)) is None  # an unused forward's error is nobody's
 
 
 def test_a_prefix_hit_computes_only_the_postfix(model: PagedCausalLM, llama_oracle: HFOracle) -> None:

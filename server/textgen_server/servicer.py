@@ -97,10 +97,10 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             raise BatchNotFoundError(request.cached_batch.id)
         batch = self.model.batch_type.from_pb(request.batch, self.model)
         if not chunking:
-            return self._step(generate_pb2.PrefillResponse, batch, start, None, context)
+            return self._step(generate_pb2.PrefillResponse, batch, start, concat_ns=None)
         concat_start = time.perf_counter_ns()
         batch = self.model.batch_type.concatenate([self.cache.pop(request.cached_batch.id), batch])
-        return self._step(generate_pb2.PrefillResponse, batch, start, time.perf_counter_ns() - concat_start, context)
+        return self._step(generate_pb2.PrefillResponse, batch, start, time.perf_counter_ns() - concat_start)
 
     async def Decode(self, request: generate_pb2.DecodeRequest, context: object) -> generate_pb2.DecodeResponse:
         start = time.perf_counter_ns()
@@ -121,17 +121,12 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             concat_ns = time.perf_counter_ns() - concat_start
         else:
             batch = batches[0]
-        return self._step(generate_pb2.DecodeResponse, batch, start, concat_ns, context)
+        return self._step(generate_pb2.DecodeResponse, batch, start, concat_ns)
 
-    def _step(self, response_type: type[R], batch: Batch, start: int, concat_ns: int | None, context: object) -> R:
-        """Run one step, cache the batch it leaves (if any request is left) and build the reply; once the reply
-        is sent, the model works ahead on the next step (`Model.run_ahead`) while the router handles it."""
+    def _step(self, response_type: type[R], batch: Batch, start: int, concat_ns: int | None) -> R:
+        """Run one step, cache the batch it leaves (if any request is left) and build the reply."""
         generations, next_batch, (forward_ns, decode_ns) = self.model.generate_token(batch)
         self.cache.set(next_batch)
-        # grpc.aio's context (its class is not registered as a grpc.aio.ServicerContext)
-        done_callback = getattr(context, "add_done_callback", None)
-        if next_batch is not None and done_callback is not None:
-            done_callback(lambda _: self.model.run_ahead())
         return response_type(
             generations=generations,
             batch=next_batch.to_pb() if next_batch is not None else None,

@@ -259,10 +259,6 @@ class Model(ABC, Generic[B]):
             max_input_tokens = max_total_tokens - 1
         return None, max_input_tokens, max_total_tokens
 
-    def run_ahead(self) -> None:
-        """Called by the servicer once a step's answer is sent: work the next step of the same batch can use
-        (PagedCausalLM: its forward, models/decode_ahead.py). None here."""
-
     def health(self) -> None:
         """A real (tiny) tensor op on the model's device; raises if the device is unusable."""
         probe = torch.ones((2, 2), dtype=self.config.dtype, device=self.config.device)

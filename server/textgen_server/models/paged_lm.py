@@ -28,7 +28,6 @@ from textgen_server.config import PagingConfig, ShardConfig
 from textgen_server.layers.lora import AdapterSegments
 from textgen_server.layers.paged_attention import row_key_slots
 from textgen_server.models.cuda_graphs import DecodeGraphs
-from textgen_server.models.decode_ahead import DecodeAhead
 from textgen_server.models.generations import emit_generations, prompt_logprobs
 from textgen_server.models.kv_pool import KVPool, free_memory, pool_blocks
 from textgen_server.models.model import Model
@@ -41,12 +40,6 @@ if TYPE_CHECKING:
     from textgen_server.tokenizer import ShardTokenizer
 
 logger = logging.getLogger(__name__)
-
-# The most rows whose next forward runs ahead (models/decode_ahead.py). A forward the router's next call cannot use
-# (a request joined or left the batch) delays that call by one step; a batch of a few rows changes rarely, and its
-# step is short enough that the round trip it hides (about 1.1 ms here) is worth it: 20-25% of a small model's
-# batch-1 step on the 2-core Zen 3 (benchmark/README.md, "The next decode step's forward, ahead").
-AHEAD_MAX_ROWS = 4
 
 
 class PagedCausalLM(Model[PagedBatch]):
@@ -62,10 +55,6 @@ class PagedCausalLM(Model[PagedBatch]):
         self.max_prefill_tokens: int | None = None  # the step's token budget, from Warmup (chunk sizes)
         self._pool: KVPool | None = None
         self.graphs: DecodeGraphs | None = None  # captured at Warmup on a GPU when CUDA_GRAPHS names sizes
-        # The next decode step's forward, computed while this one's answer travels (models/decode_ahead.py);
-        # `decodes_ahead` False keeps none.
-        self.ahead = DecodeAhead()
-        self.decodes_ahead = True
 
     @property
     def batch_type(self) -> type[PagedBatch]:
@@ -135,12 +124,12 @@ class PagedCausalLM(Model[PagedBatch]):
         self, batch: PagedBatch
     ) -> tuple[list[generate_pb2.Generation], PagedBatch | None, tuple[int, int]]:
         start = time.perf_counter_ns()
-        ahead = self.ahead.take(batch, _ahead_state(batch))
         prefilling = [c < p for c, p in zip(batch.cache_lengths, batch.prompt_lengths, strict=True)]
         # TGI's flash models: prompt logprobs only with REQUEST_LOGPROBS on, else no request gets prefill tokens.
         want_prompt_logprobs = self.paging.prompt_logprobs and any(
             r.prefill_logprobs and p for r, p in zip(batch.requests, prefilling, strict=True)
         )
+        input_ids, positions, step = self._step(batch)
         ends = list(itertools.accumulate(batch.chunk_lengths))
         # The logits rows choose from: each row's last position, and with guesses fed, the positions of its last
         # real token and of each guess (the token after each), row i's first at firsts[i].
@@ -154,23 +143,13 @@ class PagedCausalLM(Model[PagedBatch]):
             picked = torch.tensor([p for row in fed for p in row])
         else:
             firsts = list(range(len(batch)))
-            picked = torch.tensor([end - 1 for end in ends])
-        ahead_ns = 0
-        if ahead is not None:
-            logits, ahead_ns = ahead
-        else:
-            input_ids, positions, step = self._step(batch)
-            segments = None
-            if any(batch.adapter_indices):
-                segments = AdapterSegments.of(batch.adapter_indices, batch.chunk_lengths, input_ids.device)
-            logits = self._logits(
-                batch,
-                input_ids,
-                positions,
-                step,
-                None if want_prompt_logprobs else picked.to(input_ids.device),
-                segments,
-            )
+            picked = step.cu_seqlens_q[1:].long() - 1
+        segments = None
+        if any(batch.adapter_indices):
+            segments = AdapterSegments.of(batch.adapter_indices, batch.chunk_lengths, input_ids.device)
+        logits = self._logits(
+            batch, input_ids, positions, step, None if want_prompt_logprobs else picked.to(input_ids.device), segments
+        )
         if want_prompt_logprobs:
             self._keep_prompt_logprobs(batch, logits, [0, *ends])
             logits = logits.index_select(0, picked.to(logits.device))
@@ -183,8 +162,7 @@ class PagedCausalLM(Model[PagedBatch]):
             for k, i in enumerate(emitting):
                 if batch.speculative_ids[i]:
                     batch.cache_lengths[i] = cache_lengths[i] + len(chosen.ids[k])
-        # A forward run ahead counts as this step's, though it ran before the call.
-        forward_ns = time.perf_counter_ns() - start + ahead_ns
+        forward_ns = time.perf_counter_ns() - start
 
         decode_start = time.perf_counter_ns()
         generations, stopped = emit_generations(self, batch, emitting, chosen, by_request_id=True)
@@ -194,33 +172,7 @@ class PagedCausalLM(Model[PagedBatch]):
         if len(emitting) == len(batch) and all(stopped):
             batch.release()
             return generations, None, (forward_ns, time.perf_counter_ns() - decode_start)
-        if self.decodes_ahead and not any(stopped) and len(batch) <= AHEAD_MAX_ROWS and self._runs_ahead(batch):
-            self._start_ahead(batch)
         return generations, batch, (forward_ns, time.perf_counter_ns() - decode_start)
-
-    def _runs_ahead(self, batch: PagedBatch) -> bool:
-        """Whether the batch's next step can be computed ahead (`DecodeAhead`): every row decodes one token of the
-        base model (so no image token: its prompt is computed), on one CPU shard without guesses."""
-        return (
-            self.config.device.type == "cpu"
-            and self.config.world_size == 1
-            and not self.paging.speculate
-            and not any(batch.adapter_indices)
-            and all(n == 1 for n in batch.chunk_lengths)
-            and all(c + 1 == len(ids) for c, ids in zip(batch.cache_lengths, batch.all_input_ids, strict=True))
-        )
-
-    def run_ahead(self) -> None:
-        self.ahead.run()
-
-    def _start_ahead(self, batch: PagedBatch) -> None:
-        """Keep the forward of the batch's next step (`ahead`); its inputs are found here, while the batch is as
-        that step will find it unless the router changes it."""
-        input_ids, positions, step = self._step(batch)
-        last = step.cu_seqlens_q[1:].long() - 1
-        self.ahead.start(
-            batch, _ahead_state(batch), lambda: self.module.forward_paged(input_ids, positions, step, last, None)
-        )
 
     def _logits(
         self,
@@ -376,16 +328,6 @@ class PagedCausalLM(Model[PagedBatch]):
                 chunks[i] = max(min(remaining, budget), 1) if self.max_prefill_tokens else remaining
                 budget -= chunks[i]
         batch.chunk_lengths = chunks
-
-
-def _ahead_state(batch: PagedBatch) -> tuple[object, ...]:
-    """What a decode step's forward is computed from: the rows, their cache lengths and last tokens."""
-    return (
-        tuple(r.id for r in batch.requests),
-        tuple(batch.cache_lengths),
-        tuple(batch.chunk_lengths),
-        tuple(ids[-1] for ids in batch.all_input_ids),
-    )
 
 
 def _choose_rows(
