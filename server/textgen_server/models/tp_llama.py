@@ -448,9 +448,9 @@ class DecoderLayer(nn.Module):
 
         `blocks` (`self.blocks(kernel)`): the same in two C++ calls, textgen::decode_attention_block and
         decode_mlp_block (layers/decode_blocks.cpp), each the same ops in the same order on the same tensors, so the
-        same bits; the row-parallel projections' all_reduce between and after them. On the small Llama's batch-1
-        step the Python between the ops cost about 1.3 ms of 5.4 (benchmark/README.md, "A decode step's layers in
-        two C++ calls")."""
+        same bits; the row-parallel projections' all_reduce between and after them. The small GPTQ Llama's batch-1
+        step went from 4.5-4.9 to 3.8-3.9 ms this way (benchmark/README.md, "A decode step's layers in two C++
+        calls")."""
         if blocks is not None:
             attn, layer = self.self_attn, self.self_attn.layer_idx
             hidden, out = torch.ops.textgen.decode_attention_block(
