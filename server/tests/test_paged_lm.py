@@ -25,6 +25,7 @@ from shard_helpers import (
 
 from textgen_pb import generate_pb2 as pb
 from textgen_server.config import ServeConfig
+from textgen_server.layers import linear_choice
 from textgen_server.layers.cpu_ops import kernel_available
 from textgen_server.loader import get_model
 from textgen_server.models.kv_pool import POOL_TOKENS_ENV, SelfAllocator
@@ -116,15 +117,19 @@ def test_bfloat16_matches_transformers_eager(tiny_llama: Path, cpu_ops: str, mon
     check_uneven_batch(model, HFOracle(tiny_llama, "bfloat16", "eager"))
 
 
+@pytest.mark.parametrize("path", ["linear", "gemv"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_rows_through_the_blocks_and_the_straight_layer_path_give_the_module_path_s_bits(
-    tiny_llama: Path, dtype: str, rows: int
+    tiny_llama: Path, dtype: str, rows: int, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A paged step of decode rows runs the C++ decode blocks (`DecoderLayer.decode` given `blocks`) where the C++ ops
-    build and every projection is one op they call, else `DecoderLayer.decode` (the fused ops called straight)."""
+    """A paged step of decode rows runs the C++ decode blocks (`DecoderLayer.decode` given `blocks`) where the C++
+    ops build and every projection is one op they call, else `DecoderLayer.decode` (the fused ops called straight).
+    The projections' path is forced (`F.linear`, or `gemv` where it serves and `F.linear` elsewhere): what the
+    timing would choose depends on the CPU, and some paths are not ops the blocks call."""
     if not kernel_available():
         pytest.skip("the C++ ops do not build here: every step takes the modules' forward")
+    monkeypatch.setenv(linear_choice.ENV, path)
     check_decode_paths(paged_model(tiny_llama, dtype=dtype), rows)
 
 
