@@ -35,38 +35,33 @@ enum Kind : int64_t { LINEAR = 0, GEMV = 1, INT4 = 2, INT8 = 3 };
 
 using Weights = c10::List<std::optional<at::Tensor>>;
 
-// The textgen ops, found once through the dispatcher (each registered by its own source file).
+// The textgen ops' signatures, and the ops found once through the dispatcher (each registered by its own source).
+using T = const at::Tensor&;
+using NormSig = at::Tensor(T, T, double);
+using AddNormSig = std::tuple<at::Tensor, at::Tensor>(T, T, T, double);
+using RotarySig = void(at::Tensor&, T, T);
+using WriteKvSig = void(at::Tensor&, at::Tensor&, T, T, T);
+using AttentionSig = at::Tensor(T, T, T, T, T, double, int64_t);
+using SiluMulSig = at::Tensor(T);
+using GemvSig = at::Tensor(T, T, const std::optional<at::Tensor>&, int64_t, int64_t);
+using Int4GemvSig = at::Tensor(T, T, T, int64_t);
+using Int8GemvSig = at::Tensor(T, T, T);
+
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> textgen_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      textgen_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("textgen::rms_norm");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                              const at::Tensor&, double)>
-      add_rms_norm = textgen_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                   const at::Tensor&, double)>("textgen::add_rms_norm");
-  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&)> rotary =
-      textgen_op<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>("textgen::rotary_");
-  c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
-      write_kv = textgen_op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "textgen::write_kv");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double, int64_t)>
-      attention = textgen_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                        const at::Tensor&, double, int64_t)>("textgen::paged_decode_attention");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul =
-      textgen_op<at::Tensor(const at::Tensor&)>("textgen::silu_mul");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                      int64_t, int64_t)>
-      gemv = textgen_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-                                   int64_t)>("textgen::gemv");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)> int4_gemv =
-      textgen_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>("textgen::int4_gemv");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)> int8_gemv =
-      textgen_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("textgen::int8_gemv");
+  c10::TypedOperatorHandle<NormSig> rms_norm = textgen_op<NormSig>("textgen::rms_norm");
+  c10::TypedOperatorHandle<AddNormSig> add_rms_norm = textgen_op<AddNormSig>("textgen::add_rms_norm");
+  c10::TypedOperatorHandle<RotarySig> rotary = textgen_op<RotarySig>("textgen::rotary_");
+  c10::TypedOperatorHandle<WriteKvSig> write_kv = textgen_op<WriteKvSig>("textgen::write_kv");
+  c10::TypedOperatorHandle<AttentionSig> attention = textgen_op<AttentionSig>("textgen::paged_decode_attention");
+  c10::TypedOperatorHandle<SiluMulSig> silu_mul = textgen_op<SiluMulSig>("textgen::silu_mul");
+  c10::TypedOperatorHandle<GemvSig> gemv = textgen_op<GemvSig>("textgen::gemv");
+  c10::TypedOperatorHandle<Int4GemvSig> int4_gemv = textgen_op<Int4GemvSig>("textgen::int4_gemv");
+  c10::TypedOperatorHandle<Int8GemvSig> int8_gemv = textgen_op<Int8GemvSig>("textgen::int8_gemv");
 };
 
 const Ops& ops() {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, cast
@@ -379,10 +379,13 @@ class MLP(nn.Module):
 class LayerBlocks(NamedTuple):
     """A decoder layer's arguments to the C++ decode blocks (layers/decode_blocks.cpp) for one bucket of rows:
     `attention` (norm weight, eps, kinds, weights, ints, shape, scale, window) and `mlp` (norm weight, eps, kinds,
-    weights, ints), each block's two projections as its schema takes them."""
+    weights, ints), each block's two projections as its schema takes them; and, found once rather than through the
+    modules at every step, the layer's index in the KV pool and the row-parallel projections' all_reduce."""
 
     attention: tuple[object, ...]
     mlp: tuple[object, ...]
+    layer: int
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _projections(first: Direct, second: Direct) -> tuple[list[int], list[torch.Tensor | None], list[int]]:
@@ -452,21 +455,20 @@ class DecoderLayer(nn.Module):
         step went from 4.5-4.9 to 3.8-3.9 ms this way (benchmark/README.md, "A decode step's layers in two C++
         calls")."""
         if blocks is not None:
-            attn, layer = self.self_attn, self.self_attn.layer_idx
             hidden, out = torch.ops.textgen.decode_attention_block(
                 hidden,
                 pending,
                 *blocks.attention,
                 cos,
                 sin,
-                step.pool.keys[layer],
-                step.pool.values[layer],
+                step.pool.keys[blocks.layer],
+                step.pool.values[blocks.layer],
                 step.slots,
                 step.block_tables,
                 step.seq_lens,
             )
-            hidden, out = torch.ops.textgen.decode_mlp_block(hidden, attn.o_proj.dist.all_reduce(out), *blocks.mlp)
-            return hidden, self.mlp.down.dist.all_reduce(out)
+            hidden, out = torch.ops.textgen.decode_mlp_block(hidden, blocks.all_reduce(out), *blocks.mlp)
+            return hidden, blocks.all_reduce(out)
         attn, mlp = self.self_attn, self.mlp
         if pending is None:
             normed = self.input_layernorm(hidden)
@@ -494,9 +496,12 @@ class DecoderLayer(nn.Module):
             return None
         norms = self.input_layernorm, self.post_attention_layernorm
         shape = [attn.rotated, attn.split[0], attn.split[1], attn.head_dim]
+        assert attn.o_proj.dist is mlp.down.dist, "one tensor-parallel group a model"
         return LayerBlocks(
             (norms[0].weight, norms[0].eps, *_projections(qkv, o), shape, attn.scaling, attn.window or 0),
             (norms[1].weight, norms[1].eps, *_projections(gate_up, down)),
+            attn.layer_idx,
+            attn.o_proj.dist.all_reduce,
         )
 
 
