@@ -1,4 +1,4 @@
-"""ExceptionInterceptor on a real grpc.aio server and unix socket: status mapping and fatal shutdown."""
+"""ErrorMapping around a servicer on a real grpc.aio server and unix socket: status mapping and fatal shutdown."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from textgen_pb import generate_pb2 as pb
 from textgen_pb import generate_pb2_grpc
 from textgen_server.cache import BatchNotFoundError
-from textgen_server.interceptor import ExceptionInterceptor
+from textgen_server.interceptor import ErrorMapping, wrap_rpcs
 
 
 class Failing(generate_pb2_grpc.TextGenerationServiceServicer):
@@ -46,8 +46,10 @@ def test_errors_map_to_status_and_runtime_error_shuts_down(
 
     async def scenario() -> grpc.aio.AioRpcError:
         path = f"/tmp/tg-icpt-{uuid.uuid4().hex[:8]}"
-        server = grpc.aio.server(interceptors=[ExceptionInterceptor(lambda: shutdowns.append(True))])
-        generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(Failing(), server)
+        servicer = Failing()
+        wrap_rpcs(servicer, ErrorMapping(lambda: shutdowns.append(True)))
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
         server.add_insecure_port(f"unix://{path}")
         await server.start()
         try:

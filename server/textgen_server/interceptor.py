@@ -1,14 +1,17 @@
-"""gRPC server interceptors: error mapping (every RPC) and OpenTelemetry spans (when --otlp-endpoint is set).
+"""What wraps every RPC of the shard: error mapping, and OpenTelemetry spans when --otlp-endpoint is set.
 
 Error contract with the router: an unknown batch id answers NOT_FOUND, bad input INVALID_ARGUMENT, anything
 else INTERNAL, each with `str(error)` as the message. A RuntimeError is treated as a broken device (as TGI
 does): after answering, the shard shuts itself down so the launcher notices and stops the group.
+
+The wrappers replace the servicer's methods once, when the server is built, rather than being grpc.aio server
+interceptors: the server awaits an interceptor chain on every call, which cost 30-45 us of a 1 ms Health round
+trip on a 2-core VM (benchmark/README.md, "gRPC's floor"). A batch-1 decode step pays it on every token.
 """
 
 from __future__ import annotations
 
 import logging
-from abc import abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,33 +19,26 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from textgen_pb import generate_pb2
 from textgen_server.cache import BatchNotFoundError
 
 logger = logging.getLogger("textgen_server.interceptor")
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+# Wraps the handler of one RPC (its full name, e.g. "/generate.v3.TextGenerationService/Health").
+Wrapper = Callable[[str, Handler], Handler]
+
+SERVICE = generate_pb2.DESCRIPTOR.services_by_name["TextGenerationService"]
 
 
-class UnaryInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps the behaviour of every unary-unary RPC (all of generate.v3's) with `wrap`."""
-
-    @abstractmethod
-    def wrap(self, inner: Handler, details: grpc.HandlerCallDetails) -> Handler:
-        """The behaviour to run instead of `inner` for the RPC `details.method`."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        return grpc.unary_unary_rpc_method_handler(
-            self.wrap(handler.unary_unary, details),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+def wrap_rpcs(servicer: object, *wrappers: Wrapper) -> None:
+    """Replace each generate.v3 RPC method of `servicer` (on the instance) by its wrapped form, the first wrapper
+    outermost. Call it before `add_TextGenerationServiceServicer_to_server`, which reads the methods."""
+    for method in SERVICE.methods:
+        handler: Handler = getattr(servicer, method.name)
+        for wrap in reversed(wrappers):
+            handler = wrap(f"/{SERVICE.full_name}/{method.name}", handler)
+        setattr(servicer, method.name, handler)
 
 
 def status_for(error: Exception) -> grpc.StatusCode:
@@ -53,14 +49,14 @@ def status_for(error: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-class ExceptionInterceptor(UnaryInterceptor):
+class ErrorMapping:
     """Logs each failed RPC once and answers it with the mapped status; RuntimeError stops the shard."""
 
     def __init__(self, shutdown: Callable[[], None]) -> None:
         self.shutdown = shutdown
 
-    def wrap(self, inner: Handler, details: grpc.HandlerCallDetails) -> Handler:
-        method = details.method.rsplit("/", 1)[-1]
+    def __call__(self, name: str, inner: Handler) -> Handler:
+        method = name.rsplit("/", 1)[-1]
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
@@ -80,24 +76,21 @@ class ExceptionInterceptor(UnaryInterceptor):
         return guarded
 
 
-class TracingInterceptor(UnaryInterceptor):
+class Tracing:
     """One SERVER span per RPC, child of the W3C `traceparent` the router sends as gRPC metadata."""
 
     def __init__(self) -> None:
         self.tracer = trace.get_tracer("textgen_server")
         self.propagator = TraceContextTextMapPropagator()
 
-    def wrap(self, inner: Handler, details: grpc.HandlerCallDetails) -> Handler:
-        carrier = {key: value for key, value in (details.invocation_metadata or ()) if isinstance(value, str)}
-        parent = self.propagator.extract(carrier)
-        method = details.method
+    def __call__(self, name: str, inner: Handler) -> Handler:
+        attributes = {"rpc.system": "grpc", "rpc.method": name.rsplit("/", 1)[-1]}
 
         async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            metadata = context.invocation_metadata() or ()
+            carrier = {key: value for key, value in metadata if isinstance(value, str)}
             with self.tracer.start_as_current_span(
-                method,
-                context=parent,
-                kind=trace.SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.method": method.rsplit("/", 1)[-1]},
+                name, context=self.propagator.extract(carrier), kind=trace.SpanKind.SERVER, attributes=attributes
             ):
                 return await inner(request, context)
 

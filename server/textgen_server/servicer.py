@@ -16,7 +16,7 @@ from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_pb import generate_pb2, generate_pb2_grpc
 from textgen_server.cache import BatchNotFoundError, Cache
 from textgen_server.config import ServeConfig
-from textgen_server.interceptor import ExceptionInterceptor, TracingInterceptor
+from textgen_server.interceptor import ErrorMapping, Tracing, Wrapper, wrap_rpcs
 from textgen_server.models.model import Batch, InvalidRequestError, KVCacheFullError, Model
 
 logger = logging.getLogger("textgen_server.servicer")
@@ -25,7 +25,7 @@ R = TypeVar("R", generate_pb2.PrefillResponse, generate_pb2.DecodeResponse)
 
 
 class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
-    """Every RPC of generate.v3. Errors are raised, and mapped to gRPC codes by ExceptionInterceptor."""
+    """Every RPC of generate.v3. Errors are raised, and mapped to gRPC codes by interceptor.ErrorMapping."""
 
     def __init__(self, model: Model, cache: Cache, server_urls: list[str]) -> None:
         self.model = model
@@ -165,14 +165,13 @@ async def serve(model: Model, config: ServeConfig) -> bool:
         fatal = True
         stop.set()
 
-    interceptors: list[grpc.aio.ServerInterceptor] = [ExceptionInterceptor(shutdown_after_fatal_error)]
+    wrappers: list[Wrapper] = [ErrorMapping(shutdown_after_fatal_error)]
     if config.otlp_endpoint:
-        interceptors.append(TracingInterceptor())
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=GRPC_OPTIONS,
-    )
-    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(model, Cache(), urls), server)
+        wrappers.append(Tracing())
+    servicer = TextGenerationService(model, Cache(), urls)
+    wrap_rpcs(servicer, *wrappers)
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
     server.add_insecure_port(local_url)
     await server.start()
     logger.info("Server started at %s", local_url)
