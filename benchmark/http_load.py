@@ -186,7 +186,8 @@ def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: i
     """shard_w1.py's run (W1 over gRPC into one shard, no router process) as a row of this script's results."""
     from textgen_benchmark import baseline  # imports torch: only paid when the baseline is asked for
 
-    report = baseline.measure(Path(model), jobs, budgets, threads, dtype or "float32")
+    report, ceiling = baseline.measure(Path(model), jobs, budgets, threads, dtype or "float32")
+    print(f"projections' least times (fastest path, GFLOP/s):\n{ceiling.rates()}", file=sys.stderr)
     return {
         "server": "textgen shard-only",
         "route": "grpc",
@@ -200,6 +201,7 @@ def measure_shard_only(model: str, jobs: list[Job], budgets: Budgets, threads: i
         "decode_step_p50_ms": report.decode_step_p50_ms,
         "prefill_s": report.prefill_s,
         "shard_cpu_s": report.shard_cpu_s,
+        "ceiling_tok_s": report.ceiling_tok_s,
     }
 
 
@@ -315,6 +317,14 @@ def report(args: argparse.Namespace, budgets: Budgets, public: list[dict]) -> No
             f"{r['decode_step_p50_ms']:.1f} ms, prefill {r['prefill_s']:.2f} s, "
             f"shard CPU {r['shard_cpu_s']:.1f} s"
         )
+    for ceiling in (r["ceiling_tok_s"] for r in public if "ceiling_tok_s" in r):
+        # The shard-only run's steps are the schedule every textgen row runs (the same batching loop).
+        reached = ", ".join(
+            f"{r['server']} {r['route']} {r['throughput_tok_s'] / ceiling:.1%}"
+            for r in public
+            if "textgen" in r["server"]
+        )
+        print(f"projections' FLOP ceiling of the shard-only run's steps: {ceiling:.1f} tok/s; reached: {reached}")
     for r in public:
         if r["first_error"]:
             print(f"{r['server']} {r['route']}: first error: {r['first_error']}", file=sys.stderr)

@@ -5,6 +5,9 @@ The default budgets (textgen_benchmark.w1.workload_budgets) hold the whole workl
 at once. The shard gets OMP_NUM_THREADS as the launcher's shard would: the value of this environment, else
 torch's default for this machine.
 
+Also printed: the run's projections' FLOP ceiling (textgen_benchmark.ceiling), the products its steps need at
+the fastest rate each shape and row count reaches on this CPU, timed after the shard stops.
+
 Usage: python benchmark/shard_w1.py [--model-dir DIR] [-n 64] [--seed 0] [--max-batch-prefill-tokens N]
        [--max-batch-total-tokens N] [--max-input-tokens N] [--max-total-tokens N] [--threads T] [--json PATH]
 """
@@ -35,8 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = args.model_dir or small_model()
     jobs = make_workload(str(model_dir), args.requests, args.seed, "burst", 0.0)
     budgets = workload_budgets(str(model_dir), jobs, args)
-    report = measure(model_dir, jobs, budgets, args.threads or default_threads(), args.dtype)
+    report, ceiling = measure(model_dir, jobs, budgets, args.threads or default_threads(), args.dtype)
     print(summary(report), flush=True)
+    print(f"projections' least times (fastest path, GFLOP/s):\n{ceiling.rates()}")
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2))
     unfinished = [o.id for o in report.outcomes if o.finish_reason is None]

@@ -17,7 +17,7 @@ def test_every_request_ends_and_figures_are_printed(
         *("shard_w1", "--model-dir", str(tiny_llama), "-n", "4", "--threads", "1", "--max-input-tokens", "300"),
         *("--max-batch-prefill-tokens", "64", "--json", str(report_path)),
     )
-    for figure in ("tok/s", "prefill total", "decode steps", "median decode step", "shard CPU"):
+    for figure in ("tok/s", "prefill total", "decode steps", "median decode step", "shard CPU", "FLOP ceiling"):
         assert figure in out, figure
     report = json.loads(report_path.read_text())
     assert report["requests"] == 4 and report["prefills"] >= 2  # 4 prompts of more than 64 tokens in all
@@ -31,3 +31,10 @@ def test_every_request_ends_and_figures_are_printed(
     assert ended - 4 <= report["generated_tokens"] <= ended
     assert report["decode_steps"] >= max(o["generated_tokens"] for o in report["outcomes"]) - 1
     assert report["throughput_tok_s"] > 0 and report["shard_cpu_s"] > 0
+    # Every token fed once: each prompt (less what the prefix cache held, at most the shared BOS) and each
+    # generated token but the last; one row of logits per request in its prefill, one per row of each decode step.
+    fed = sum(o["input_length"] + o["generated_tokens"] - 1 for o in report["outcomes"])
+    rows = sum(step["rows"] for step in report["steps"])
+    assert fed - 4 <= rows <= fed, (rows, fed)
+    assert sum(step["logit_rows"] for step in report["steps"]) >= ended
+    assert 0 < report["ceiling_s"] and report["ceiling_fraction"] == report["ceiling_s"] / report["wall_s"]

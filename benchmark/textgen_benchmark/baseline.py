@@ -10,7 +10,9 @@ schedule, without the router process, HTTP and tokenizer-side streaming. All req
 batching loop first wakes (burst arrival).
 
 Throughput is defined as in http_load: generated non-special tokens / wall time from the first request
-queued to the last token received. Prefill and Decode are timed around the gRPC calls.
+queued to the last token received. Prefill and Decode are timed around the gRPC calls, and the rows each one
+feeds are kept: after the shard stops, the run's projections' FLOP ceiling (textgen_benchmark.ceiling) is
+measured for those steps on the same CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import grpc
 import psutil
 import torch
 
+from textgen_benchmark.ceiling import Ceiling, Step
 from textgen_benchmark.shard import cpu_seconds, start_shard, stop
 from textgen_benchmark.w1 import Budgets, Job, request_body
 from textgen_launcher.args import parse_args as launcher_args
@@ -47,6 +50,7 @@ class Outcome:
 
     id: int
     max_new_tokens: int
+    input_length: int
     generated_tokens: int = 0
     finish_reason: str | None = None
 
@@ -64,16 +68,24 @@ class Report:
     decode_steps: int = 0
     decode_step_p50_ms: float = 0.0
     shard_cpu_s: float = 0.0
+    ceiling_s: float = 0.0  # the steps' projections at the fastest measured rate (textgen_benchmark.ceiling)
+    ceiling_tok_s: float = 0.0
+    ceiling_fraction: float = 0.0  # ceiling_s / wall_s
     outcomes: list[Outcome] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
 
 
 class TimedClient(ShardedClient):
-    """The router's ShardedClient, recording the wall seconds of every Prefill and Decode call."""
+    """The router's ShardedClient, recording the wall seconds of every Prefill and Decode call and the rows each
+    feeds (`steps`). A Prefill's rows are its requests' uncached prompt tokens (or first chunk): `input_lengths`
+    maps each prompt text to its token count, as the router's validation counted it."""
 
     def __init__(self, channels: list[grpc.aio.Channel]) -> None:
         super().__init__(channels)
         self.prefill_s: list[float] = []
         self.decode_s: list[float] = []
+        self.steps: list[Step] = []
+        self.input_lengths: dict[str, int] = {}
 
     async def prefill(
         self,
@@ -81,6 +93,14 @@ class TimedClient(ShardedClient):
         cached_batch: generate_pb2.CachedBatch | None = None,
         sent: Callable[[], None] | None = None,
     ) -> StepResult:
+        rows = sum(
+            r.chunk_len if r.HasField("chunk_len") else self.input_lengths[r.inputs] - r.cache_len
+            for r in batch.requests
+        )
+        riding = [cached_batch] if cached_batch is not None else []
+        self.steps.append(
+            Step(rows + sum(b.current_tokens for b in riding), len(batch.requests) + sum(b.size for b in riding))
+        )
         start = time.perf_counter()
         try:
             return await super().prefill(batch, cached_batch, sent)
@@ -90,6 +110,7 @@ class TimedClient(ShardedClient):
     async def decode(
         self, batches: Sequence[generate_pb2.CachedBatch], sent: Callable[[], None] | None = None
     ) -> StepResult:
+        self.steps.append(Step(sum(b.current_tokens for b in batches), sum(b.size for b in batches)))
         start = time.perf_counter()
         try:
             return await super().decode(batches, sent)
@@ -131,12 +152,17 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
             body = GenerateRequest.model_validate(request_body("generate", job, "tgi")[1])
             requests.append(await validator.validate(body.inputs, body.parameters))
         validator.close()
-        outcomes = [Outcome(i, job.max_new_tokens) for i, job in enumerate(jobs)]
+        client.input_lengths = {r.inputs: r.input_length for r in requests}
+        outcomes = [
+            Outcome(i, job.max_new_tokens, r.input_length)
+            for i, (job, r) in enumerate(zip(jobs, requests, strict=True))
+        ]
 
         report = Report(len(jobs), threads, budgets)
         shard = psutil.Process(pid)
         client.prefill_s.clear()
         client.decode_s.clear()
+        client.steps.clear()
         cpu0, t0 = cpu_seconds(shard), time.perf_counter()
         tokens = await asyncio.gather(*(_run_one(backend.infer, r, o) for r, o in zip(requests, outcomes, strict=True)))
         report.wall_s = time.perf_counter() - t0
@@ -149,6 +175,7 @@ async def drive(socket: str, pid: int, model_dir: Path, jobs: list[Job], budgets
     report.decode_steps = len(client.decode_s)
     report.decode_step_p50_ms = statistics.median(client.decode_s) * 1e3 if client.decode_s else 0.0
     report.outcomes = outcomes
+    report.steps = client.steps
     return report
 
 
@@ -157,14 +184,22 @@ def default_threads() -> int:
     return torch.get_num_threads()
 
 
-def measure(model_dir: Path, jobs: list[Job], budgets: Budgets, threads: int, dtype: str = "float32") -> Report:
-    """Start one shard (`dtype`, `threads` threads), run W1 through it, stop it."""
+def measure(
+    model_dir: Path, jobs: list[Job], budgets: Budgets, threads: int, dtype: str = "float32"
+) -> tuple[Report, Ceiling]:
+    """Start one shard (`dtype`, `threads` threads), run W1 through it, stop it; then time the run's steps'
+    projections on this CPU for its ceiling."""
     uds = f"/tmp/textgen-w1-{os.getpid()}"
     proc = start_shard(model_dir, uds, threads, dtype=dtype)
     try:
-        return asyncio.run(drive(f"{uds}-0", proc.pid, model_dir, jobs, budgets, threads))
+        report = asyncio.run(drive(f"{uds}-0", proc.pid, model_dir, jobs, budgets, threads))
     finally:
         stop(proc)
+    ceiling = Ceiling(model_dir, getattr(torch, dtype), threads)
+    report.ceiling_s = ceiling.seconds(report.steps)
+    report.ceiling_tok_s = report.generated_tokens / report.ceiling_s
+    report.ceiling_fraction = report.ceiling_s / report.wall_s
+    return report, ceiling
 
 
 def summary(r: Report) -> str:
@@ -173,5 +208,7 @@ def summary(r: Report) -> str:
         f"{r.budgets.max_batch_prefill_tokens}, batch total {r.budgets.max_batch_total_tokens}\n"
         f"generated tokens {r.generated_tokens} in {r.wall_s:.2f} s: {r.throughput_tok_s:.1f} tok/s\n"
         f"prefill total {r.prefill_s:.2f} s ({r.prefills} prefills), decode steps {r.decode_steps}, "
-        f"median decode step {r.decode_step_p50_ms:.1f} ms, shard CPU {r.shard_cpu_s:.1f} s"
+        f"median decode step {r.decode_step_p50_ms:.1f} ms, shard CPU {r.shard_cpu_s:.1f} s\n"
+        f"projections' FLOP ceiling: {r.ceiling_s:.2f} s of products, {r.ceiling_tok_s:.1f} tok/s; "
+        f"this run reached {r.ceiling_fraction:.1%} of it"
     )

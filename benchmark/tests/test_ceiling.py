@@ -1,0 +1,48 @@
+"""textgen_benchmark.ceiling: the projection shapes read from a config, a step's time from the timed grid, and one
+real timing of the shard's paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from textgen_benchmark.ceiling import GRID, Ceiling, Shape, Step, projection_shapes
+from textgen_server.layers.linear_choice import available_paths
+
+
+def test_shapes_are_the_fused_projections_of_the_config(tiny_llama: Path) -> None:
+    layers, head = projection_shapes(tiny_llama)  # hidden 64, 2 layers, 4 heads and 2 kv heads of 16, inter 128
+    assert layers == [Shape(128, 64, 2), Shape(64, 64, 2), Shape(256, 64, 2), Shape(64, 128, 2)]
+    assert head == Shape(1024, 64, 1)
+
+
+def test_a_step_between_grid_rows_takes_the_line_between_their_times(tiny_llama: Path) -> None:
+    ceiling = Ceiling(tiny_llama, torch.float32, 1)
+    layers, head = projection_shapes(tiny_llama)
+    for shape in [*layers, head]:
+        for rows in GRID:  # times as if measured: a fixed cost plus one per row, per shape
+            ceiling.least[(shape.out_features, shape.in_features, rows)] = shape.out_features * (1e-3 + rows * 1e-6)
+            ceiling.paths[(shape.out_features, shape.in_features, rows)] = "linear"
+
+    def expected(rows: int, logit_rows: int) -> float:
+        line = sum(s.count * s.out_features * (1e-3 + rows * 1e-6) for s in layers)
+        return line + head.out_features * (1e-3 + logit_rows * 1e-6)
+
+    for rows in (1, 3, 20, 40, 100, 2048):  # on the grid and between its points: the same straight line
+        assert abs(ceiling.step_seconds(Step(rows, rows)) - expected(rows, rows)) < 1e-12
+    # Past the grid's last point the time scales with the rows; no logits, no head.
+    last = GRID[-1]
+    assert abs(ceiling.step_seconds(Step(3 * last, 0)) - 3 * (expected(last, 0) - head.out_features * 1e-3)) < 1e-9
+    assert ceiling.seconds([Step(1, 1), Step(20, 20)]) == ceiling.step_seconds(Step(1, 1)) + ceiling.step_seconds(
+        Step(20, 20)
+    )
+
+
+def test_a_measured_time_is_the_least_of_the_paths_that_serve(tiny_llama: Path) -> None:
+    ceiling = Ceiling(tiny_llama, torch.float32, 1)
+    seconds = ceiling.step_seconds(Step(4, 4))
+    assert seconds > 0
+    assert set(ceiling.paths.values()) <= set(available_paths(torch.float32, torch.device("cpu")))
+    assert {rows for (_, _, rows) in ceiling.least} == {4}
+    assert ceiling.rates().startswith("  4 rows: ")

@@ -1,0 +1,155 @@
+"""The projections' FLOP ceiling of a run (issue 42): how fast its steps could go if they did nothing but their
+projections, at the fastest rate this CPU reaches for those shapes and row counts, measured in the same run.
+
+A step feeding r token rows runs each decoder layer's q/k/v, o, gate/up and down projections on r rows, and the
+LM head on the rows that take logits (every row of a decode step, each request's last token in a prefill). The
+least time of those products is measured here on the shard's threads, every path the shard's linear choice may
+take (layers/linear_choice.py: `F.linear`, MKL's packed GEMM, oneDNN, textgen's `gemv`) called in turn with its
+weight out of the caches, as in a step. Weights are random in the run's dtype: a product's speed does not depend
+on the values. Each shape is timed at the row counts of GRID (the least of ROUNDS calls) and a step's row count
+between two of them takes the straight line between their times: one least time per distinct row count of a run
+(up to 64 of them) was cheaper in rounds and so noisier, 50-140 GFLOP/s at neighbouring counts on a 2-core VM.
+Row counts above the last are scaled from it (a GEMM's rate is flat there).
+
+The run's ceiling is its generated tokens over the summed least times of its steps; its fraction of the ceiling
+is that sum over its wall time. Attention, the small ops, sampling, gRPC and the router are what the fraction
+leaves out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from bisect import bisect_left
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from textgen_server.layers.linear_choice import (
+    EVICT_MAX,
+    KERNELS,
+    Kernel,
+    available_paths,
+    bucket,
+    last_level_cache_bytes,
+)
+
+GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
+ROUNDS = 5
+# After the first round, a path more than this many times slower than the fastest is not timed again.
+DROP_SLOWER = 2.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    out_features: int
+    in_features: int
+    count: int  # how many of the model's projections have this shape
+
+
+def projection_shapes(model_dir: Path) -> tuple[list[Shape], Shape]:
+    """The decoder layers' projection shapes (fused as the shard runs them: q/k/v, gate/up) and the LM head's,
+    from a Llama-family config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    shapes = [
+        Shape((heads + 2 * kv_heads) * head_dim, hidden, layers),
+        Shape(hidden, heads * head_dim, layers),
+        Shape(2 * inter, hidden, layers),
+        Shape(hidden, inter, layers),
+    ]
+    return shapes, Shape(config["vocab_size"], hidden, 1)
+
+
+@dataclass
+class Step:
+    """One forward: `rows` token rows through the layers, `logit_rows` of them through the LM head."""
+
+    rows: int
+    logit_rows: int
+
+
+@dataclass
+class Ceiling:
+    """Least seconds of each (shape, rows) product, measured once and kept."""
+
+    model_dir: Path
+    dtype: torch.dtype
+    threads: int
+    least: dict[tuple[int, int, int], float] = field(default_factory=dict)  # (out, in, rows) -> seconds
+    paths: dict[tuple[int, int, int], str] = field(default_factory=dict)  # the fastest path of each
+
+    def step_seconds(self, step: Step) -> float:
+        layers, head = projection_shapes(self.model_dir)
+        total = sum(shape.count * self._seconds(shape, step.rows) for shape in layers)
+        return total + (self._seconds(head, step.logit_rows) if step.logit_rows else 0.0)
+
+    def seconds(self, steps: Iterable[Step]) -> float:
+        return sum(self.step_seconds(step) for step in steps)
+
+    def _seconds(self, shape: Shape, rows: int) -> float:
+        if rows >= GRID[-1]:
+            return self._timed(shape, GRID[-1]) * rows / GRID[-1]
+        above = bisect_left(GRID, rows)
+        if GRID[above] == rows:
+            return self._timed(shape, rows)
+        low, high = GRID[above - 1], GRID[above]
+        share = (rows - low) / (high - low)
+        return (1 - share) * self._timed(shape, low) + share * self._timed(shape, high)
+
+    def _timed(self, shape: Shape, rows: int) -> float:
+        key = (shape.out_features, shape.in_features, rows)
+        if key not in self.least:
+            self.least[key], self.paths[key] = self._measure(shape, rows)
+        return self.least[key]
+
+    def _measure(self, shape: Shape, rows: int) -> tuple[float, str]:
+        g = torch.Generator().manual_seed(0)
+        weight = torch.randn(shape.out_features, shape.in_features, generator=g).to(self.dtype) * 0.02
+        x = torch.randn(rows, shape.in_features, generator=g).to(self.dtype)
+        index = bucket(rows)
+        kernels: list[Kernel] = []
+        for path in available_paths(self.dtype, weight.device):
+            kernel = KERNELS[path](weight, None)
+            if kernel.serves(index):
+                kernels.append(kernel)
+        evict = torch.ones(min(2 * last_level_cache_bytes(), EVICT_MAX) // 4)
+        least = {kernel.path: math.inf for kernel in kernels}
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            with torch.inference_mode():
+                for kernel in kernels:
+                    kernel(x)  # first-touch allocations
+                for round_ in range(ROUNDS):
+                    if round_ == 1:
+                        fastest = min(least.values())
+                        kernels = [k for k in kernels if least[k.path] <= DROP_SLOWER * fastest]
+                    for kernel in kernels:
+                        evict.sum()
+                        start = time.perf_counter()
+                        kernel(x)
+                        least[kernel.path] = min(least[kernel.path], time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(before)
+        path = min(least, key=least.__getitem__)
+        return least[path], path
+
+    def rates(self) -> str:
+        """Each measured (shape, rows): the fastest path and its GFLOP/s, one line per row count."""
+        lines = []
+        for rows in sorted({key[2] for key in self.least}):
+            cells = [
+                f"{o}x{i} {self.paths[(o, i, r)]} {2 * o * i * r / self.least[(o, i, r)] / 1e9:.0f}"
+                for (o, i, r) in sorted(self.least)
+                if r == rows
+            ]
+            lines.append(f"  {rows} rows: " + ", ".join(cells))
+        return "\n".join(lines)
