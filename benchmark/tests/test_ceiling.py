@@ -1,12 +1,14 @@
 """textgen_benchmark.ceiling: the projection shapes read from a config, a step's time from the timed grid, and one
-real timing of the shard's paths."""
+real timing of the shard's paths; and the model directory the launcher-based scripts take."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
 
+from textgen_benchmark import engine
 from textgen_benchmark.ceiling import GRID, Ceiling, Shape, Step, projection_shapes
 from textgen_server.layers.linear_choice import available_paths
 
@@ -46,3 +48,11 @@ def test_a_measured_time_is_the_least_of_the_paths_that_serve(tiny_llama: Path) 
     assert set(ceiling.paths.values()) <= set(available_paths(torch.float32, torch.device("cpu")))
     assert {rows for (_, _, rows) in ceiling.least} == {4}
     assert ceiling.rates().startswith("  4 rows: ")
+
+
+def test_a_given_model_directory_is_used_as_it_is(tiny_llama: Path, tmp_path: Path) -> None:
+    # prefix_reuse.py and long_prompt.py build the small Llama only where --model-dir holds no model: given the
+    # tiny one, they once rebuilt it as the small one in place.
+    stamp = (tiny_llama / ".textgen-build.json").read_text()
+    assert engine.model_dir(argparse.Namespace(model_dir=tiny_llama)) == tiny_llama
+    assert (tiny_llama / ".textgen-build.json").read_text() == stamp

@@ -39,11 +39,15 @@ def dtypes(args: argparse.Namespace) -> list[str]:
 
 
 def model_dir(args: argparse.Namespace) -> Path:
-    """--model-dir (built there as the "small" Llama when missing), else the cached build under models/."""
+    """--model-dir as it is where it holds a model (config.json), built there as the "small" Llama where it does
+    not; else the cached build under models/."""
     from textgen_benchmark.shard import small_model
     from textgen_server.builder import build_test_model
 
-    return build_test_model(args.model_dir, arch="llama", size="small") if args.model_dir else small_model()
+    if not args.model_dir:
+        return small_model()
+    given = Path(args.model_dir)
+    return given if (given / "config.json").is_file() else build_test_model(given, arch="llama", size="small")
 
 
 def context_length(model: Path) -> int:

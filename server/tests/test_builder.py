@@ -72,6 +72,19 @@ def test_rebuild_is_identical_and_reuse_is_free(llama: Path, tmp_path: Path) -> 
     assert (llama / "model.safetensors").stat().st_mtime_ns == mtime
 
 
+def test_a_directory_that_is_not_a_build_is_never_replaced(llama: Path, tmp_path: Path) -> None:
+    users = tmp_path / "users-model"
+    users.mkdir()
+    (users / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="not a textgen test build"):
+        build_test_model(users)
+    assert [p.name for p in users.iterdir()] == ["config.json"]
+    assert not list(tmp_path.glob("*.building-*"))  # the build beside it is cleaned up
+    # Another build of ours is replaced: the same directory rebuilt with another seed.
+    other = build_test_model(tmp_path / "ours", seed=1)
+    assert build_test_model(other) == other and digests(other) == digests(llama)
+
+
 def test_cycling_head_is_the_embedding_with_rows_moved_to_their_successors(llama: Path, tmp_path: Path) -> None:
     """Every head row is written, each from one embedding row (none left as uninitialised memory, which once made
     the model loop in one pytest session and not in the next): the vocabulary (1024 ids) ends in a partial group,

@@ -346,9 +346,15 @@ def build_test_model(out_dir: str | Path, arch: str = "llama", size: str = "tiny
 
 def publish(tmp: Path, out: Path, stamp: dict[str, Any], stamp_name: str = STAMP) -> Path:
     """Stamp the build in `tmp` (file `stamp_name`) and rename it to `out`, unless a concurrent identical build got
-    there first. The quantized builders (quant_builder.py, ct_builder.py) publish their builds the same way."""
+    there first. The quantized builders (quant_builder.py, ct_builder.py) publish their builds the same way.
+
+    An `out` that holds files but no stamp is not a build of ours: FileExistsError, and nothing is deleted."""
     (tmp / stamp_name).write_text(json.dumps(stamp))
     if not is_built(out, stamp, stamp_name):
+        if out.is_dir() and any(out.iterdir()) and not (out / stamp_name).is_file():
+            # Another build of ours is replaced; anything else (a user's model) is never deleted.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FileExistsError(f"{out} holds files that are not a textgen test build: not replaced")
         shutil.rmtree(out, ignore_errors=True)
         try:
             tmp.rename(out)
