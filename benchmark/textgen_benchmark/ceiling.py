@@ -86,10 +86,12 @@ class Ceiling:
     least: dict[tuple[int, int, int], float] = field(default_factory=dict)  # (out, in, rows) -> seconds
     paths: dict[tuple[int, int, int], str] = field(default_factory=dict)  # the fastest path of each
 
+    def __post_init__(self) -> None:
+        self.layers, self.head = projection_shapes(self.model_dir)
+
     def step_seconds(self, step: Step) -> float:
-        layers, head = projection_shapes(self.model_dir)
-        total = sum(shape.count * self._seconds(shape, step.rows) for shape in layers)
-        return total + (self._seconds(head, step.logit_rows) if step.logit_rows else 0.0)
+        total = sum(shape.count * self._seconds(shape, step.rows) for shape in self.layers)
+        return total + (self._seconds(self.head, step.logit_rows) if step.logit_rows else 0.0)
 
     def seconds(self, steps: Iterable[Step]) -> float:
         return sum(self.step_seconds(step) for step in steps)
