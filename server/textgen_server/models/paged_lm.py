@@ -209,18 +209,23 @@ class PagedCausalLM(Model[PagedBatch]):
         reads goes to the device here, once per step: on a GPU a host tensor read per layer would stop the
         stream at every layer."""
         size, block_size = len(batch), self.paging.block_size
-        chunks = torch.tensor(batch.chunk_lengths, dtype=torch.int32)
-        cache = torch.tensor(batch.cache_lengths, dtype=torch.int32)
-        cu_seqlens = torch.zeros(size + 1, dtype=torch.int32)
-        torch.cumsum(chunks, 0, out=cu_seqlens[1:])
-        tokens = int(cu_seqlens[-1])
         table = batch.block_table_tensor
         device = self.config.device
-        lengths = (cache + chunks).long()
-        if tokens == size:  # every row feeds one token: its last
+        if all(n == 1 for n in batch.chunk_lengths):  # every row feeds one token: its last
+            # Row metadata from the batch's lists, one tensor each, rather than ~15 small torch ops on tensors of
+            # them (benchmark/README.md, "A decode step's row metadata").
+            cache = batch.cache_lengths
             ids = [row[-1] for row in batch.all_input_ids]
-            positions = cache.long()
-            slots = table[torch.arange(size), positions // block_size].long() * block_size + positions % block_size
+            positions = torch.tensor(cache, dtype=torch.long)
+            lengths = torch.tensor([c + 1 for c in cache], dtype=torch.long)
+            slots = torch.tensor(
+                [
+                    blocks[c // block_size] * block_size + c % block_size
+                    for blocks, c in zip(batch.block_tables, cache, strict=True)
+                ],
+                dtype=torch.long,
+            )
+            cu_seqlens = torch.arange(size + 1, dtype=torch.int32)
             if device.type != "cpu":
                 # The table cut to the live blocks; `decode_rows` reads every column of a table on the device.
                 table = table[:, : -(-int(lengths.max()) // block_size)].to(device)
@@ -228,6 +233,12 @@ class PagedCausalLM(Model[PagedBatch]):
             step = PagedStep(self.pool, slots.to(device), cu_seqlens, lengths, table)
             rotary = self._positions(batch, positions).to(device)
             return torch.tensor(ids, dtype=torch.long, device=device), rotary, step
+        chunks = torch.tensor(batch.chunk_lengths, dtype=torch.int32)
+        cache_t = torch.tensor(batch.cache_lengths, dtype=torch.int32)
+        cu_seqlens = torch.zeros(size + 1, dtype=torch.int32)
+        torch.cumsum(chunks, 0, out=cu_seqlens[1:])
+        tokens = int(cu_seqlens[-1])
+        lengths = (cache_t + chunks).long()
         ids = [
             t
             for row, guesses, c, n in zip(
@@ -236,7 +247,7 @@ class PagedCausalLM(Model[PagedBatch]):
             for t in (row[c : c + n] if not guesses else (row[-1], *guesses))
         ]
         rows = torch.repeat_interleave(torch.arange(size), chunks.long())
-        positions = cache.long()[rows] + torch.arange(tokens) - cu_seqlens.long()[rows]
+        positions = cache_t.long()[rows] + torch.arange(tokens) - cu_seqlens.long()[rows]
         slots = table[rows, positions // block_size].long() * block_size + positions % block_size
         if any(batch.speculative_ids):
             # Every fed token attends as a decode row of its own (its row's keys up to its position), so a guess
