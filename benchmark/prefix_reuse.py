@@ -135,15 +135,13 @@ def measure(args: argparse.Namespace, model: Path, w: Workload, dtype: str, cach
     }
 
 
-def add_projections(args: argparse.Namespace, model: Path, run: dict) -> None:
+def add_projections(args: argparse.Namespace, ceiling: Ceiling, run: dict) -> None:
     """The run's prefill tokens through the projections at this CPU's least times (see the module docstring)."""
-    import torch
-
     calls = max(int(run["prefill_calls"]), 1)
     step = Step(
         min(round(run["prefill_tokens"] / calls), args.max_batch_prefill_tokens), round(run["requests"] / calls)
     )
-    seconds = calls * Ceiling(model, getattr(torch, run["dtype"]), args.threads).step_seconds(step)
+    seconds = calls * ceiling.step_seconds(step)
     run["prefill_projections_s"] = seconds
     run["prefill_forward_over_projections"] = run["prefill_forward_s"] / seconds
 
@@ -200,8 +198,12 @@ def main() -> None:
     if max(w.prompt_tokens) + args.max_new_tokens > engine.context_length(model):
         p.error(f"prompts of up to {max(w.prompt_tokens)} tokens + {args.max_new_tokens} new exceed the context")
     runs = [measure(args, model, w, d, c) for d in engine.dtypes(args) for c in args.caching.split(",")]
-    for run in runs:  # timed once every launcher has stopped
-        add_projections(args, model, run)
+    import torch
+
+    # Timed once every launcher has stopped; one ceiling a dtype, its times shared by the runs with and without cache.
+    ceilings = {d: Ceiling(model, getattr(torch, d), args.threads) for d in engine.dtypes(args)}
+    for run in runs:
+        add_projections(args, ceilings[run["dtype"]], run)
     print(report(args, w, runs))
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=2))

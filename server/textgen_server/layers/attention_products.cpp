@@ -14,9 +14,9 @@
 //   t % 4, the keys after the last whole four into the first), added in order ((0 + 1) + 2) + 3, rounded once.
 //   Each product of two bf16 values is exact in float32, so a fused multiply-add adds it as torch's add does; a
 //   key the row does not see has probability 0 and adds an exact zero, so it is skipped. v is converted to float32
-//   once, 16 columns at a time, and the rows of a head pass over one such block after another with the four sums
-//   in registers: about 2x faster than converting v for each row, with its sums in memory (40 queries over 1,541
-//   cached keys, 12 heads; benchmark/README.md, "prefix_reuse.py").
+//   once, 16 columns at a time, and each row's probabilities once; the four sums stay in registers: about 2x
+//   faster than converting v for each row with its sums in memory (40 queries over 1,541 cached keys, 12 heads;
+//   benchmark/README.md, "prefix_reuse.py").
 // textgen::torch_order_products() -> bool: whether this build has them (AVX2 without AVX-512). Whether torch on
 //   this CPU sums that way is checked where they are used (attention_kernels.py, `torch_order_products`).
 #include <ATen/ATen.h>
@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "torch_order.h"
@@ -98,7 +97,7 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   // v in float32, converted once for every row of its head, 16 columns at a time: [N, D / 16, T, 16]. A row's key
   // then costs a broadcast and two fused multiply-adds reading 64 contiguous bytes, not a conversion of v's values
-  // again for each row; and the rows of a head pass over one 16 columns' keys (T * 64 bytes, in L2) after another.
+  // again for each row.
   const int64_t chunks = dim / 16, tail = dim % 16;
   std::vector<float> vf(static_cast<size_t>(n * chunks * total * 16));
   at::parallel_for(0, n * total, 64, [&](int64_t begin, int64_t end) {
@@ -110,72 +109,59 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
     }
   });
   const int64_t whole = total - total % 4;  // keys summed in fours; the rest join partial sum 0
-  auto seen = [&](int64_t i) {  // the keys [lo, hi] row i sees
-    const int64_t hi = total - seq + i % rows % seq;
-    return std::pair<int64_t, int64_t>(window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0, hi);
-  };
-  at::parallel_for(0, n * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(static_cast<size_t>(total));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / chunks, c = task % chunks * 16;
-      const float* values = vf.data() + task * total * 16;  // this head's 16 columns, key after key
-      for (int64_t i = head * rows; i < (head + 1) * rows; ++i) {
-        const auto [lo, hi] = seen(i);
-        for (int64_t t = lo; t <= hi; ++t) probs[t] = textgen_cpu::bf16_to_float(pp[i * total + t]);
-        const float* p = probs.data();
-        // Key t's product joins partial sum t % 4 (0 past `whole`): in a run of whole fours the four sums are
-        // named registers; the keys before the first four, after the last, and past `whole` go one by one.
-        const int64_t first = std::min({(lo + 3) & ~int64_t(3), whole, hi + 1});
-        const int64_t last = std::max(first, std::min(hi + 1, whole) & ~int64_t(3));
-        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-        // One key into its sum. A switch, not a reference picked at run time: taking a sum's address kept all
-        // eight in memory, and the fours' loop then ran at a third of its speed.
-        auto one = [&](int64_t t, int part) {
-          const __m256 pt = _mm256_broadcast_ss(p + t);
-          const __m256 lo8 = _mm256_loadu_ps(values + t * 16), hi8 = _mm256_loadu_ps(values + t * 16 + 8);
-          switch (part) {
-            case 0: a0 = _mm256_fmadd_ps(pt, lo8, a0); b0 = _mm256_fmadd_ps(pt, hi8, b0); break;
-            case 1: a1 = _mm256_fmadd_ps(pt, lo8, a1); b1 = _mm256_fmadd_ps(pt, hi8, b1); break;
-            case 2: a2 = _mm256_fmadd_ps(pt, lo8, a2); b2 = _mm256_fmadd_ps(pt, hi8, b2); break;
-            default: a3 = _mm256_fmadd_ps(pt, lo8, a3); b3 = _mm256_fmadd_ps(pt, hi8, b3); break;
-          }
-        };
-        for (int64_t t = lo; t < first; ++t) one(t, static_cast<int>(t % 4));
-        for (int64_t t = first; t < last; t += 4) {
-          const float* vt = values + t * 16;
-          const __m256 p0 = _mm256_broadcast_ss(p + t), p1 = _mm256_broadcast_ss(p + t + 1);
-          const __m256 p2 = _mm256_broadcast_ss(p + t + 2), p3 = _mm256_broadcast_ss(p + t + 3);
-          a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vt), a0);
-          b0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vt + 8), b0);
-          a1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vt + 16), a1);
-          b1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vt + 24), b1);
-          a2 = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vt + 32), a2);
-          b2 = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vt + 40), b2);
-          a3 = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vt + 48), a3);
-          b3 = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vt + 56), b3);
+  each_row(n, rows, seq, total, window, [&](int64_t i, int64_t head, int64_t lo, int64_t hi) {
+    std::vector<float> probs(static_cast<size_t>(hi + 1));
+    for (int64_t t = lo; t <= hi; ++t) probs[t] = textgen_cpu::bf16_to_float(pp[i * total + t]);
+    const float* p = probs.data();
+    // Key t's product joins partial sum t % 4 (0 past `whole`): in a run of whole fours the four sums are named
+    // registers; the keys before the first four, after the last, and past `whole` go one by one.
+    const int64_t first = std::min({(lo + 3) & ~int64_t(3), whole, hi + 1});
+    const int64_t last = std::max(first, std::min(hi + 1, whole) & ~int64_t(3));
+    for (int64_t ci = 0; ci < chunks; ++ci) {
+      const float* values = vf.data() + (head * chunks + ci) * total * 16;  // 16 columns, key after key
+      __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+      // One key into its sum. A switch, not a reference picked at run time: taking a sum's address kept all
+      // eight in memory, and the fours' loop then ran at a third of its speed.
+      auto one = [&](int64_t t, int part) {
+        const __m256 pt = _mm256_broadcast_ss(p + t);
+        const __m256 lo8 = _mm256_loadu_ps(values + t * 16), hi8 = _mm256_loadu_ps(values + t * 16 + 8);
+        switch (part) {
+          case 0: a0 = _mm256_fmadd_ps(pt, lo8, a0); b0 = _mm256_fmadd_ps(pt, hi8, b0); break;
+          case 1: a1 = _mm256_fmadd_ps(pt, lo8, a1); b1 = _mm256_fmadd_ps(pt, hi8, b1); break;
+          case 2: a2 = _mm256_fmadd_ps(pt, lo8, a2); b2 = _mm256_fmadd_ps(pt, hi8, b2); break;
+          default: a3 = _mm256_fmadd_ps(pt, lo8, a3); b3 = _mm256_fmadd_ps(pt, hi8, b3); break;
         }
-        for (int64_t t = std::max(last, lo); t <= hi; ++t) one(t, t < whole ? static_cast<int>(t % 4) : 0);
-        uint16_t* y = op + i * dim + c;
-        textgen_cpu::store8(y, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3));
-        textgen_cpu::store8(y + 8, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(b0, b1), b2), b3));
+      };
+      for (int64_t t = lo; t < first; ++t) one(t, static_cast<int>(t % 4));
+      for (int64_t t = first; t < last; t += 4) {
+        const float* vt = values + t * 16;
+        const __m256 p0 = _mm256_broadcast_ss(p + t), p1 = _mm256_broadcast_ss(p + t + 1);
+        const __m256 p2 = _mm256_broadcast_ss(p + t + 2), p3 = _mm256_broadcast_ss(p + t + 3);
+        a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vt), a0);
+        b0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vt + 8), b0);
+        a1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vt + 16), a1);
+        b1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vt + 24), b1);
+        a2 = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vt + 32), a2);
+        b2 = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vt + 40), b2);
+        a3 = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vt + 48), a3);
+        b3 = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vt + 56), b3);
       }
+      for (int64_t t = std::max(last, lo); t <= hi; ++t) one(t, t < whole ? static_cast<int>(t % 4) : 0);
+      uint16_t* y = op + i * dim + ci * 16;
+      textgen_cpu::store8(y, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), a2), a3));
+      textgen_cpu::store8(y + 8, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(b0, b1), b2), b3));
+    }
+    // A head size not a multiple of 16: its last columns one at a time, in the same order.
+    const uint16_t* values = vp + head * total * dim;
+    for (int64_t c = dim - tail; c < dim; ++c) {
+      float part[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int64_t t = lo; t <= hi; ++t) {
+        float& sum = part[t < whole ? t % 4 : 0];
+        sum = std::fma(p[t], textgen_cpu::bf16_to_float(values[t * dim + c]), sum);
+      }
+      op[i * dim + c] = textgen_cpu::float_to_bf16(((part[0] + part[1]) + part[2]) + part[3]);
     }
   });
-  // A head size not a multiple of 16: its last columns one at a time, in the same order.
-  if (tail) {
-    each_row(n, rows, seq, total, window, [&](int64_t i, int64_t head, int64_t lo, int64_t hi) {
-      const uint16_t* p = pp + i * total;
-      const uint16_t* values = vp + head * total * dim;
-      for (int64_t c = dim - tail; c < dim; ++c) {
-        float part[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int64_t t = lo; t <= hi; ++t) {
-          float& sum = part[t < whole ? t % 4 : 0];
-          sum = std::fma(textgen_cpu::bf16_to_float(p[t]), textgen_cpu::bf16_to_float(values[t * dim + c]), sum);
-        }
-        op[i * dim + c] = textgen_cpu::float_to_bf16(((part[0] + part[1]) + part[2]) + part[3]);
-      }
-    });
-  }
 #endif
   return out;
 }

@@ -234,11 +234,11 @@ class PagedCausalLM(Model[PagedBatch]):
             rotary = self._positions(batch, positions).to(device)
             return torch.tensor(ids, dtype=torch.long, device=device), rotary, step
         chunks = torch.tensor(batch.chunk_lengths, dtype=torch.int32)
-        cache_t = torch.tensor(batch.cache_lengths, dtype=torch.int32)
+        cached = torch.tensor(batch.cache_lengths, dtype=torch.int32)
         cu_seqlens = torch.zeros(size + 1, dtype=torch.int32)
         torch.cumsum(chunks, 0, out=cu_seqlens[1:])
         tokens = int(cu_seqlens[-1])
-        lengths = (cache_t + chunks).long()
+        lengths = (cached + chunks).long()
         ids = [
             t
             for row, guesses, c, n in zip(
@@ -247,7 +247,7 @@ class PagedCausalLM(Model[PagedBatch]):
             for t in (row[c : c + n] if not guesses else (row[-1], *guesses))
         ]
         rows = torch.repeat_interleave(torch.arange(size), chunks.long())
-        positions = cache_t.long()[rows] + torch.arange(tokens) - cu_seqlens.long()[rows]
+        positions = cached.long()[rows] + torch.arange(tokens) - cu_seqlens.long()[rows]
         slots = table[rows, positions // block_size].long() * block_size + positions % block_size
         if any(batch.speculative_ids):
             # Every fed token attends as a decode row of its own (its row's keys up to its position), so a guess
