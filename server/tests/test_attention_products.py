@@ -78,6 +78,40 @@ def test_the_ops_sum_as_documented(heads: int, group: int, seq: int, total: int,
 
 
 @needs_ops
+@pytest.mark.parametrize(("heads", "seq", "total", "dim", "window"), [(2, 24, 61, 64, 0), (3, 9, 40, 80, 5)])
+def test_the_ops_read_keys_in_a_pool_through_slots(heads: int, seq: int, total: int, dim: int, window: int) -> None:
+    """The ops over a pool [S, N, D] at `slots` give the bits they give over the same keys gathered [N, T, D]; the
+    pool's other slots are NaN, so that one stray read shows."""
+    g = torch.Generator().manual_seed(total)
+    pool_k, pool_v = (torch.full((3 * total, heads, dim), float("nan")).bfloat16() for _ in range(2))
+    slots = torch.randperm(3 * total, generator=g)[:total]
+    k, v = (torch.randn(total, heads, dim, generator=g).bfloat16() for _ in range(2))
+    pool_k[slots], pool_v[slots] = k, v
+    q = torch.randn(heads, seq, dim, generator=g).bfloat16()
+    scores = torch.ops.textgen.causal_scores_bf16(q, pool_k.transpose(0, 1), seq, window, slots)
+    assert torch.equal(scores, torch.ops.textgen.causal_scores_bf16(q, k.transpose(0, 1).contiguous(), seq, window))
+    probs = (torch.rand(heads, seq, total, generator=g) * seen(seq, seq, total, window)).bfloat16()
+    out = torch.ops.textgen.causal_values_bf16(probs, pool_v.transpose(0, 1), seq, window, slots)
+    assert torch.equal(out, torch.ops.textgen.causal_values_bf16(probs, v.transpose(0, 1).contiguous(), seq, window))
+    with pytest.raises(RuntimeError, match="a slot out of range"):
+        torch.ops.textgen.causal_scores_bf16(q, pool_k.transpose(0, 1), seq, window, slots + 3 * total)
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        torch.ops.textgen.causal_values_bf16(probs, pool_v.transpose(0, 1), seq, window, slots.int())
+
+
+@needs_ops
+@pytest.mark.parametrize("dim", [64, 80])
+def test_a_nan_key_gives_nan_scores_as_torch_does(dim: int) -> None:
+    g = torch.Generator().manual_seed(dim)
+    q, k = torch.randn(2, 12, dim, generator=g).bfloat16(), torch.randn(2, 20, dim, generator=g).bfloat16()
+    k[1, 11, 5] = float("nan")
+    scores = torch.ops.textgen.causal_scores_bf16(q, k, 12, 0)
+    visible = seen(12, 12, 20, 0)
+    assert scores[1, visible[:, 11], 11].isnan().all() and not scores[0].isnan().any()
+    assert not scores[1, :, torch.arange(20) != 11].isnan().any()
+
+
+@needs_ops
 def test_the_ops_refuse_what_they_cannot_compute() -> None:
     q, k = torch.randn(2, 8, 64).bfloat16(), torch.randn(2, 10, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bf16 operands"):

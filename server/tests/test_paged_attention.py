@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from textgen_server.layers import attention_kernels
+from textgen_server.layers import paged_attention as paged_attention_module
 from textgen_server.layers.cpu_ops import kernel_available
 from textgen_server.layers.paged_attention import paged_attention, use_paged_kernel, write_kv
 
@@ -168,6 +170,20 @@ def test_op_agrees_with_torch_path(
         assert (got == expected).float().mean() > 0.99
     else:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("heads", [(12, 12, 64), (8, 2, 64), (4, 4, 48)], ids=["64", "64-grouped", "48"])
+def test_prefill_rows_read_in_the_pool_give_the_gathered_keys_bits(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, heads: tuple[int, int, int]
+) -> None:
+    if not attention_kernels.reads_pool(torch.bfloat16, CPU):
+        pytest.skip("bfloat16 prefill rows read the pool only through the ops of an AVX2 build")
+    case = make_case([(24, 200), (9, 9), (1, 50), (16, 64), (3, 70)], torch.bfloat16, 16, *heads, seed=2)
+    got = run(case, 0.125, window)
+    monkeypatch.setattr(paged_attention_module, "reads_pool", lambda dtype, device: False)
+    assert torch.equal(got, run(case, 0.125, window))
 
 
 @needs_compiler

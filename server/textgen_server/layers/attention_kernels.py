@@ -71,17 +71,55 @@ def _causal_op(
     total = k.shape[2]
     if torch_order_products():
         flat = batch * kv_heads
-        scores = torch.ops.textgen.causal_scores_bf16(
-            queries.reshape(flat, rows, dim), k.reshape(flat, total, dim), seq, window
-        ).view(batch, kv_heads, rows // seq, seq, total)
-        probs = torch.ops.textgen.causal_softmax_bf16(scores, total - seq, window)
-        out = torch.ops.textgen.causal_values_bf16(
-            probs.view(flat, rows, total), v.reshape(flat, total, dim), seq, window
+        out = _torch_order_block(
+            queries.reshape(flat, rows, dim),
+            k.reshape(flat, total, dim),
+            v.reshape(flat, total, dim),
+            None,
+            seq,
+            window,
         )
         return out.view(batch, heads, seq, dim)
     scores = torch.matmul(queries, k.transpose(-1, -2)).view(batch, kv_heads, rows // seq, seq, total)
     probs = torch.ops.textgen.causal_softmax_bf16(scores.contiguous(), total - seq, window)
     return torch.matmul(probs.view(batch, kv_heads, rows, total), v).view(batch, heads, seq, dim)
+
+
+def _torch_order_block(
+    queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None, seq: int, window: int
+) -> torch.Tensor:
+    """The causal block by the ops of attention_products.cpp: queries [N, R, D] (scaled, R = G * seq), k / v
+    [N, T, D], or [N, S, D] read at `slots` (int64 [T]); returns [N, R, D]."""
+    flat, rows, _ = queries.shape
+    total = k.shape[1] if slots is None else slots.shape[0]
+    scores = torch.ops.textgen.causal_scores_bf16(queries, k, seq, window, slots)
+    probs = torch.ops.textgen.causal_softmax_bf16(scores.view(1, flat, rows // seq, seq, total), total - seq, window)
+    return torch.ops.textgen.causal_values_bf16(probs.view(flat, rows, total), v, seq, window, slots)
+
+
+def reads_pool(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a paged prefill's attention reads its keys in the pool (`pool_causal_attention`): bfloat16 by the
+    ops of attention_products.cpp."""
+    return dtype == torch.bfloat16 and use_decode_kernel(dtype, device) and torch_order_products()
+
+
+def pool_causal_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """`causal_attention` of one row's n queries q [n, H, D] over its keys at pool `slots` (int64 [T], the row's
+    positions in order; k_pool / v_pool [S, H_kv, D]) where `reads_pool` says: the same bits as gathering the keys
+    first and calling `causal_attention` with `matmul_attention`. Returns [n, H, D]."""
+    seq, heads, dim = q.shape
+    kv_heads, total = k_pool.shape[1], slots.shape[0]
+    queries = (q.transpose(0, 1) * scale).reshape(kv_heads, heads // kv_heads * seq, dim)
+    narrowed = window if window is not None and window < total else 0
+    out = _torch_order_block(queries, k_pool.transpose(0, 1), v_pool.transpose(0, 1), slots, seq, narrowed)
+    return out.view(heads, seq, dim).transpose(0, 1)
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from textgen_server.layers.attention_kernels import attention_for, causal_attention
+from textgen_server.layers.attention_kernels import attention_for, causal_attention, pool_causal_attention, reads_pool
 from textgen_server.layers.cpu_ops import ops_for
 
 # Row metadata: a host tensor or, as cheaply, a Python list of ints.
@@ -172,9 +172,13 @@ def row_key_slots(
 def _row(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
-    """One row's n queries [n, H, D] over its keys at `slots` (the row's positions in order), gathered from the
-    pool."""
+    """One row's n queries [n, H, D] over its keys at `slots` (the row's positions in order): read in the pool
+    where the ops can, else gathered from it."""
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    if reads_pool(q.dtype, q.device):
+        return pool_causal_attention(
+            q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim), slots, scale, window
+        )
     keys = k_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     values = v_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)
     attend = attention_for(q.dtype, q.device)
