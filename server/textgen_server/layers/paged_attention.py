@@ -9,6 +9,8 @@ else. Rows of several query tokens (prefills, prefill chunks) and every row wher
 dtype is another (float16) take the torch path: keys gathered from the pool, then the shard's attention kernel
 (`attention_for`: SDPA in float32, `matmul_attention` in half precision) under an explicit bottom-right causal
 mask (`causal_attention`; in bfloat16 with the op built, the masked softmax is `textgen::causal_softmax_bf16`).
+In bfloat16 on a CPU whose products the ops of attention_products.cpp give in torch's order (`reads_pool`), a
+row of several queries reads its keys and values in the pool where they lie, with the same bits and no gather.
 Both paths round where transformers' eager attention rounds in bfloat16 (see attention_kernels.py), so the
 decode op differs from the torch path only where float32 sums taken in another order round to another bfloat16.
 On a GPU every decode row takes `decode_rows`, torch ops that read nothing on the host when their metadata is
