@@ -5,9 +5,10 @@ A step feeding r token rows runs each decoder layer's q/k/v, o, gate/up and down
 LM head on the rows that take logits (every row of a decode step, each request's last token in a prefill). The
 least time of those products is measured here on the shard's threads, every path the shard's linear choice may
 take (layers/linear_choice.py: `F.linear`, MKL's packed GEMM, oneDNN, textgen's `gemv`) called in turn with its
-weight out of the caches, as in a step. Weights are random in the run's dtype: a product's speed does not depend
-on the values. Each shape is timed at the row counts of GRID (the least of ROUNDS calls) and a step's row count
-between two of them takes the straight line between their times: one least time per distinct row count of a run
+weight out of the caches, as in a step (`linear_choice.least_times`, the linear choice's own timing). Weights are
+random in the run's dtype: a product's speed does not depend on the values. Each shape is timed at the row counts
+of GRID and a step's row count between two of them takes the straight line between their times: one least time
+per distinct row count of a run
 (up to 64 of them) was cheaper in rounds and so noisier, 50-140 GFLOP/s at neighbouring counts on a 2-core VM.
 Row counts above the last are scaled from it (a GEMM's rate is flat there).
 
@@ -19,8 +20,6 @@ leaves out.
 from __future__ import annotations
 
 import json
-import math
-import time
 from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,15 +30,15 @@ import torch
 from textgen_server.layers.linear_choice import (
     EVICT_MAX,
     KERNELS,
-    Kernel,
     available_paths,
     bucket,
     last_level_cache_bytes,
+    least_times,
 )
 
 GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
-ROUNDS = 5
-# After the first round, a path more than this many times slower than the fastest is not timed again.
+# After the first round, a path more than this many times slower than the fastest is not timed again (torch's own
+# bf16 loops at 2,048 rows take seconds a call on an AVX2 CPU).
 DROP_SLOWER = 2.0
 
 
@@ -117,28 +116,13 @@ class Ceiling:
         weight = torch.randn(shape.out_features, shape.in_features, generator=g).to(self.dtype) * 0.02
         x = torch.randn(rows, shape.in_features, generator=g).to(self.dtype)
         index = bucket(rows)
-        kernels: list[Kernel] = []
-        for path in available_paths(self.dtype, weight.device):
-            kernel = KERNELS[path](weight, None)
-            if kernel.serves(index):
-                kernels.append(kernel)
+        kernels = [KERNELS[path](weight, None) for path in available_paths(self.dtype, weight.device)]
         evict = torch.ones(min(2 * last_level_cache_bytes(), EVICT_MAX) // 4)
-        least = {kernel.path: math.inf for kernel in kernels}
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
             with torch.inference_mode():
-                for kernel in kernels:
-                    kernel(x)  # first-touch allocations
-                for round_ in range(ROUNDS):
-                    if round_ == 1:
-                        fastest = min(least.values())
-                        kernels = [k for k in kernels if least[k.path] <= DROP_SLOWER * fastest]
-                    for kernel in kernels:
-                        evict.sum()
-                        start = time.perf_counter()
-                        kernel(x)
-                        least[kernel.path] = min(least[kernel.path], time.perf_counter() - start)
+                least = least_times([k for k in kernels if k.serves(index)], x, evict, keep_within=DROP_SLOWER)
         finally:
             torch.set_num_threads(before)
         path = min(least, key=least.__getitem__)

@@ -78,8 +78,24 @@ void each_row(int64_t heads, int64_t rows, int64_t seq, int64_t total, int64_t w
   });
 }
 
-constexpr int64_t SCORE_ROWS = 16;        // rows a task of causal_scores
-constexpr int64_t SCORE_TILE_BYTES = 16384;  // a tile of keys' float32 values, kept in L1 across a task's rows
+// Rows of one head a task of the ops takes: they share the head's converted keys or values while in cache.
+constexpr int64_t BLOCK_ROWS = 16;
+
+// f(head, r0, count, lo, hi) for each block of up to BLOCK_ROWS consecutive rows of one head (rows r0 .. r0 + count
+// - 1), over threads: row r0 + r sees keys [lo[r], hi[r]].
+template <typename F>
+void each_block(int64_t heads, int64_t rows, int64_t seq, int64_t total, int64_t window, const F& f) {
+  const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task / blocks, r0 = head * rows + task % blocks * BLOCK_ROWS;
+      const int64_t count = std::min(BLOCK_ROWS, (head + 1) * rows - r0);
+      int64_t lo[BLOCK_ROWS], hi[BLOCK_ROWS];
+      for (int64_t r = 0; r < count; ++r) seen(r0 + r, rows, seq, total, window, lo[r], hi[r]);
+      f(head, r0, count, lo, hi);
+    }
+  });
+}
 
 // Eight keys' float32 values [D][8] (value d of key i at d * 8 + i) from keys t0 .. t0 + 7 of `head` (zeros past
 // `total`): 8 x 8 blocks converted and transposed in registers.
@@ -147,7 +163,6 @@ TEXTGEN_INLINE inline void key_scores8(const float* kt, const float* const* x, i
       out);
 }
 
-constexpr int64_t VALUE_ROWS = 16;   // rows a task of causal_values
 constexpr int64_t VALUE_TILE = 256;  // keys a tile: 16 KiB of a 16-column chunk's float32 values
 
 // Keys [a, b] of one row into its eight sums s (s[p]: part p of columns 0-7, s[4 + p]: of columns 8-15): key t into
@@ -188,7 +203,7 @@ inline void add_values(const float* p, const float* values, int64_t a, int64_t b
 }
 
 // causal_scores_bf16 for a head size of whole steps of 64: each head's keys converted to float32 and transposed
-// eight at a time, then each task's rows, two at a time, over tiles of them.
+// eight at a time, then each block's rows, two at a time, over them.
 void key_major_scores(const uint16_t* qp, const Keys& keys, int64_t n, int64_t rows, int64_t seq, int64_t total,
                       int64_t window, int64_t dim, uint16_t* out) {
   const int64_t groups = (total + 7) / 8, group_floats = dim * 8;
@@ -198,45 +213,34 @@ void key_major_scores(const uint16_t* qp, const Keys& keys, int64_t n, int64_t r
     for (int64_t hg = begin; hg < end; ++hg)
       transpose_keys(keys, hg / groups, hg % groups * 8, total, dim, kt + hg * group_floats);
   });
-  const int64_t tile = std::max<int64_t>(1, SCORE_TILE_BYTES / (group_floats * 4));  // groups a tile
-  const int64_t blocks = (rows + SCORE_ROWS - 1) / SCORE_ROWS;
-  at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xs(static_cast<size_t>(SCORE_ROWS * dim));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / blocks, r0 = head * rows + task % blocks * SCORE_ROWS;
-      const int64_t count = std::min(SCORE_ROWS, (head + 1) * rows - r0);
-      int64_t lo[SCORE_ROWS], hi[SCORE_ROWS];
-      for (int64_t r = 0; r < count; ++r) {
-        seen(r0 + r, rows, seq, total, window, lo[r], hi[r]);
-        for (int64_t d = 0; d < dim; ++d) xs[r * dim + d] = textgen_cpu::bf16_to_float(qp[(r0 + r) * dim + d]);
-        std::fill(out + (r0 + r) * total, out + (r0 + r + 1) * total, uint16_t(0));
-      }
-      const float* heads_keys = kt + head * groups * group_floats;
-      // Scores of group g for rows r .. r + Q - 1, each stored where its row sees the key.
-      auto store = [&](int64_t g, int64_t r, int q, __m256 sums) {
-        alignas(32) uint16_t b16[8];
-        textgen_cpu::store8(b16, sums);
-        const int64_t a = std::max(lo[r + q], 8 * g), b = std::min(hi[r + q], 8 * g + 7);
-        for (int64_t t = a; t <= b; ++t) out[(r0 + r + q) * total + t] = b16[t - 8 * g];
-      };
-      const int64_t g_first = *std::min_element(lo, lo + count) / 8, g_last = *std::max_element(hi, hi + count) / 8;
-      for (int64_t g0 = g_first; g0 <= g_last; g0 += tile) {
-        const int64_t g1 = std::min(g_last, g0 + tile - 1);
-        for (int64_t r = 0; r < count; r += 2) {
-          const int pair = r + 1 < count ? 2 : 1;
-          const int64_t a = std::max(g0, std::min(lo[r], lo[r + pair - 1]) / 8);
-          const int64_t b = std::min(g1, std::max(hi[r], hi[r + pair - 1]) / 8);
-          const float* x[2] = {xs.data() + r * dim, xs.data() + (r + pair - 1) * dim};
-          for (int64_t g = a; g <= b; ++g) {
-            __m256 sums[2];
-            if (pair == 2) {
-              key_scores8<2>(heads_keys + g * group_floats, x, dim, sums);
-              store(g, r, 0, sums[0]), store(g, r, 1, sums[1]);
-            } else {
-              key_scores8<1>(heads_keys + g * group_floats, x, dim, sums);
-              store(g, r, 0, sums[0]);
-            }
-          }
+  each_block(n, rows, seq, total, window, [&](int64_t head, int64_t r0, int64_t count, const int64_t* lo,
+                                               const int64_t* hi) {
+    std::vector<float> xs(static_cast<size_t>(count * dim));
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t d = 0; d < dim; ++d) xs[r * dim + d] = textgen_cpu::bf16_to_float(qp[(r0 + r) * dim + d]);
+      std::fill(out + (r0 + r) * total, out + (r0 + r + 1) * total, uint16_t(0));
+    }
+    const float* heads_keys = kt + head * groups * group_floats;
+    // Scores of group g for row r0 + r, stored where the row sees the key.
+    auto store = [&](int64_t g, int64_t r, __m256 sums) {
+      alignas(32) uint16_t b16[8];
+      textgen_cpu::store8(b16, sums);
+      const int64_t a = std::max(lo[r], 8 * g), b = std::min(hi[r], 8 * g + 7);
+      for (int64_t t = a; t <= b; ++t) out[(r0 + r) * total + t] = b16[t - 8 * g];
+    };
+    // (Tiles of groups kept in L1 across the block's rows gained 2-4%, within this VM's noise: not kept.)
+    for (int64_t r = 0; r < count; r += 2) {
+      const int pair = r + 1 < count ? 2 : 1;
+      const int64_t a = std::min(lo[r], lo[r + pair - 1]) / 8, b = std::max(hi[r], hi[r + pair - 1]) / 8;
+      const float* x[2] = {xs.data() + r * dim, xs.data() + (r + pair - 1) * dim};
+      for (int64_t g = a; g <= b; ++g) {
+        __m256 sums[2];
+        if (pair == 2) {
+          key_scores8<2>(heads_keys + g * group_floats, x, dim, sums);
+          store(g, r, sums[0]), store(g, r + 1, sums[1]);
+        } else {
+          key_scores8<1>(heads_keys + g * group_floats, x, dim, sums);
+          store(g, r, sums[0]);
         }
       }
     }
@@ -322,49 +326,41 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
       }
   });
   const int64_t whole = total - total % 4;  // keys summed in fours; the rest join partial sum 0
-  // A task is a block of one head's rows. Each 16-column chunk of v is read in tiles of keys that stay in L1 while
-  // every row of the block adds them to its eight sums (kept in `sums` between tiles): streamed from L2 for each
-  // row instead, the chunk's loads ran at half the fused multiply-adds' rate.
-  const int64_t blocks = (rows + VALUE_ROWS - 1) / VALUE_ROWS;
-  at::parallel_for(0, n * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs;
-    std::vector<__m256> sums(VALUE_ROWS * 8);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / blocks, r0 = head * rows + task % blocks * VALUE_ROWS;
-      const int64_t count = std::min(VALUE_ROWS, (head + 1) * rows - r0);
-      int64_t lo[VALUE_ROWS], hi[VALUE_ROWS];
-      probs.assign(static_cast<size_t>(count * total), 0.f);
-      for (int64_t r = 0; r < count; ++r) {
-        seen(r0 + r, rows, seq, total, window, lo[r], hi[r]);
-        for (int64_t t = lo[r]; t <= hi[r]; ++t) probs[r * total + t] = textgen_cpu::bf16_to_float(pp[(r0 + r) * total + t]);
-      }
-      const int64_t first = *std::min_element(lo, lo + count), last = *std::max_element(hi, hi + count);
-      for (int64_t ci = 0; ci < chunks; ++ci) {
-        const float* vc = vf + (head * chunks + ci) * total * 16;  // 16 columns, key after key
-        std::fill(sums.begin(), sums.begin() + count * 8, _mm256_setzero_ps());
-        for (int64_t t0 = first & ~(VALUE_TILE - 1); t0 <= last; t0 += VALUE_TILE)
-          for (int64_t r = 0; r < count; ++r) {
-            const int64_t a = std::max(lo[r], t0), b = std::min(hi[r], t0 + VALUE_TILE - 1);
-            if (a <= b) add_values(probs.data() + r * total, vc, a, b, whole, sums.data() + r * 8);
-          }
+  // Each 16-column chunk of v is read in tiles of keys that stay in L1 while every row of a block adds them to its
+  // eight sums (kept in `sums` between tiles): 2-17% faster than each row streaming the whole chunk
+  // (benchmark/README.md, "Keys and values read in the pool").
+  each_block(n, rows, seq, total, window, [&](int64_t head, int64_t r0, int64_t count, const int64_t* lo,
+                                               const int64_t* hi) {
+    std::vector<float> probs(static_cast<size_t>(count * total), 0.f);
+    std::vector<__m256> sums(static_cast<size_t>(count * 8));
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t t = lo[r]; t <= hi[r]; ++t) probs[r * total + t] = textgen_cpu::bf16_to_float(pp[(r0 + r) * total + t]);
+    const int64_t first = *std::min_element(lo, lo + count), last = *std::max_element(hi, hi + count);
+    for (int64_t ci = 0; ci < chunks; ++ci) {
+      const float* vc = vf + (head * chunks + ci) * total * 16;  // 16 columns, key after key
+      std::fill(sums.begin(), sums.end(), _mm256_setzero_ps());
+      for (int64_t t0 = first & ~(VALUE_TILE - 1); t0 <= last; t0 += VALUE_TILE)
         for (int64_t r = 0; r < count; ++r) {
-          const __m256* sr = sums.data() + r * 8;  // parts 0-3 of columns 0-7, then of columns 8-15
-          uint16_t* y = op + (r0 + r) * dim + ci * 16;
-          textgen_cpu::store8(y, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(sr[0], sr[1]), sr[2]), sr[3]));
-          textgen_cpu::store8(y + 8, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(sr[4], sr[5]), sr[6]), sr[7]));
+          const int64_t a = std::max(lo[r], t0), b = std::min(hi[r], t0 + VALUE_TILE - 1);
+          if (a <= b) add_values(probs.data() + r * total, vc, a, b, whole, sums.data() + r * 8);
         }
+      for (int64_t r = 0; r < count; ++r) {
+        const __m256* sr = sums.data() + r * 8;  // parts 0-3 of columns 0-7, then of columns 8-15
+        uint16_t* y = op + (r0 + r) * dim + ci * 16;
+        textgen_cpu::store8(y, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(sr[0], sr[1]), sr[2]), sr[3]));
+        textgen_cpu::store8(y + 8, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(sr[4], sr[5]), sr[6]), sr[7]));
       }
-      // A head size not a multiple of 16: its last columns one at a time, in the same order.
-      for (int64_t r = 0; r < count; ++r)
-        for (int64_t c = dim - tail; c < dim; ++c) {
-          float part[4] = {0.f, 0.f, 0.f, 0.f};
-          for (int64_t t = lo[r]; t <= hi[r]; ++t) {
-            float& sum = part[t < whole ? t % 4 : 0];
-            sum = std::fma(probs[r * total + t], textgen_cpu::bf16_to_float(values.at(head, t)[c]), sum);
-          }
-          op[(r0 + r) * dim + c] = textgen_cpu::float_to_bf16(((part[0] + part[1]) + part[2]) + part[3]);
-        }
     }
+    // A head size not a multiple of 16: its last columns one at a time, in the same order.
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t c = dim - tail; c < dim; ++c) {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t t = lo[r]; t <= hi[r]; ++t) {
+          float& sum = part[t < whole ? t % 4 : 0];
+          sum = std::fma(probs[r * total + t], textgen_cpu::bf16_to_float(values.at(head, t)[c]), sum);
+        }
+        op[(r0 + r) * dim + c] = textgen_cpu::float_to_bf16(((part[0] + part[1]) + part[2]) + part[3]);
+      }
   });
 #endif
   return out;

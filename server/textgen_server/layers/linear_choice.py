@@ -346,23 +346,36 @@ def time_paths(weight: torch.Tensor, bias: torch.Tensor | None, paths: list[str]
             for index, rows in enumerate(BUCKET_ROWS):
                 torch.set_num_threads(threads if rows == 1 else 1)
                 x = torch.randn(rows, weight.shape[1], generator=g, device=weight.device).to(weight.dtype)
-                serving = [kernel for kernel in kernels if kernel.serves(index)]
-                for kernel in serving:
-                    kernel(x)  # first-touch allocations
-                times: dict[str, list[float]] = {kernel.path: [] for kernel in serving}
-                spent, rounds = 0.0, 0
-                while rounds < MAX_ROUNDS and (rounds < MIN_ROUNDS or spent < MIN_SECONDS):
-                    for kernel in serving:
-                        evict.sum()
-                        start = time.perf_counter()
-                        kernel(x)
-                        times[kernel.path].append(time.perf_counter() - start)
-                        spent += times[kernel.path][-1]
-                    rounds += 1
+                times = least_times([kernel for kernel in kernels if kernel.serves(index)], x, evict)
                 for path in paths:
-                    least[path].append(min(times[path]) if path in times else math.inf)
+                    least[path].append(times.get(path, math.inf))
     finally:
         torch.set_num_threads(threads)
+    return least
+
+
+def least_times(
+    kernels: list[Kernel], x: torch.Tensor, evict: torch.Tensor, keep_within: float = math.inf
+) -> dict[str, float]:
+    """Least seconds of each kernel on `x`, the kernels called in turn, each after reading `evict` (its weight
+    out of the caches): at least MIN_ROUNDS rounds, more until MIN_SECONDS of kernel time, at most MAX_ROUNDS.
+    After the first round a kernel more than `keep_within` times slower than the fastest is not called again."""
+    for kernel in kernels:
+        kernel(x)  # first-touch allocations
+    least = {kernel.path: math.inf for kernel in kernels}
+    spent, rounds = 0.0, 0
+    while rounds < MAX_ROUNDS and (rounds < MIN_ROUNDS or spent < MIN_SECONDS):
+        if rounds == 1 and kernels:
+            fastest = min(least.values())
+            kernels = [kernel for kernel in kernels if least[kernel.path] <= keep_within * fastest]
+        for kernel in kernels:
+            evict.sum()
+            start = time.perf_counter()
+            kernel(x)
+            took = time.perf_counter() - start
+            least[kernel.path] = min(least[kernel.path], took)
+            spent += took
+        rounds += 1
     return least
 
 
