@@ -144,6 +144,7 @@ def test_the_bfloat16_op_sums_as_documented(rows: int, out_f: int, in_f: int, k_
         (1, 2304, 768),  # the small Llama's q/k/v: whole 64-value steps
         (1, 100, 64 + 48 + 5),  # a step, three 16-value groups, five values one by one
         (3, 33, 40),  # no whole step; rows one after another
+        (5, 131, 192 + 16 + 3),  # rows over four interleaved quarters of each block, and the outputs left over
         (1, 70, 13),
         (0, 48, 64),
     ],

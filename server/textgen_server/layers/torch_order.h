@@ -38,36 +38,58 @@ inline void dot_operand(const uint16_t* raw, int64_t k, float* xp) {
   for (int64_t i = main; i < k; ++i) xp[i] = bf16_to_float(raw[i]);
 }
 
-inline float dot_row(const float* xp, const uint16_t* w, int64_t k) {
+// R outputs' sums at once, output r over the weight row w[r]: each in dot_row's order (below), their 64-value
+// steps interleaved. A one-row projection streams its whole weight from memory, and one sequential stream per core
+// leaves the memory system idle between its misses: four rows far apart in memory keep four streams in flight and
+// read the weight 1.4-1.5x faster on a Zen 3 (benchmark/README.md, "four weight streams"). More than four spill
+// the accumulators (8 of them per row in 16 registers) and lose it again.
+template <int R>
+inline void dot_rows(const float* xp, const uint16_t* const (&w)[R], int64_t k, float (&out)[R]) {
   const int64_t main = k & ~(DOT_STEP - 1), vec = k & ~int64_t(15);
   const __m256i zero = _mm256_setzero_si256();
-  __m256 p[8];
-  for (auto& acc : p) acc = _mm256_setzero_ps();
+  __m256 p[R][8];
+  for (auto& row : p)
+    for (auto& acc : row) acc = _mm256_setzero_ps();
   for (int64_t s = 0; s < main; s += DOT_STEP) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + s + DOT_PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + s + DOT_PREFETCH + 32), _MM_HINT_T0);
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s + 16 * j));
-      // p[2j]: values 0-3 (lanes 0-3 of accumulator 2j) and 8-11 (of 2j + 1); p[2j + 1]: values 4-7 and 12-15
-      p[2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 16 * j),
-                                 _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), p[2 * j]);
-      p[2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 16 * j + 8),
-                                     _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), p[2 * j + 1]);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + s + DOT_PREFETCH), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + s + DOT_PREFETCH + 32), _MM_HINT_T0);
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + s + 16 * j));
+        // p[r][2j]: values 0-3 (lanes 0-3 of accumulator 2j) and 8-11 (of 2j + 1); p[r][2j + 1]: 4-7 and 12-15
+        p[r][2 * j] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 16 * j),
+                                      _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), p[r][2 * j]);
+        p[r][2 * j + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 16 * j + 8),
+                                          _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v)), p[r][2 * j + 1]);
+      }
     }
   }
-  // Accumulators a += a + 4 (registers j and j + 4 hold the same lanes of accumulators 2j, 2j+1 and 2j+4, 2j+5),
-  // a += a + 2, then 0 += 1: accumulator 1's lanes lie in the upper halves. Then the lanes, as torch folds them.
-  const __m256 r0 = _mm256_add_ps(_mm256_add_ps(p[0], p[4]), _mm256_add_ps(p[2], p[6]));  // lanes 0-3
-  const __m256 r1 = _mm256_add_ps(_mm256_add_ps(p[1], p[5]), _mm256_add_ps(p[3], p[7]));  // lanes 4-7
-  float sum = fold_add(_mm256_add_ps(_mm256_permute2f128_ps(r0, r1, 0x20), _mm256_permute2f128_ps(r0, r1, 0x31)));
-  __m256 tail = _mm256_setzero_ps();
-  for (int64_t s = main; s < vec; s += 16) {
-    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s), load8(w + s), tail);
-    tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 8), load8(w + s + 8), tail);
+  for (int r = 0; r < R; ++r) {
+    // Accumulators a += a + 4 (registers j and j + 4 hold the same lanes of accumulators 2j, 2j+1 and 2j+4,
+    // 2j+5), a += a + 2, then 0 += 1: accumulator 1's lanes lie in the upper halves. Then the lanes, as torch
+    // folds them.
+    const __m256 r0 = _mm256_add_ps(_mm256_add_ps(p[r][0], p[r][4]), _mm256_add_ps(p[r][2], p[r][6]));  // 0-3
+    const __m256 r1 = _mm256_add_ps(_mm256_add_ps(p[r][1], p[r][5]), _mm256_add_ps(p[r][3], p[r][7]));  // 4-7
+    float sum =
+        fold_add(_mm256_add_ps(_mm256_permute2f128_ps(r0, r1, 0x20), _mm256_permute2f128_ps(r0, r1, 0x31)));
+    __m256 tail = _mm256_setzero_ps();
+    for (int64_t s = main; s < vec; s += 16) {
+      tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s), load8(w[r] + s), tail);
+      tail = _mm256_fmadd_ps(_mm256_loadu_ps(xp + s + 8), load8(w[r] + s + 8), tail);
+    }
+    sum += fold_add(tail);
+    for (int64_t s = vec; s < k; ++s) sum = std::fma(xp[s], bf16_to_float(w[r][s]), sum);
+    out[r] = sum;
   }
-  sum += fold_add(tail);
-  for (int64_t s = vec; s < k; ++s) sum = std::fma(xp[s], bf16_to_float(w[s]), sum);
-  return sum;
+}
+
+inline float dot_row(const float* xp, const uint16_t* w, int64_t k) {
+  const uint16_t* const rows[1] = {w};
+  float out[1];
+  dot_rows<1>(xp, rows, k, out);
+  return out[0];
 }
 
 }  // namespace textgen_cpu
