@@ -10,8 +10,8 @@
 //   tests/test_int8_gemv.py checks the op against the float64 product within the rounding of its sums.
 //
 // Vector path: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs), four outputs at a time, each reading its
-// own contiguous row of the weight; elsewhere a scalar loop sums the same products in order of k. Threads split
-// the outputs (at::parallel_for), each streaming a contiguous run of rows.
+// own contiguous row of the weight, a quarter of the thread's outputs apart; elsewhere a scalar loop sums the same
+// products in order of k. Threads split the outputs (at::parallel_for).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -42,16 +42,16 @@ inline __m256 weights8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
 
-// Four outputs n .. n + 3 (rows of k bytes from `w`), k a multiple of 8. `ahead`: the next four rows' bytes at the
-// same column are fetched as these are read (one core's reads alone reached a third of the memory's bandwidth).
-inline void sums4(const float* x, const int8_t* w, int64_t k, bool ahead, float* y) {
+// Four outputs, rows[r] each k bytes, k a multiple of 8. `ahead`: the bytes `ahead` past each row's, at the same
+// column, are fetched as these are read (0: none).
+inline void sums4(const float* x, const int8_t* const (&rows)[4], int64_t k, int64_t ahead, float (&y)[4]) {
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t kk = 0; kk < k; kk += 8) {
     if (ahead && kk % 64 == 0) {
-      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (4 + r) * k + kk), _MM_HINT_T0);
+      for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + ahead + kk), _MM_HINT_T0);
     }
     const __m256 xv = _mm256_loadu_ps(x + kk);
-    for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(weights8(w + r * k + kk), xv, acc[r]);
+    for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(weights8(rows[r] + kk), xv, acc[r]);
   }
   for (int r = 0; r < 4; ++r) y[r] = fold_add(acc[r]);
 }
@@ -65,15 +65,22 @@ inline float sums1(const float* x, const int8_t* w, int64_t k) {
 #endif
 
 void row_sums(const float* x, const int8_t* w, int64_t n, int64_t k, float* y) {
-  // Blocks of 64 outputs: each thread streams a contiguous run of whole rows.
+  // Blocks of 64 outputs: each thread takes a contiguous run of whole rows.
   constexpr int64_t BLOCK = 64;
   at::parallel_for(0, (n + BLOCK - 1) / BLOCK, 1, [&](int64_t begin, int64_t end) {
     const int64_t n0 = begin * BLOCK, n1 = std::min(n, end * BLOCK);
 #if defined(__AVX2__) && defined(__FMA__)
     if (k % 8 == 0) {
-      int64_t j = n0;
-      for (; j + 4 <= n1; j += 4) sums4(x, w + j * k, k, j + 8 <= n1, y + j);
-      for (; j < n1; ++j) y[j] = sums1(x, w + j * k, k);
+      // Four quarters of the range side by side: four streams from memory at once (the four rows next to each
+      // other that this summed before read 1.1-1.3x slower, benchmark/README.md, "Four weight streams").
+      const int64_t q = (n1 - n0) / 4;
+      for (int64_t j = n0; j < n0 + q; ++j) {
+        const int8_t* const rows[4] = {w + j * k, w + (j + q) * k, w + (j + 2 * q) * k, w + (j + 3 * q) * k};
+        float out[4];
+        sums4(x, rows, k, j + 1 < n0 + q ? k : 0, out);
+        for (int r = 0; r < 4; ++r) y[j + r * q] = out[r];
+      }
+      for (int64_t j = n0 + 4 * q; j < n1; ++j) y[j] = sums1(x, w + j * k, k);
       return;
     }
 #endif
