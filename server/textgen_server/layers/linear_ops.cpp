@@ -226,7 +226,7 @@ void dot_block(const float* xr, const uint16_t* w, int64_t k, int64_t i0, int64_
   for (int64_t i = i0 + DOT_STREAMS * q; i < i1; ++i) yr[i] = at::BFloat16(textgen_cpu::dot_row(xr, w + i * k, k));
 }
 
-// Every row of x [m, k] against w [n, k], the outputs split over threads.
+// Every row of x [m, k] (m >= 1) against w [n, k], the outputs split over threads.
 void dot_rows(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w, at::BFloat16* y, int64_t n) {
   std::vector<float> xps(static_cast<size_t>(m * k));
   const auto* raw = reinterpret_cast<const uint16_t*>(x);
@@ -261,6 +261,7 @@ at::Tensor dot_gemv(const at::Tensor& x, const at::Tensor& w, const std::optiona
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());
+  if (flat.size(0) == 0) return y;  // dot_rows reads a first row
   dot_rows(flat.data_ptr<at::BFloat16>(), flat.size(0), k, w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), n);
   return y;
 }
