@@ -41,10 +41,10 @@ inline void dot_operand(const uint16_t* raw, int64_t k, float* xp) {
 // R outputs' sums at once, output r over the weight row w[r]: each in dot_row's order (below), their 64-value
 // steps interleaved. A one-row projection streams its whole weight from memory, and one sequential stream per core
 // leaves the memory system idle between its misses: four rows far apart in memory keep four streams in flight and
-// read the weight 1.4-1.5x faster on a Zen 3 (benchmark/README.md, "four weight streams"). More than four spill
+// read the weight 1.1-1.5x faster on a Zen 3 (benchmark/README.md, "Four weight streams"). More than four spill
 // the accumulators (8 of them per row in 16 registers) and lose it again.
 template <int R>
-inline void dot_rows(const float* xp, const uint16_t* const (&w)[R], int64_t k, float (&out)[R]) {
+inline void dot_outputs(const float* xp, const uint16_t* const (&w)[R], int64_t k, float (&out)[R]) {
   const int64_t main = k & ~(DOT_STEP - 1), vec = k & ~int64_t(15);
   const __m256i zero = _mm256_setzero_si256();
   __m256 p[R][8];
@@ -88,7 +88,7 @@ inline void dot_rows(const float* xp, const uint16_t* const (&w)[R], int64_t k, 
 inline float dot_row(const float* xp, const uint16_t* w, int64_t k) {
   const uint16_t* const rows[1] = {w};
   float out[1];
-  dot_rows<1>(xp, rows, k, out);
+  dot_outputs<1>(xp, rows, k, out);
   return out[0];
 }
 
