@@ -100,7 +100,7 @@ def _torch_order_block(
 def reads_pool(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a paged prefill's attention reads its keys in the pool (`pool_causal_attention`): bfloat16 by the
     ops of attention_products.cpp."""
-    return dtype == torch.bfloat16 and use_decode_kernel(dtype, device) and torch_order_products()
+    return use_decode_kernel(dtype, device) and torch_order_products()  # the first: bfloat16 on a CPU with the ops
 
 
 def pool_causal_attention(

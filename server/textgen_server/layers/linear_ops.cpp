@@ -212,18 +212,18 @@ void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t 
 // to float32 (twice a bf16 weight row's bytes) and held in L1, passes over them. A single row reuses nothing, so it
 // takes a thread's whole range as one block: its four streams (below) then run the range's length.
 constexpr int64_t DOT_BLOCK_BYTES = 128 * 1024;
-constexpr int DOT_STREAMS = 4;  // outputs summed together, far apart in memory (textgen_cpu::dot_outputs)
 
-// Outputs [i0, i1) of one row xr, the range's four quarters side by side: four weight streams from memory at once.
+// Outputs [i0, i1) of one row xr, four far apart at a time (textgen_cpu::four_streams).
 void dot_block(const float* xr, const uint16_t* w, int64_t k, int64_t i0, int64_t i1, at::BFloat16* yr) {
-  const int64_t q = (i1 - i0) / DOT_STREAMS;
-  for (int64_t i = i0; i < i0 + q; ++i) {
-    const uint16_t* const rows[DOT_STREAMS] = {w + i * k, w + (i + q) * k, w + (i + 2 * q) * k, w + (i + 3 * q) * k};
-    float out[DOT_STREAMS];
-    textgen_cpu::dot_outputs<DOT_STREAMS>(xr, rows, k, out);
-    for (int r = 0; r < DOT_STREAMS; ++r) yr[i + r * q] = at::BFloat16(out[r]);
-  }
-  for (int64_t i = i0 + DOT_STREAMS * q; i < i1; ++i) yr[i] = at::BFloat16(textgen_cpu::dot_row(xr, w + i * k, k));
+  textgen_cpu::four_streams(
+      i0, i1,
+      [&](int64_t i, int64_t q) {
+        const uint16_t* const rows[4] = {w + i * k, w + (i + q) * k, w + (i + 2 * q) * k, w + (i + 3 * q) * k};
+        float out[4];
+        textgen_cpu::dot_outputs<4>(xr, rows, k, out);
+        for (int r = 0; r < 4; ++r) yr[i + r * q] = at::BFloat16(out[r]);
+      },
+      [&](int64_t i) { yr[i] = at::BFloat16(textgen_cpu::dot_row(xr, w + i * k, k)); });
 }
 
 // Every row of x [m, k] (m >= 1) against w [n, k], the outputs split over threads.
