@@ -49,6 +49,7 @@ CASES = pytest.mark.parametrize(
         (1, 1, 17, 23, 80, 0),  # a head size with a 16-value tail (scores) and no 16-column tail (values)
         (1, 1, 9, 12, 72, 0),  # 8 trailing values: dot's scalar tail, values' last columns one by one
         (2, 1, 1, 5, 64, 0),  # one query
+        (2, 1, 20, 45, 128, 0),  # a head of two 64-value steps: key-major scores with the step count run-time
         (8, 1, 128, 256, 64, 0),  # 65,536 outputs: enough for another order of the scores' sums to show
     ],
 )

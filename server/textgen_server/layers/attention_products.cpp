@@ -143,10 +143,13 @@ TEXTGEN_INLINE inline void tree8(const F& f, __m256* sum) {
 // d = 64 s + 8 j + l into accumulator j, lane l (a fused multiply-add a step, the first onto zero), the
 // accumulators added ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)), then the lanes the same way. With keys in lanes
 // every one of those additions is a vertical one, and no value is unpacked or folded. kt: the keys' values
-// [D][8]; x[q]: query q's values in float32, in order.
-template <int Q>
+// [D][8]; x[q]: query q's values in float32, in order. STEPS: the head's steps of 64 values where known when
+// compiled (0: dim / 64 at run time). A head of one step (64 values, the common size) then sums with no loop around
+// each of its 64 multiply-adds: those loops' counters and branches cost the op about a tenth of its time
+// (benchmark/README.md, "prefix_reuse.py").
+template <int Q, int STEPS>
 TEXTGEN_INLINE inline void key_scores8(const float* kt, const float* const* x, int64_t dim, __m256* out) {
-  const int64_t steps = dim / textgen_cpu::DOT_STEP;
+  const int64_t steps = STEPS > 0 ? STEPS : dim / textgen_cpu::DOT_STEP;
   tree8<Q>(
       [&](int l, __m256* lane) TEXTGEN_INLINE {
         tree8<Q>(
@@ -229,17 +232,19 @@ void key_major_scores(const uint16_t* qp, const Keys& keys, int64_t n, int64_t r
       for (int64_t t = a; t <= b; ++t) out[(r0 + r) * total + t] = b16[t - 8 * g];
     };
     // (Tiles of groups kept in L1 across the block's rows gained 2-4%, within this VM's noise: not kept.)
+    const bool one_step = dim == textgen_cpu::DOT_STEP;
     for (int64_t r = 0; r < count; r += 2) {
       const int pair = r + 1 < count ? 2 : 1;
       const int64_t a = std::min(lo[r], lo[r + pair - 1]) / 8, b = std::max(hi[r], hi[r + pair - 1]) / 8;
       const float* x[2] = {xs.data() + r * dim, xs.data() + (r + pair - 1) * dim};
       for (int64_t g = a; g <= b; ++g) {
+        const float* kt = heads_keys + g * group_floats;
         __m256 sums[2];
         if (pair == 2) {
-          key_scores8<2>(heads_keys + g * group_floats, x, dim, sums);
+          one_step ? key_scores8<2, 1>(kt, x, dim, sums) : key_scores8<2, 0>(kt, x, dim, sums);
           store(g, r, sums[0]), store(g, r + 1, sums[1]);
         } else {
-          key_scores8<1>(heads_keys + g * group_floats, x, dim, sums);
+          one_step ? key_scores8<1, 1>(kt, x, dim, sums) : key_scores8<1, 0>(kt, x, dim, sums);
           store(g, r, sums[0]);
         }
       }
