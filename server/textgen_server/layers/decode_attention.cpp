@@ -673,7 +673,12 @@ inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int6
 #elif defined(__AVX2__)
   if (Sleef_expf8_u10 != nullptr) {  // torch's AVX2 path: the same steps, 8 lanes
     const int64_t first = lo - lo % 8, end = hi + 1 + (8 - (hi + 1) % 8) % 8;  // whole 8-column chunks
-    for (int64_t t = first; t < end; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
+    // The scores in float32, -inf where masked: whole visible chunks eight at a time (the conversion is exact, so
+    // any way of making it gives the same floats), the chunks at the edges value by value.
+    const int64_t inner = std::min((lo + 7) & ~int64_t(7), end), inner_end = std::max(inner, (hi + 1) & ~int64_t(7));
+    for (int64_t t = first; t < inner; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
+    for (int64_t c = inner; c < inner_end; c += 8) _mm256_storeu_ps(e + c, load8(in + c));
+    for (int64_t t = inner_end; t < end; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     for (int64_t c = first; c < end; c += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(e + c));
     const __m256 shift = _mm256_set1_ps(reduce_max(top8));
