@@ -22,9 +22,10 @@
 //   t % 4, the keys after the last whole four into the first), added in order ((0 + 1) + 2) + 3, rounded once.
 //   Each product of two bf16 values is exact in float32, so a fused multiply-add adds it as torch's add does; a
 //   key the row does not see has probability 0 and adds an exact zero, so it is skipped. v is converted to float32
-//   once, 16 columns at a time, and each row's probabilities once; the four sums stay in registers (about 2x
-//   faster than converting v for each row with its sums in memory), and a block of rows reads v in tiles that
-//   stay in L1 (40 queries over 1,541 cached keys, 12 heads; benchmark/README.md, "prefix_reuse.py").
+//   once, 16 columns at a time, and each row's probabilities once (about 2x faster than converting v for each row
+//   with its sums in memory), both with their keys grouped by partial sum, so that each sum is computed alone over
+//   its keys in order, four rows at a time sharing each key's loaded values (40 queries over 1,541 cached keys, 12
+//   heads; benchmark/README.md, "prefix_reuse.py").
 // textgen::torch_order_products() -> bool: whether this build has them (AVX2 without AVX-512). Whether torch on
 //   this CPU sums that way is checked where they are used (attention_kernels.py, `torch_order_products`).
 #include <ATen/ATen.h>
@@ -166,43 +167,90 @@ TEXTGEN_INLINE inline void key_scores8(const float* kt, const float* const* x, i
       out);
 }
 
-constexpr int64_t VALUE_TILE = 256;  // keys a tile: 16 KiB of a 16-column chunk's float32 values
-
-// Keys [a, b] of one row into its eight sums s (s[p]: part p of columns 0-7, s[4 + p]: of columns 8-15): key t into
-// part t % 4 below `whole`, into part 0 past it, in order of t. `values`: the chunk's 16 columns, key after key.
-inline void add_values(const float* p, const float* values, int64_t a, int64_t b, int64_t whole, __m256* s) {
-  __m256 a0 = s[0], a1 = s[1], a2 = s[2], a3 = s[3], b0 = s[4], b1 = s[5], b2 = s[6], b3 = s[7];
-  // One key into its sum. A switch, not a reference picked at run time: taking a sum's address kept all eight in
-  // memory, and the fours' loop then ran at a third of its speed.
-  auto one = [&](int64_t t, int part) {
-    const __m256 pt = _mm256_broadcast_ss(p + t);
-    const __m256 lo8 = _mm256_loadu_ps(values + t * 16), hi8 = _mm256_loadu_ps(values + t * 16 + 8);
-    switch (part) {
-      case 0: a0 = _mm256_fmadd_ps(pt, lo8, a0); b0 = _mm256_fmadd_ps(pt, hi8, b0); break;
-      case 1: a1 = _mm256_fmadd_ps(pt, lo8, a1); b1 = _mm256_fmadd_ps(pt, hi8, b1); break;
-      case 2: a2 = _mm256_fmadd_ps(pt, lo8, a2); b2 = _mm256_fmadd_ps(pt, hi8, b2); break;
-      default: a3 = _mm256_fmadd_ps(pt, lo8, a3); b3 = _mm256_fmadd_ps(pt, hi8, b3); break;
+// torch's four partial sums of a product with untransposed v take key t into sum t % 4, and the keys after the last
+// whole four (`whole`) into sum 0: each sum in order of t. So each sum can be computed alone, over its own keys in
+// order. `Parts` lists every part's keys one after another (part 0: t = 0, 4, .., then the keys from `whole` on;
+// part p > 0: t = p, p + 4, ..), so that a part's keys are contiguous and a row's keys of a part, [a, b] of t, are one
+// contiguous run of positions.
+struct Parts {
+  int64_t total, whole, quarter;  // quarter: whole / 4, the keys of a part below `whole`
+  int64_t base(int p) const { return p == 0 ? 0 : quarter + (total - whole) + (p - 1) * quarter; }
+  int64_t position(int64_t t) const { return t < whole ? base(static_cast<int>(t % 4)) + t / 4 : quarter + t - whole; }
+  // A row of T bf16 values by key into float32 by position: 16 keys at a time, four of each part (a 4 x 4 transpose).
+  void gather(const uint16_t* row, float* out) const {
+    int64_t t = 0;
+    for (; t + 16 <= whole; t += 16) {
+      __m128 x[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + t + 4 * i));
+        x[i] = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
+      }
+      _MM_TRANSPOSE4_PS(x[0], x[1], x[2], x[3]);  // x[p]: keys t + p, t + p + 4, t + p + 8, t + p + 12
+      for (int p = 0; p < 4; ++p) _mm_storeu_ps(out + base(p) + t / 4, x[p]);
     }
-  };
-  // Whole fours from the first multiple of 4 to the last before min(b + 1, whole); the keys around them one by one.
-  const int64_t first = std::min({(a + 3) & ~int64_t(3), whole, b + 1});
-  const int64_t last = std::max(first, std::min(b + 1, whole) & ~int64_t(3));
-  for (int64_t t = a; t < first; ++t) one(t, static_cast<int>(t % 4));
-  for (int64_t t = first; t < last; t += 4) {
-    const float* vt = values + t * 16;
-    const __m256 p0 = _mm256_broadcast_ss(p + t), p1 = _mm256_broadcast_ss(p + t + 1);
-    const __m256 p2 = _mm256_broadcast_ss(p + t + 2), p3 = _mm256_broadcast_ss(p + t + 3);
-    a0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vt), a0);
-    b0 = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vt + 8), b0);
-    a1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vt + 16), a1);
-    b1 = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vt + 24), b1);
-    a2 = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vt + 32), a2);
-    b2 = _mm256_fmadd_ps(p2, _mm256_loadu_ps(vt + 40), b2);
-    a3 = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vt + 48), a3);
-    b3 = _mm256_fmadd_ps(p3, _mm256_loadu_ps(vt + 56), b3);
+    for (; t < total; ++t) out[position(t)] = textgen_cpu::bf16_to_float(row[t]);
   }
-  for (int64_t t = std::max(last, a); t <= b; ++t) one(t, t < whole ? static_cast<int>(t % 4) : 0);
-  s[0] = a0, s[1] = a1, s[2] = a2, s[3] = a3, s[4] = b0, s[5] = b1, s[6] = b2, s[7] = b3;
+  // Positions [begin, end) of part p's keys among keys [a, b] (empty: begin >= end).
+  void run(int p, int64_t a, int64_t b, int64_t& begin, int64_t& end) const {
+    if (p == 0) {
+      begin = a < whole ? (a + 3) / 4 : quarter + a - whole;
+      end = b < whole ? b / 4 + 1 : quarter + b - whole + 1;
+      return;
+    }
+    const int64_t top = std::min(b, whole - 1) - p;  // the last key of the part at or below b, as an offset
+    begin = base(p) + (a - p + 3) / 4;
+    end = top < 0 ? begin : base(p) + top / 4 + 1;
+  }
+};
+
+// Up to VALUE_ROWS rows of one part: row r's sums (s[2r]: columns 0-7, s[2r + 1]: 8-15) over positions
+// [begin[r], end[r]) of `values` (16 columns a position) weighted by p[r] (the row's probabilities by position), in
+// order of position. The positions every row has are summed for all rows at once, each position's 16 values loaded
+// once for them all: a row alone costs three loads for two multiply-adds, four rows together six for eight (and
+// fewer loads than multiply-adds keep both FMA units busy).
+constexpr int VALUE_ROWS = 4;  // (the loop over common positions below is written for four)
+inline void add_part(const float* const* p, const float* values, const int64_t* begin, const int64_t* end, int rows,
+                     __m256* s) {
+  __m256 acc[2 * VALUE_ROWS];
+  for (int i = 0; i < 2 * VALUE_ROWS; ++i) acc[i] = _mm256_setzero_ps();
+  auto one = [&](int r, int64_t a, int64_t b) {
+    __m256 lo = acc[2 * r], hi = acc[2 * r + 1];
+    for (int64_t i = a; i < b; ++i) {
+      const __m256 w = _mm256_broadcast_ss(p[r] + i);
+      lo = _mm256_fmadd_ps(w, _mm256_loadu_ps(values + i * 16), lo);
+      hi = _mm256_fmadd_ps(w, _mm256_loadu_ps(values + i * 16 + 8), hi);
+    }
+    acc[2 * r] = lo, acc[2 * r + 1] = hi;
+  };
+  int64_t common_begin = begin[0], common_end = end[0];
+  for (int r = 1; r < rows; ++r) {
+    common_begin = std::max(common_begin, begin[r]);
+    common_end = std::min(common_end, end[r]);
+  }
+  if (rows < VALUE_ROWS || common_begin >= common_end) {
+    for (int r = 0; r < rows; ++r) one(r, begin[r], end[r]);
+  } else {
+    for (int r = 0; r < rows; ++r) one(r, begin[r], common_begin);
+    __m256 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7];
+    const float *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
+    for (int64_t i = common_begin; i < common_end; ++i) {
+      __m256 lo = _mm256_loadu_ps(values + i * 16), hi = _mm256_loadu_ps(values + i * 16 + 8);
+      // Held in registers: left alone, the compiler folds the loads into each row's multiply-add, loading them four
+      // times (twelve loads a position instead of six).
+      __asm__("" : "+x"(lo), "+x"(hi));
+      __m256 w = _mm256_broadcast_ss(p0 + i);
+      a0 = _mm256_fmadd_ps(w, lo, a0), a1 = _mm256_fmadd_ps(w, hi, a1);
+      w = _mm256_broadcast_ss(p1 + i);
+      a2 = _mm256_fmadd_ps(w, lo, a2), a3 = _mm256_fmadd_ps(w, hi, a3);
+      w = _mm256_broadcast_ss(p2 + i);
+      a4 = _mm256_fmadd_ps(w, lo, a4), a5 = _mm256_fmadd_ps(w, hi, a5);
+      w = _mm256_broadcast_ss(p3 + i);
+      a6 = _mm256_fmadd_ps(w, lo, a6), a7 = _mm256_fmadd_ps(w, hi, a7);
+    }
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5, acc[6] = a6, acc[7] = a7;
+    for (int r = 0; r < rows; ++r) one(r, common_end, end[r]);
+  }
+  for (int i = 0; i < 2 * rows; ++i) s[i] = acc[i];
 }
 
 // causal_scores_bf16 for a head size of whole steps of 64: each head's keys converted to float32 and transposed
@@ -313,10 +361,12 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
 #if defined(TEXTGEN_TORCH_ORDER)
   const auto* pp = reinterpret_cast<const uint16_t*>(pc.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  // v in float32, converted once for every row of its head, 16 columns at a time: [N, D / 16, T, 16]. A row's key
-  // then costs a broadcast and two fused multiply-adds reading 64 contiguous bytes, not a conversion of v's values
-  // again for each row.
+  // v in float32, converted once for every row of its head, 16 columns at a time, its keys in part order (`Parts`):
+  // [N, D / 16, T, 16]. A row's key then costs a broadcast and two fused multiply-adds reading 64 contiguous bytes,
+  // not a conversion of v's values again for each row.
   const int64_t chunks = dim / 16, tail = dim % 16;
+  const int64_t whole = total - total % 4;  // keys summed in fours; the rest join partial sum 0
+  const Parts parts{total, whole, whole / 4};
   const at::Tensor converted = at::empty({n * chunks * total * 16}, v.options().dtype(at::kFloat));
   float* vf = converted.data_ptr<float>();
   at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
@@ -324,36 +374,42 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
       for (int64_t head = 0; head < n; ++head) {  // a slot's heads one after another: one pool row
         const uint16_t* src = values.at(head, t);
         for (int64_t ci = 0; ci < chunks; ++ci) {
-          float* dst = vf + ((head * chunks + ci) * total + t) * 16;
+          float* dst = vf + ((head * chunks + ci) * total + parts.position(t)) * 16;
           _mm256_storeu_ps(dst, textgen_cpu::load8(src + ci * 16));
           _mm256_storeu_ps(dst + 8, textgen_cpu::load8(src + ci * 16 + 8));
         }
       }
   });
-  const int64_t whole = total - total % 4;  // keys summed in fours; the rest join partial sum 0
-  // Each 16-column chunk of v is read in tiles of keys that stay in L1 while every row of a block adds them to its
-  // eight sums (kept in `sums` between tiles): 2-17% faster than each row streaming the whole chunk
-  // (benchmark/README.md, "Keys and values read in the pool").
+  // Each part of each 16-column chunk, rows four at a time (`add_part`): on one thread 0.68-0.93x the time of each
+  // row adding its keys in order of t into all four sums (benchmark/README.md, "prefix_reuse.py").
   each_block(n, rows, seq, total, window, [&](int64_t head, int64_t r0, int64_t count, const int64_t* lo,
                                                const int64_t* hi) {
-    std::vector<float> probs(static_cast<size_t>(count * total), 0.f);
-    std::vector<__m256> sums(static_cast<size_t>(count * 8));
-    for (int64_t r = 0; r < count; ++r)
-      for (int64_t t = lo[r]; t <= hi[r]; ++t) probs[r * total + t] = textgen_cpu::bf16_to_float(pp[(r0 + r) * total + t]);
-    const int64_t first = *std::min_element(lo, lo + count), last = *std::max_element(hi, hi + count);
+    std::vector<float> probs(static_cast<size_t>(count * total));  // by position, as v's keys
+    std::vector<__m256> sums(static_cast<size_t>(count * 8));  // row r, part p: columns 0-7 at 8r + 2p, 8-15 next
+    int64_t begin[4][BLOCK_ROWS], end[4][BLOCK_ROWS];
+    for (int64_t r = 0; r < count; ++r) {
+      parts.gather(pp + (r0 + r) * total, probs.data() + r * total);
+      for (int part = 0; part < 4; ++part) parts.run(part, lo[r], hi[r], begin[part][r], end[part][r]);
+    }
     for (int64_t ci = 0; ci < chunks; ++ci) {
-      const float* vc = vf + (head * chunks + ci) * total * 16;  // 16 columns, key after key
-      std::fill(sums.begin(), sums.end(), _mm256_setzero_ps());
-      for (int64_t t0 = first & ~(VALUE_TILE - 1); t0 <= last; t0 += VALUE_TILE)
-        for (int64_t r = 0; r < count; ++r) {
-          const int64_t a = std::max(lo[r], t0), b = std::min(hi[r], t0 + VALUE_TILE - 1);
-          if (a <= b) add_values(probs.data() + r * total, vc, a, b, whole, sums.data() + r * 8);
+      const float* vc = vf + (head * chunks + ci) * total * 16;  // 16 columns, key after key in part order
+      for (int part = 0; part < 4; ++part)
+        for (int64_t r = 0; r < count; r += VALUE_ROWS) {
+          const int group = static_cast<int>(std::min<int64_t>(VALUE_ROWS, count - r));
+          const float* p[VALUE_ROWS];
+          __m256 s[2 * VALUE_ROWS];
+          for (int i = 0; i < group; ++i) p[i] = probs.data() + (r + i) * total;
+          add_part(p, vc, begin[part] + r, end[part] + r, group, s);
+          for (int i = 0; i < group; ++i) {
+            sums[(r + i) * 8 + 2 * part] = s[2 * i];
+            sums[(r + i) * 8 + 2 * part + 1] = s[2 * i + 1];
+          }
         }
       for (int64_t r = 0; r < count; ++r) {
-        const __m256* sr = sums.data() + r * 8;  // parts 0-3 of columns 0-7, then of columns 8-15
+        const __m256* sr = sums.data() + r * 8;
         uint16_t* y = op + (r0 + r) * dim + ci * 16;
-        textgen_cpu::store8(y, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(sr[0], sr[1]), sr[2]), sr[3]));
-        textgen_cpu::store8(y + 8, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(sr[4], sr[5]), sr[6]), sr[7]));
+        textgen_cpu::store8(y, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(sr[0], sr[2]), sr[4]), sr[6]));
+        textgen_cpu::store8(y + 8, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(sr[1], sr[3]), sr[5]), sr[7]));
       }
     }
     // A head size not a multiple of 16: its last columns one at a time, in the same order.
@@ -362,7 +418,7 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
         float part[4] = {0.f, 0.f, 0.f, 0.f};
         for (int64_t t = lo[r]; t <= hi[r]; ++t) {
           float& sum = part[t < whole ? t % 4 : 0];
-          sum = std::fma(probs[r * total + t], textgen_cpu::bf16_to_float(values.at(head, t)[c]), sum);
+          sum = std::fma(probs[r * total + parts.position(t)], textgen_cpu::bf16_to_float(values.at(head, t)[c]), sum);
         }
         op[(r0 + r) * dim + c] = textgen_cpu::float_to_bf16(((part[0] + part[1]) + part[2]) + part[3]);
       }
