@@ -146,7 +146,7 @@ TEXTGEN_INLINE inline void tree8(const F& f, __m256* sum) {
 // every one of those additions is a vertical one, and no value is unpacked or folded. kt: the keys' values
 // [D][8]; x[q]: query q's values in float32, in order. STEPS: the head's steps of 64 values where known when
 // compiled (0: dim / 64 at run time). A head of one step (64 values, the common size) then sums with no loop around
-// each of its 64 multiply-adds: those loops' counters and branches cost the op about a tenth of its time
+// each of its 64 multiply-adds: those loops' counters and branches cost the op a tenth to a third of its time
 // (benchmark/README.md, "prefix_reuse.py").
 template <int Q, int STEPS>
 TEXTGEN_INLINE inline void key_scores8(const float* kt, const float* const* x, int64_t dim, __m256* out) {
