@@ -173,9 +173,11 @@ TEXTGEN_INLINE inline void key_scores8(const float* kt, const float* const* x, i
 // part p > 0: t = p, p + 4, ..), so that a part's keys are contiguous and a row's keys of a part, [a, b] of t, are one
 // contiguous run of positions.
 struct Parts {
-  int64_t total, whole, quarter;  // quarter: whole / 4, the keys of a part below `whole`
+  int64_t total, whole, quarter;  // T keys; the keys summed in fours; whole / 4, a part's keys below `whole`
+  explicit Parts(int64_t keys) : total(keys), whole(keys - keys % 4), quarter(whole / 4) {}
+  int part(int64_t t) const { return t < whole ? static_cast<int>(t % 4) : 0; }  // the partial sum key t joins
   int64_t base(int p) const { return p == 0 ? 0 : quarter + (total - whole) + (p - 1) * quarter; }
-  int64_t position(int64_t t) const { return t < whole ? base(static_cast<int>(t % 4)) + t / 4 : quarter + t - whole; }
+  int64_t position(int64_t t) const { return t < whole ? base(part(t)) + t / 4 : quarter + t - whole; }
   // A row of T bf16 values by key into float32 by position: 16 keys at a time, four of each part (a 4 x 4 transpose).
   void gather(const uint16_t* row, float* out) const {
     int64_t t = 0;
@@ -365,8 +367,7 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
   // [N, D / 16, T, 16]. A row's key then costs a broadcast and two fused multiply-adds reading 64 contiguous bytes,
   // not a conversion of v's values again for each row.
   const int64_t chunks = dim / 16, tail = dim % 16;
-  const int64_t whole = total - total % 4;  // keys summed in fours; the rest join partial sum 0
-  const Parts parts{total, whole, whole / 4};
+  const Parts parts(total);
   const at::Tensor converted = at::empty({n * chunks * total * 16}, v.options().dtype(at::kFloat));
   float* vf = converted.data_ptr<float>();
   at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
@@ -417,7 +418,7 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
       for (int64_t c = dim - tail; c < dim; ++c) {
         float part[4] = {0.f, 0.f, 0.f, 0.f};
         for (int64_t t = lo[r]; t <= hi[r]; ++t) {
-          float& sum = part[t < whole ? t % 4 : 0];
+          float& sum = part[parts.part(t)];
           sum = std::fma(probs[r * total + parts.position(t)], textgen_cpu::bf16_to_float(values.at(head, t)[c]), sum);
         }
         op[(r0 + r) * dim + c] = textgen_cpu::float_to_bf16(((part[0] + part[1]) + part[2]) + part[3]);

@@ -676,9 +676,12 @@ inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int6
     // The scores in float32, -inf where masked: whole visible chunks eight at a time (the conversion is exact, so
     // any way of making it gives the same floats), the chunks at the edges value by value.
     const int64_t inner = std::min((lo + 7) & ~int64_t(7), end), inner_end = std::max(inner, (hi + 1) & ~int64_t(7));
-    for (int64_t t = first; t < inner; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
+    auto edge = [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
+    };
+    edge(first, inner);
     for (int64_t c = inner; c < inner_end; c += 8) _mm256_storeu_ps(e + c, load8(in + c));
-    for (int64_t t = inner_end; t < end; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
+    edge(inner_end, end);
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     for (int64_t c = first; c < end; c += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(e + c));
     const __m256 shift = _mm256_set1_ps(reduce_max(top8));
