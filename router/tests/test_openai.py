@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -271,15 +272,21 @@ def test_a_call_without_content_is_a_message(http: httpx.Client) -> None:
 
 
 def test_overloaded(server: LauncherProcess, http: httpx.Client) -> None:
-    """Two prompts streaming hold both permits: the next request is a 429 (or an in-band 429 event)."""
-    started = threading.Event()
+    """Two prompts streaming hold both permits: the next request is a 429 (or an in-band 429 event); once the
+    holder disconnects, its permits come back."""
+    # The holder asks for as many tokens as the server allows and leaves only when told to: with a fixed short
+    # length its stream could end (and free the permits) before the three refusals below were checked.
+    longest = http.get("/info").json()["max_total_tokens"] - 8
+    started, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        body = {"prompt": ["a", "b"], "temperature": 0, "max_tokens": 100, "stream": True}
+        body = {"prompt": ["a", "b"], "temperature": 0, "max_tokens": longest, "stream": True}
         with httpx.Client(base_url=server.base_url, timeout=120) as other:
             with other.stream("POST", "/v1/completions", json=body) as response:
                 for _ in response.iter_lines():
                     started.set()
+                    if release.is_set():
+                        return
 
     holder = threading.Thread(target=hold)
     holder.start()
@@ -293,8 +300,15 @@ def test_overloaded(server: LauncherProcess, http: httpx.Client) -> None:
         completion = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert_error(completion, 429, "Model is overloaded", "overloaded")
     finally:
+        release.set()
         holder.join(timeout=120)
     assert not holder.is_alive()
+    # The disconnect removes both prompts from the batch at its next step; their permits come back.
+    deadline = time.monotonic() + 30
+    while (status := http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code) == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert status == 200
 
 
 # ---- completions ------------------------------------------------------------------------------

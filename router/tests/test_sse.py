@@ -96,7 +96,8 @@ def test_errors_are_events_on_a_200_stream(client: httpx.Client, parameters: dic
 async def _open_streams(base_url: str, headers: dict[str, str], n: int) -> None:
     """Hold `n` long streams open (first event read), check overload, then drop them mid-stream."""
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=60) as client:
-        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 400}}
+        # As long as the server allows, so no stream can end (and give its permit back) before it is dropped.
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": MAX_TOTAL_TOKENS - 16}}
         streams = []
         for _ in range(n):
             ctx = client.stream("POST", "/generate_stream", json=body)
