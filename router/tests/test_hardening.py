@@ -289,10 +289,15 @@ def test_a_dead_shard_does_not_show_its_socket_path(tiny_llama: Path) -> None:
         with RouterProcess(shard.socket, tiny_llama) as proc:
             with httpx.Client(base_url=proc.base_url, timeout=60) as c:
                 with ThreadPoolExecutor(1) as pool:
+                    # Long enough to outlast the wait below on any CPU (1,000 tokens took 1.7 s on a 2-core Zen 3,
+                    # so a fixed one-second wait could see the request end first on a faster one).
                     running = pool.submit(
-                        c.post, "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 1000}}
+                        c.post, "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2000}}
                     )
-                    time.sleep(1.0)
+                    deadline = time.monotonic() + 60
+                    while not re.search(r"^tgi_batch_current_size 1$", c.get("/metrics").text, re.M):
+                        assert time.monotonic() < deadline
+                        time.sleep(0.05)
                     shard.process.kill()
                     failed = running.result()
                 after = c.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
