@@ -9,11 +9,11 @@
 //   w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / G, as torch's kernel defines it. Computed as
 //   y[n] = sum_g ( scale[g, n] * (sum_{k in g} q[n, k] x[k] - 8 X[g]) + offset[g, n] * X[g] ), X[g] = sum_{k in g}
 //   x[k], the result rounded once to bf16. On the vector path of layout 1 (AVX2's) x is first put on a grid of
-//   32639 steps each side of its group's largest |x| (quantize_row: within 2^-16 of that value, where bf16 itself
-//   rounds x by up to 2^-9 of it), so that the inner sums are exact integer sums, about 34 vector operations per
-//   64 bytes of weight instead of 58; elsewhere every sum is in float32 on x read exactly. The bits are not torch's kernel's (it
-//   dequantizes each weight to float first): tests/test_int4_gemv.py checks the op against the float32 product
-//   within those bounds.
+//   127 steps each side of the largest |x| of its 32 values (quantize_row: within 1/254 of that value, as llama.cpp's
+//   Q8_0 blocks put a Q4_0 product's activations), so that the inner sums are exact integer sums, about 23 vector
+//   operations per 64 bytes of weight instead of 58; elsewhere every sum is in float32 on x read exactly. The bits
+//   are not torch's kernel's (it dequantizes each weight to float first): tests/test_int4_gemv.py checks the op
+//   against the float32 product within those bounds.
 // textgen::int4_dequantize(packed, scales_offsets, group_size) -> float32 [N, K]: the weight as that formula gives
 //   it, for many-row products run as a float32 GEMM (layers/quant_kernels.py).
 // textgen::int4_gemv_layout() -> int: the packed layout (below) torch uses in this process, 0, 1 or 2.
@@ -113,61 +113,58 @@ void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uin
   }
 }
 
-// A row x quantized per group for the integer path: x[k] ~ step[g] * q[k], q = x / step rounded, in [-32639, 32639]
-// (step = the group's largest |x| / 32639, so within step / 2 of x: 2^-16 of that largest |x|, far below the
-// bf16 rounding of x itself), q = 256 hi + lo with hi in [-127, 127] and lo in [-128, 127], both int8. `qsum[g]`
-// is the group's sum of q.
+// A row x quantized for the integer path, 32 values at a time (llama.cpp's Q8_0 blocks): x[k] ~ step[b] * q[k],
+// q = x / step rounded, in [-127, 127] (step = the block's largest |x| / 127, so within step / 2 of x: 1/254 of that
+// largest |x|, where bf16 itself rounds x by up to 2^-9 of x). `qsum[b]`: the block's sum of q; `xsum[g]`: group g's
+// sum of step[b] * qsum[b] over its blocks (the x the offsets and the centring multiply).
+constexpr int64_t X_BLOCK = 32;
 struct RowInts {
-  std::vector<int8_t> hi, lo;
-  std::vector<float> step;
+  std::vector<int8_t> q;
+  std::vector<float> step, xsum;
   std::vector<int32_t> qsum;
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
 // x (float32 [k]) into `out`; false where a value is not finite (the float path then computes the row, carrying
-// the NaN or infinity as float sums do) or a group's values are all tiny but not all zero. q is x times 1 / step, rounded to the nearest integer, ties to even.
+// the NaN or infinity as float sums do) or a block's values are all tiny but not all zero. q is x times 1 / step,
+// rounded to the nearest integer, ties to even.
 bool quantize_row(const float* x, int64_t k, int64_t g, RowInts& out) {
-  const int64_t groups = k / g;
-  out.hi.resize(k);
-  out.lo.resize(k);
-  out.step.resize(groups);
-  out.qsum.resize(groups);
+  const int64_t blocks = k / X_BLOCK;
+  out.q.resize(k);
+  out.step.resize(blocks);
+  out.qsum.resize(blocks);
+  out.xsum.assign(k / g, 0.f);
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 infinity = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  const __m256i half = _mm256_set1_epi32(128);
-  // the low byte of each int32 lane, lanes 0..3 of each 128-bit half, to bytes 0..3 of that half
-  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
-                                             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    const float* xg = x + gi * g;
-    __m256 most = _mm256_setzero_ps(), not_finite = _mm256_setzero_ps();
-    for (int64_t i = 0; i < g; i += 8) {
-      const __m256 size = _mm256_and_ps(_mm256_loadu_ps(xg + i), magnitude);
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lanes back in order
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * X_BLOCK;
+    __m256 v[4], most = _mm256_setzero_ps(), not_finite = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 size = _mm256_and_ps(v[i], magnitude);
       most = _mm256_max_ps(most, size);  // (a NaN does not stay in a max: it is looked for apart)
       not_finite = _mm256_or_ps(not_finite, _mm256_cmp_ps(size, infinity, _CMP_NLT_UQ));
     }
     if (_mm256_movemask_ps(not_finite) != 0) return false;
     const float largest = reduce_max(most);
-    // Below this the step is not a normal float32 and 1 / step may overflow, q with it (and the int32 sums of q).
-    if (largest > 0.f && largest < 32639.f * std::numeric_limits<float>::min()) return false;
-    const float step = largest > 0.f ? largest / 32639.f : 1.f;
+    // Below this the step is not a normal float32 and 1 / step may overflow.
+    if (largest > 0.f && largest < 127.f * std::numeric_limits<float>::min()) return false;
+    const float step = largest > 0.f ? largest / 127.f : 1.f;
     const __m256 inverse = _mm256_set1_ps(1.f / step);
-    __m256i sums = _mm256_setzero_si256();
-    for (int64_t i = 0; i < g; i += 8) {
-      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i), inverse));
-      const __m256i hi = _mm256_srai_epi32(_mm256_add_epi32(q, half), 8);  // floor((q + 128) / 256)
-      const __m256i lo = _mm256_sub_epi32(q, _mm256_slli_epi32(hi, 8));   // in [-128, 127]
-      sums = _mm256_add_epi32(sums, q);
-      const __m256i hb = _mm256_shuffle_epi8(hi, low_bytes), lb = _mm256_shuffle_epi8(lo, low_bytes);
-      const int32_t h4[2] = {_mm256_extract_epi32(hb, 0), _mm256_extract_epi32(hb, 4)};
-      const int32_t l4[2] = {_mm256_extract_epi32(lb, 0), _mm256_extract_epi32(lb, 4)};
-      std::memcpy(out.hi.data() + gi * g + i, h4, 8);
-      std::memcpy(out.lo.data() + gi * g + i, l4, 8);
+    __m256i q[4], sums = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+      sums = _mm256_add_epi32(sums, q[i]);
     }
-    out.step[gi] = step;
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + b * X_BLOCK),
+                        _mm256_permutevar8x32_epi32(bytes, in_order));
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
-    out.qsum[gi] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    out.qsum[b] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    out.step[b] = step;
+    out.xsum[b * X_BLOCK / g] += step * float(out.qsum[b]);
   }
   return true;
 }
@@ -249,33 +246,32 @@ void block_split(const float* x, const float* xsum, const uint8_t* w, const uint
   for (int a = 0; a < A; ++a) _mm256_storeu_ps(y + 8 * a, total[a]);
 }
 
-// A full block of layout 1 (32 outputs, rows of 16 bytes) on the integer path: the group's sums of q[n, k] (0..15)
-// times the row's q[k] (both parts, hi and lo) are exact in integers, so the float work is once per group:
-// total += scale * step * (sum_k q[n, k] q[k] - 8 qsum) + offset * step * qsum. Two 32-byte loads hold rows k .. k + 3;
-// interleaving their bytes pairs row k with k + 2 (low 128-bit lane) and k + 1 with k + 3 (high lane) for 8
-// outputs, which maddubs multiplies by the matching pair of the row's int8 parts and adds: two products of at most
-// 15 * 128 each, so 8 such sums (32 values of k) stay within int16 before they are widened to int32. About 34
-// vector operations per 64 bytes of weight, against about 58 for block_split<16>'s conversions and multiply-adds:
-// the `1b` model's batch-1 decode ran 16% faster (benchmark/README.md, "Quantized models").
+// A full block of layout 1 (32 outputs, rows of 16 bytes) on the integer path: a block of 32 values of k's sums of
+// q[n, k] (0..15) times the row's q[k] are exact in integers, so the float work is once per block and group:
+// total += scale * (sum_b step[b] * sum_{k in b} q[n, k] q[k] - 8 xsum) + offset * xsum. Two 32-byte loads hold rows
+// k .. k + 3; interleaving their bytes pairs row k with k + 2 (low 128-bit lane) and k + 1 with k + 3 (high lane)
+// for 8 outputs, which maddubs multiplies by the matching pair of the row's int8 values and adds: two products of
+// at most 15 * 127 each, so the 8 such sums of a block stay within int16 before they are widened. About 23 vector
+// operations per 64 bytes of weight (34 with x on a 16-bit grid, as two int8 parts; 58 for block_split<16>'s
+// conversions and multiply-adds): benchmark/README.md, "Quantized models".
 void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0, int64_t k,
                 int64_t g, float* y) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // the 4 bytes of rows k .. k + 3 to the pairs (k, k + 2) in the low lane and (k + 1, k + 3) in the high one
   const __m256i pairs_of = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,  //
                                             1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
-  const __m256i lo_hi = _mm256_set1_epi32((256 << 16) | 1);  // int16 pairs (lo, hi) -> lo + 256 hi
-  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
   __m256 total[4];
   for (int a = 0; a < 4; ++a) total[a] = _mm256_setzero_ps();
   for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
     // octet a (outputs 8a .. 8a + 7): [2a] its outputs 0..3, [2a + 1] its outputs 4..7, in both lanes
-    __m256i sums[8];
-    for (int a = 0; a < 8; ++a) sums[a] = _mm256_setzero_si256();
-    for (int64_t c0 = k0; c0 < k0 + g; c0 += 32) {
-      __m256i hi16[4], lo16[4];
-      for (int a = 0; a < 4; ++a) hi16[a] = lo16[a] = _mm256_setzero_si256();
+    __m256 sums[8];
+    for (int a = 0; a < 8; ++a) sums[a] = _mm256_setzero_ps();
+    for (int64_t c0 = k0; c0 < k0 + g; c0 += X_BLOCK) {
+      __m256i q16[4];
+      for (int a = 0; a < 4; ++a) q16[a] = zero;
       const uint8_t* row = w + c0 * 16;
-      for (int64_t kk = c0; kk < c0 + 32; kk += 4, row += 64) {
+      for (int64_t kk = c0; kk < c0 + X_BLOCK; kk += 4, row += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES), _MM_HINT_T0);
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32));
@@ -285,34 +281,29 @@ void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
         // outputs 0..7, 8..15 (low nibbles) and 16..23, 24..31 (high nibbles)
         const __m256i q[4] = {_mm256_unpacklo_epi8(a_lo, b_lo), _mm256_unpackhi_epi8(a_lo, b_lo),
                               _mm256_unpacklo_epi8(a_hi, b_hi), _mm256_unpackhi_epi8(a_hi, b_hi)};
-        int32_t four_hi, four_lo;
-        std::memcpy(&four_hi, x.hi.data() + kk, 4);
-        std::memcpy(&four_lo, x.lo.data() + kk, 4);
-        const __m256i xh = _mm256_shuffle_epi8(_mm256_set1_epi32(four_hi), pairs_of);
-        const __m256i xl = _mm256_shuffle_epi8(_mm256_set1_epi32(four_lo), pairs_of);
-        for (int o = 0; o < 4; ++o) {
-          hi16[o] = _mm256_add_epi16(hi16[o], _mm256_maddubs_epi16(q[o], xh));
-          lo16[o] = _mm256_add_epi16(lo16[o], _mm256_maddubs_epi16(q[o], xl));
-        }
+        int32_t four;
+        std::memcpy(&four, x.q.data() + kk, 4);
+        const __m256i xq = _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs_of);
+        for (int o = 0; o < 4; ++o) q16[o] = _mm256_add_epi16(q16[o], _mm256_maddubs_epi16(q[o], xq));
       }
-      for (int o = 0; o < 4; ++o) {
-        sums[2 * o] = _mm256_add_epi32(sums[2 * o], _mm256_madd_epi16(_mm256_unpacklo_epi16(lo16[o], hi16[o]), lo_hi));
-        sums[2 * o + 1] =
-            _mm256_add_epi32(sums[2 * o + 1], _mm256_madd_epi16(_mm256_unpackhi_epi16(lo16[o], hi16[o]), lo_hi));
+      const __m256 step = _mm256_set1_ps(x.step[c0 / X_BLOCK]);
+      for (int o = 0; o < 4; ++o) {  // int16 (q16, 0) pairs -> int32, times the block's step
+        const __m256i first = _mm256_madd_epi16(_mm256_unpacklo_epi16(q16[o], zero), ones);
+        const __m256i second = _mm256_madd_epi16(_mm256_unpackhi_epi16(q16[o], zero), ones);
+        sums[2 * o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), step, sums[2 * o]);
+        sums[2 * o + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), step, sums[2 * o + 1]);
       }
     }
-    const __m256 step = _mm256_set1_ps(x.step[gi]), step_qsum = _mm256_set1_ps(x.step[gi] * float(x.qsum[gi]));
-    const __m256i qsum8 = _mm256_set1_epi32(8 * x.qsum[gi]);
+    const __m256 xsum = _mm256_set1_ps(x.xsum[gi]), xsum8 = _mm256_set1_ps(8.f * x.xsum[gi]);
     const uint32_t* pairs = so + gi * n_total + n0;
     for (int o = 0; o < 4; ++o) {
-      const __m256i u = sums[2 * o], v = sums[2 * o + 1];  // the two lanes of each: rows (k, k + 2) and (k + 1, k + 3)
-      const __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(u, v, 0x20), _mm256_permute2x128_si256(u, v, 0x31));
-      const __m256 centred = _mm256_cvtepi32_ps(_mm256_sub_epi32(s, qsum8));
+      const __m256 u = sums[2 * o], v = sums[2 * o + 1];  // the two lanes of each: rows (k, k + 2) and (k + 1, k + 3)
+      const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
       const __m256i sov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * o));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sov, 16));
-      const __m256 offset = _mm256_castsi256_ps(_mm256_and_si256(sov, high16));
-      total[o] = _mm256_fmadd_ps(_mm256_mul_ps(scale, step), centred, total[o]);
-      total[o] = _mm256_fmadd_ps(offset, step_qsum, total[o]);
+      const __m256 offset = _mm256_castsi256_ps(_mm256_and_si256(sov, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      total[o] = _mm256_fmadd_ps(scale, _mm256_sub_ps(s, xsum8), total[o]);
+      total[o] = _mm256_fmadd_ps(offset, xsum, total[o]);
     }
   }
   for (int o = 0; o < 4; ++o) _mm256_storeu_ps(y + 8 * o, total[o]);
