@@ -115,13 +115,12 @@ void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uin
 
 // A row x quantized for the integer path, 32 values at a time (llama.cpp's Q8_0 blocks): x[k] ~ step[b] * q[k],
 // q = x / step rounded, in [-127, 127] (step = the block's largest |x| / 127, so within step / 2 of x: 1/254 of that
-// largest |x|, where bf16 itself rounds x by up to 2^-9 of x). `qsum[b]`: the block's sum of q; `xsum[g]`: group g's
-// sum of step[b] * qsum[b] over its blocks (the x the offsets and the centring multiply).
+// largest |x|, where bf16 itself rounds x by up to 2^-9 of x). `xsum[g]`: group g's sum over its blocks of step[b]
+// times the block's sum of q (the x the offsets and the centring multiply).
 constexpr int64_t X_BLOCK = 32;
 struct RowInts {
   std::vector<int8_t> q;
   std::vector<float> step, xsum;
-  std::vector<int32_t> qsum;
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -132,7 +131,6 @@ bool quantize_row(const float* x, int64_t k, int64_t g, RowInts& out) {
   const int64_t blocks = k / X_BLOCK;
   out.q.resize(k);
   out.step.resize(blocks);
-  out.qsum.resize(blocks);
   out.xsum.assign(k / g, 0.f);
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 infinity = _mm256_set1_ps(std::numeric_limits<float>::infinity());
@@ -162,9 +160,9 @@ bool quantize_row(const float* x, int64_t k, int64_t g, RowInts& out) {
                         _mm256_permutevar8x32_epi32(bytes, in_order));
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
-    out.qsum[b] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    const int32_t qsum = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
     out.step[b] = step;
-    out.xsum[b * X_BLOCK / g] += step * float(out.qsum[b]);
+    out.xsum[b * X_BLOCK / g] += step * float(qsum);
   }
   return true;
 }
@@ -261,6 +259,7 @@ void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
   const __m256i pairs_of = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,  //
                                             1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
   const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 total[4];
   for (int a = 0; a < 4; ++a) total[a] = _mm256_setzero_ps();
   for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
@@ -301,7 +300,7 @@ void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
       const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
       const __m256i sov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * o));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sov, 16));
-      const __m256 offset = _mm256_castsi256_ps(_mm256_and_si256(sov, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      const __m256 offset = _mm256_castsi256_ps(_mm256_and_si256(sov, high16));
       total[o] = _mm256_fmadd_ps(scale, _mm256_sub_ps(s, xsum8), total[o]);
       total[o] = _mm256_fmadd_ps(offset, xsum, total[o]);
     }
