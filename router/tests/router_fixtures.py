@@ -5,12 +5,14 @@
   bounded) and killed on exit, with its log kept for failures.
 - `ROUTER_FLAGS`: the small limits and the API key of the shared router (fixtures in conftest.py), so every
   rule can be exercised without long prompts.
+- `metric`: one series' value from a router's /metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,6 +48,13 @@ ROUTER_FLAGS = (
     "--cors-allow-origin",
     ALLOWED_ORIGIN,
 )
+
+
+def metric(client: httpx.Client, series: str) -> float:
+    """The value of one series (name and labels, as /metrics prints them) on the router `client` talks to; 0 when
+    it is not there yet."""
+    match = re.search(rf"^{re.escape(series)} (\S+)$", client.get("/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0
 
 
 class RouterProcess(contextlib.AbstractContextManager):

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 import pytest
-from router_fixtures import API_KEY, RouterProcess
+from router_fixtures import API_KEY, RouterProcess, metric
 
 from testing.shards import ShardProcess
 from textgen_router.tokenization import WORKER_NICENESS
@@ -295,7 +295,7 @@ def test_a_dead_shard_does_not_show_its_socket_path(tiny_llama: Path) -> None:
                         c.post, "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2000}}
                     )
                     deadline = time.monotonic() + 60
-                    while not re.search(r"^tgi_batch_current_size 1$", c.get("/metrics").text, re.M):
+                    while metric(c, "tgi_batch_current_size") != 1:
                         assert time.monotonic() < deadline
                         time.sleep(0.05)
                     shard.process.kill()

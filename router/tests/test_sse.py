@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from router_fixtures import MAX_CONCURRENT_REQUESTS, MAX_TOTAL_TOKENS
+from router_fixtures import MAX_CONCURRENT_REQUESTS, MAX_TOTAL_TOKENS, metric
 
 from textgen_router.sse import DIRECT_SEND, KEEP_ALIVE, ChunkWriter, EventStream, event
 
@@ -24,11 +24,6 @@ NUMBER = r"-?\d+(?:\.\d+)?(?:e-?\d+)?"
 
 def stream(client: httpx.Client, inputs: str = PROMPT, **parameters: object) -> httpx.Response:
     return client.post("/generate_stream", json={"inputs": inputs, "parameters": parameters})
-
-
-def metric(client: httpx.Client, series: str) -> float:
-    match = re.search(rf"^{re.escape(series)} (\S+)$", client.get("/metrics").text, re.M)
-    return float(match.group(1)) if match else 0.0
 
 
 def test_stream_bytes(client: httpx.Client) -> None:

@@ -182,11 +182,9 @@ struct Parts {
   void gather(const uint16_t* row, float* out) const {
     int64_t t = 0;
     for (; t + 16 <= whole; t += 16) {
-      __m128 x[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + t + 4 * i));
-        x[i] = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16));
-      }
+      const __m256 first = textgen_cpu::load8(row + t), second = textgen_cpu::load8(row + t + 8);
+      __m128 x[4] = {_mm256_castps256_ps128(first), _mm256_extractf128_ps(first, 1),  // keys t .. t + 3, t + 4 ..
+                     _mm256_castps256_ps128(second), _mm256_extractf128_ps(second, 1)};
       _MM_TRANSPOSE4_PS(x[0], x[1], x[2], x[3]);  // x[p]: keys t + p, t + p + 4, t + p + 8, t + p + 12
       for (int p = 0; p < 4; ++p) _mm_storeu_ps(out + base(p) + t / 4, x[p]);
     }
@@ -371,15 +369,17 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
   const at::Tensor converted = at::empty({n * chunks * total * 16}, v.options().dtype(at::kFloat));
   float* vf = converted.data_ptr<float>();
   at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t position = parts.position(t);
       for (int64_t head = 0; head < n; ++head) {  // a slot's heads one after another: one pool row
         const uint16_t* src = values.at(head, t);
         for (int64_t ci = 0; ci < chunks; ++ci) {
-          float* dst = vf + ((head * chunks + ci) * total + parts.position(t)) * 16;
+          float* dst = vf + ((head * chunks + ci) * total + position) * 16;
           _mm256_storeu_ps(dst, textgen_cpu::load8(src + ci * 16));
           _mm256_storeu_ps(dst + 8, textgen_cpu::load8(src + ci * 16 + 8));
         }
       }
+    }
   });
   // Each part of each 16-column chunk, rows four at a time (`add_part`): on one thread 0.68-0.93x the time of each
   // row adding its keys in order of t into all four sums (benchmark/README.md, "prefix_reuse.py").
