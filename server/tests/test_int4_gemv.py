@@ -153,19 +153,22 @@ def test_int4_kernel_serves_one_row_with_the_op_as_torch_s_kernel_does(
     monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
     monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
     weight = int4_weight(96, 512, 128, act_order)
-    bias = torch.randn(96, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(7)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
     kernel = Int4Kernel(weight, bias)
     assert kernel.gemv
-    x = torch.randn(1, 1, 512, dtype=torch.bfloat16)
+    x = torch.randn(1, 1, 512, generator=gen).to(torch.bfloat16)
     got = kernel(x)
     # torch's kernel on the same row, as a 2-row call computes it where the op takes one row only
     kernel.gemv_until = 1
     torch_s = kernel(torch.cat([x, torch.zeros_like(x)], dim=1))[:, :1]
     assert got.shape == (1, 1, 96) and got.dtype == torch.bfloat16
+    # The op's row on an 8-bit grid per 32 values moves an output by up to 1.5% of the largest one (the worst of 400
+    # random rows and biases per case; 1% held only for the 16-bit grid it replaced): 3% of it.
     scale = torch_s.float().abs().max()
-    assert (got.float() - torch_s.float()).abs().max() <= 0.01 * scale
+    assert (got.float() - torch_s.float()).abs().max() <= 0.03 * scale
     want = x.float() @ weight.dequantize().float().t() + bias.float()
-    assert (got.float() - want).abs().max() <= 0.01 * want.abs().max()
+    assert (got.float() - want).abs().max() <= 0.03 * want.abs().max()
 
 
 @pytest.mark.parametrize(("variable", "value"), [(DISABLE_CUSTOM_KERNELS, "True"), (cpu_ops.ENV_SWITCH, "0")])
