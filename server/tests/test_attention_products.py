@@ -113,6 +113,27 @@ def test_a_nan_key_gives_nan_scores_as_torch_does(dim: int) -> None:
 
 
 @needs_ops
+@pytest.mark.parametrize("where", ["query", "key"])
+def test_scores_past_float32_s_range_keep_torch_s_bits(where: str) -> None:
+    """A 64-value head's scores add each pair of products in one fused multiply-add, exact only while products are
+    normal float32 numbers. Here one product is 2^128, past the largest: torch's rounds it to infinity before adding
+    -2^127, a fused multiply-add would give 2^127. A tile with such a value, or a task with such a query, sums
+    as torch does; so do values below 2^-63, whose products may be subnormal."""
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 16, 64, generator=g).bfloat16(), torch.randn(2, 40, 64, generator=g).bfloat16()
+    q[1, 14, 0], q[1, 14, 32], k[1, 30, 0], k[1, 30, 32] = -(2.0**64), 2.0**64, 2.0**63, 2.0**64
+    if where == "query":  # tiny queries in the other head: every one of its products below 2^-126
+        q[0] = q[0] * 2.0**-70
+    else:
+        k[0, :8] = k[0, :8] * 2.0**-70
+    scores = torch.ops.textgen.causal_scores_bf16(q, k, 16, 0)
+    visible = seen(16, 16, 40, 0)
+    want = torch.stack([dot_order(q[h], k[h]) for h in range(2)])
+    assert want[1, 14, 30] == float("inf") and visible[14, 30]
+    assert torch.equal(scores[:, visible], want[:, visible])
+
+
+@needs_ops
 def test_the_ops_refuse_what_they_cannot_compute() -> None:
     q, k = torch.randn(2, 8, 64).bfloat16(), torch.randn(2, 10, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bf16 operands"):

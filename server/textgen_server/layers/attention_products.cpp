@@ -14,8 +14,10 @@
 // textgen::causal_scores_bf16(q [N, R, D], k, seq, window, slots=None) -> scores [N, R, T] bf16: q @ k^T, each seen
 //   score by torch's bf16 dot product (`dot_row`, torch_order.h), as torch's matmul sums a product whose second
 //   operand is transposed. Where a head is whole steps of 64 values, eight keys are converted to float32 and
-//   transposed once ([D][8], a key a lane) and two queries at a time summed over them (`key_scores8`): the same
-//   products and additions, all of them vertical, without dot_row's unpacking and folds. Scores a row does not see
+//   transposed once per task ([D][8], a key a lane) and two queries at a time summed over them (`key_scores8`):
+//   the same products and additions, all of them vertical, without dot_row's unpacking and folds; with a head of 64
+//   values and no operand outside float32's comfortable range, the first additions fused into the products
+//   (`key_scores8_pairs`), which gives the same bits with a quarter fewer operations. Scores a row does not see
 //   are 0 (textgen::causal_softmax_bf16 reads only the others).
 // textgen::causal_values_bf16(probs [N, R, T], v, seq, window, slots=None) -> [N, R, D] bf16: probs @ v, as torch's
 //   matmul sums a product of two untransposed bf16 matrices: per output, four float32 partial sums (key t into
@@ -98,13 +100,30 @@ void each_block(int64_t heads, int64_t rows, int64_t seq, int64_t total, int64_t
   });
 }
 
+// Whether a bf16 value (its bits) is 0 or of a magnitude in [2^-63, 2^63): the product of two such values is 0 or a
+// normal float32, never a subnormal, an infinity or a NaN (key_scores8_pairs).
+inline bool ordinary(uint16_t bits) {
+  const int magnitude = bits & 0x7FFF;
+  return magnitude == 0 || (magnitude >= 0x2000 && magnitude < 0x5F00);
+}
+
 // Eight keys' float32 values [D][8] (value d of key i at d * 8 + i) from keys t0 .. t0 + 7 of `head` (zeros past
-// `total`): 8 x 8 blocks converted and transposed in registers.
-inline void transpose_keys(const Keys& keys, int64_t head, int64_t t0, int64_t total, int64_t dim, float* kt) {
+// `total`): 8 x 8 blocks converted and transposed in registers. Returns whether every value is `ordinary`.
+inline bool transpose_keys(const Keys& keys, int64_t head, int64_t t0, int64_t total, int64_t dim, float* kt) {
+  // `ordinary` on float32 bits, eight lanes at a time: an unusual lane sets its bits in `unusual`.
+  const __m256i sign_off = _mm256_set1_epi32(0x7FFFFFFF), least = _mm256_set1_epi32(0x1FFFFFFF),
+                bound = _mm256_set1_epi32(0x5F000000), zero = _mm256_setzero_si256();
+  __m256i unusual = zero;
   for (int64_t d0 = 0; d0 < dim; d0 += 8) {
     __m256 r[8];
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < 8; ++i) {
       r[i] = t0 + i < total ? textgen_cpu::load8(keys.at(head, t0 + i) + d0) : _mm256_setzero_ps();
+      const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(r[i]), sign_off);
+      const __m256i usual = _mm256_or_si256(
+          _mm256_cmpeq_epi32(magnitude, zero),
+          _mm256_and_si256(_mm256_cmpgt_epi32(magnitude, least), _mm256_cmpgt_epi32(bound, magnitude)));
+      unusual = _mm256_or_si256(unusual, _mm256_andnot_si256(usual, _mm256_set1_epi32(-1)));
+    }
     __m256 t[8], u[8];
     for (int i = 0; i < 4; ++i) {
       t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);      // keys 2i, 2i+1: values 0, 1 | 4, 5
@@ -120,6 +139,7 @@ inline void transpose_keys(const Keys& keys, int64_t head, int64_t t0, int64_t t
       _mm256_storeu_ps(kt + (d0 + 4 + v) * 8, _mm256_permute2f128_ps(u[v], u[4 + v], 0x31));
     }
   }
+  return _mm256_testz_si256(unusual, unusual);
 }
 
 // (A lambda's call is inlined only where it is marked so: left to the compiler, these were calls passing their
@@ -158,11 +178,38 @@ TEXTGEN_INLINE inline void key_scores8(const float* kt, const float* const* x, i
               for (int q = 0; q < Q; ++q) a[q] = _mm256_setzero_ps();
               for (int64_t s = 0; s < steps; ++s) {
                 const int64_t d = textgen_cpu::DOT_STEP * s + 8 * j + l;
-                const __m256 k = _mm256_loadu_ps(kt + d * 8);
+                __m256 k = _mm256_loadu_ps(kt + d * 8);
+                // Held in a register: left alone, the compiler folds the load into each query's multiply-add.
+                __asm__("" : "+x"(k));
                 for (int q = 0; q < Q; ++q) a[q] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[q] + d), k, a[q]);
               }
             },
             lane);
+      },
+      out);
+}
+
+// key_scores8 for a head of one step (64 values), each pair of products the tree adds first taken by one fused
+// multiply-add: f(j) + f(j + 4) is round(p + x * k) with p = f(j). A product of two bf16 values (8 significant
+// bits each) is exact in float32 wherever it is a normal number, so the multiply-add rounds what torch's addition
+// rounds; only for `ordinary` operands, whose products are (a product past float32's largest, rounded to infinity
+// before torch adds it, would not be: test_attention_products.py).
+template <int Q>
+TEXTGEN_INLINE inline void key_scores8_pairs(const float* kt, const float* const* x, __m256* out) {
+  tree8<Q>(
+      [&](int l, __m256* lane) TEXTGEN_INLINE {
+        __m256 p[4][Q];
+        constexpr int firsts[4] = {0, 2, 1, 3};  // pairs (0, 4), (2, 6), (1, 5), (3, 7)
+        for (int i = 0; i < 4; ++i) {
+          const int64_t d0 = 8 * firsts[i] + l, d1 = d0 + 32;
+          __m256 k0 = _mm256_loadu_ps(kt + d0 * 8), k1 = _mm256_loadu_ps(kt + d1 * 8);
+          __asm__("" : "+x"(k0), "+x"(k1));
+          for (int q = 0; q < Q; ++q)
+            p[i][q] = _mm256_fmadd_ps(_mm256_broadcast_ss(x[q] + d1), k1,
+                                      _mm256_mul_ps(_mm256_broadcast_ss(x[q] + d0), k0));
+        }
+        for (int q = 0; q < Q; ++q)
+          lane[q] = _mm256_add_ps(_mm256_add_ps(p[0][q], p[1][q]), _mm256_add_ps(p[2][q], p[3][q]));
       },
       out);
 }
@@ -253,47 +300,77 @@ inline void add_part(const float* const* p, const float* values, const int64_t* 
   for (int i = 0; i < 2 * rows; ++i) s[i] = acc[i];
 }
 
-// causal_scores_bf16 for a head size of whole steps of 64: each head's keys converted to float32 and transposed
-// eight at a time, then each block's rows, two at a time, over them.
+// Q queries' scores of eight keys by the fastest of the sums above that gives torch's bits.
+template <int Q>
+TEXTGEN_INLINE inline void scores8(bool pairs, const float* kt, const float* const* x, int64_t dim, __m256* sums) {
+  if (pairs)
+    key_scores8_pairs<Q>(kt, x, sums);
+  else if (dim == textgen_cpu::DOT_STEP)
+    key_scores8<Q, 1>(kt, x, dim, sums);
+  else
+    key_scores8<Q, 0>(kt, x, dim, sums);
+}
+
+// Key groups a task converts at once (64 keys, 16 KiB of float32 with a head of 64): they stay in L1 while every
+// row of the task sums over them.
+constexpr int64_t TILE_GROUPS = 8;
+
+// causal_scores_bf16 for a head size of whole steps of 64. Each head's rows are split into as few tasks as keep
+// every thread busy; a task converts and transposes the keys its rows see a tile at a time into a buffer of its own,
+// then sums each pair of its rows over the tile. With the fused pairs and each key loaded once for both queries,
+// 1.2-1.35x faster than converting every head's keys into one buffer first (benchmark/README.md, "prefix_reuse.py").
 void key_major_scores(const uint16_t* qp, const Keys& keys, int64_t n, int64_t rows, int64_t seq, int64_t total,
                       int64_t window, int64_t dim, uint16_t* out) {
-  const int64_t groups = (total + 7) / 8, group_floats = dim * 8;
-  const at::Tensor transposed = at::empty({n * groups * group_floats}, at::kFloat);
-  float* kt = transposed.data_ptr<float>();
-  at::parallel_for(0, n * groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t hg = begin; hg < end; ++hg)
-      transpose_keys(keys, hg / groups, hg % groups * 8, total, dim, kt + hg * group_floats);
-  });
-  each_block(n, rows, seq, total, window, [&](int64_t head, int64_t r0, int64_t count, const int64_t* lo,
-                                               const int64_t* hi) {
-    std::vector<float> xs(static_cast<size_t>(count * dim));
-    for (int64_t r = 0; r < count; ++r) {
-      for (int64_t d = 0; d < dim; ++d) xs[r * dim + d] = textgen_cpu::bf16_to_float(qp[(r0 + r) * dim + d]);
-      std::fill(out + (r0 + r) * total, out + (r0 + r + 1) * total, uint16_t(0));
-    }
-    const float* heads_keys = kt + head * groups * group_floats;
-    // Scores of group g for row r0 + r, stored where the row sees the key.
-    auto store = [&](int64_t g, int64_t r, __m256 sums) {
-      alignas(32) uint16_t b16[8];
-      textgen_cpu::store8(b16, sums);
-      const int64_t a = std::max(lo[r], 8 * g), b = std::min(hi[r], 8 * g + 7);
-      for (int64_t t = a; t <= b; ++t) out[(r0 + r) * total + t] = b16[t - 8 * g];
-    };
-    // (Tiles of groups kept in L1 across the block's rows gained 2-4%, within this VM's noise: not kept.)
-    const bool one_step = dim == textgen_cpu::DOT_STEP;
-    for (int64_t r = 0; r < count; r += 2) {
-      const int pair = r + 1 < count ? 2 : 1;
-      const int64_t a = std::min(lo[r], lo[r + pair - 1]) / 8, b = std::max(hi[r], hi[r + pair - 1]) / 8;
-      const float* x[2] = {xs.data() + r * dim, xs.data() + (r + pair - 1) * dim};
-      for (int64_t g = a; g <= b; ++g) {
-        const float* kt = heads_keys + g * group_floats;
-        __m256 sums[2];
-        if (pair == 2) {
-          one_step ? key_scores8<2, 1>(kt, x, dim, sums) : key_scores8<2, 0>(kt, x, dim, sums);
-          store(g, r, sums[0]), store(g, r + 1, sums[1]);
-        } else {
-          one_step ? key_scores8<1, 1>(kt, x, dim, sums) : key_scores8<1, 0>(kt, x, dim, sums);
-          store(g, r, sums[0]);
+  const int64_t group_floats = dim * 8;
+  const int64_t parts = std::min(rows, (2 * at::get_num_threads() + n - 1) / n), part_rows = (rows + parts - 1) / parts;
+  at::parallel_for(0, n * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xs(static_cast<size_t>(part_rows * dim));
+    std::vector<float> tile(static_cast<size_t>(TILE_GROUPS * group_floats));
+    std::vector<int64_t> lo(static_cast<size_t>(part_rows)), hi(static_cast<size_t>(part_rows));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task / parts, r0 = head * rows + task % parts * part_rows;
+      const int64_t count = std::min(part_rows, (head + 1) * rows - r0);
+      if (count <= 0) continue;
+      bool queries_ordinary = true;
+      for (int64_t r = 0; r < count; ++r) {
+        seen(r0 + r, rows, seq, total, window, lo[r], hi[r]);
+        for (int64_t d = 0; d < dim; ++d) {
+          xs[r * dim + d] = textgen_cpu::bf16_to_float(qp[(r0 + r) * dim + d]);
+          queries_ordinary = queries_ordinary && ordinary(qp[(r0 + r) * dim + d]);
+        }
+        std::fill(out + (r0 + r) * total, out + (r0 + r + 1) * total, uint16_t(0));
+      }
+      // Scores of group g for row r0 + r, stored where the row sees the key.
+      auto store = [&](int64_t g, int64_t r, __m256 sums) {
+        alignas(32) uint16_t b16[8];
+        textgen_cpu::store8(b16, sums);
+        const int64_t a = std::max(lo[r], 8 * g), b = std::min(hi[r], 8 * g + 7);
+        for (int64_t t = a; t <= b; ++t) out[(r0 + r) * total + t] = b16[t - 8 * g];
+      };
+      const int64_t first = *std::min_element(lo.begin(), lo.begin() + count) / 8,
+                    last = *std::max_element(hi.begin(), hi.begin() + count) / 8;
+      for (int64_t g0 = first; g0 <= last; g0 += TILE_GROUPS) {
+        const int64_t g1 = std::min(last, g0 + TILE_GROUPS - 1);
+        bool keys_ordinary = true;
+        for (int64_t g = g0; g <= g1; ++g)
+          keys_ordinary &= transpose_keys(keys, head, g * 8, total, dim, tile.data() + (g - g0) * group_floats);
+        const bool pairs = dim == textgen_cpu::DOT_STEP && queries_ordinary && keys_ordinary;
+        for (int64_t r = 0; r < count; r += 2) {
+          const int pair = r + 1 < count ? 2 : 1;
+          const int64_t a = std::max(g0, std::min(lo[r], lo[r + pair - 1]) / 8),
+                        b = std::min(g1, std::max(hi[r], hi[r + pair - 1]) / 8);
+          const float* x[2] = {xs.data() + r * dim, xs.data() + (r + pair - 1) * dim};
+          for (int64_t g = a; g <= b; ++g) {
+            const float* kt = tile.data() + (g - g0) * group_floats;
+            __m256 sums[2];
+            if (pair == 2) {
+              scores8<2>(pairs, kt, x, dim, sums);
+              store(g, r, sums[0]), store(g, r + 1, sums[1]);
+            } else {
+              scores8<1>(pairs, kt, x, dim, sums);
+              store(g, r, sums[0]);
+            }
+          }
         }
       }
     }
