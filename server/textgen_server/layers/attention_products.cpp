@@ -81,21 +81,18 @@ void each_row(int64_t heads, int64_t rows, int64_t seq, int64_t total, int64_t w
   });
 }
 
-// Rows of one head a task of the ops takes: they share the head's converted keys or values while in cache.
-constexpr int64_t BLOCK_ROWS = 16;
-
-// f(head, r0, count, lo, hi) for each block of up to BLOCK_ROWS consecutive rows of one head (rows r0 .. r0 + count
-// - 1), over threads: row r0 + r sees keys [lo[r], hi[r]].
+// f(head, r0, count, lo, hi) for each run of up to `run` consecutive rows of one head (rows r0 .. r0 + count - 1),
+// over threads: row r0 + r sees keys [lo[r], hi[r]]. A task's rows share the keys or values it converts.
 template <typename F>
-void each_block(int64_t heads, int64_t rows, int64_t seq, int64_t total, int64_t window, const F& f) {
-  const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
-  at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+void each_run(int64_t heads, int64_t rows, int64_t seq, int64_t total, int64_t window, int64_t run, const F& f) {
+  const int64_t runs = (rows + run - 1) / run;
+  at::parallel_for(0, heads * runs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> lo(static_cast<size_t>(run)), hi(static_cast<size_t>(run));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / blocks, r0 = head * rows + task % blocks * BLOCK_ROWS;
-      const int64_t count = std::min(BLOCK_ROWS, (head + 1) * rows - r0);
-      int64_t lo[BLOCK_ROWS], hi[BLOCK_ROWS];
+      const int64_t head = task / runs, r0 = head * rows + task % runs * run;
+      const int64_t count = std::min(run, (head + 1) * rows - r0);
       for (int64_t r = 0; r < count; ++r) seen(r0 + r, rows, seq, total, window, lo[r], hi[r]);
-      f(head, r0, count, lo, hi);
+      f(head, r0, count, lo.data(), hi.data());
     }
   });
 }
@@ -255,6 +252,8 @@ struct Parts {
 // order of position. The positions every row has are summed for all rows at once, each position's 16 values loaded
 // once for them all: a row alone costs three loads for two multiply-adds, four rows together six for eight (and
 // fewer loads than multiply-adds keep both FMA units busy).
+// Rows of one head a task of the values op takes (`each_run`): they share the head's converted values in cache.
+constexpr int64_t BLOCK_ROWS = 16;
 constexpr int VALUE_ROWS = 4;  // (the loop over common positions below is written for four)
 inline void add_part(const float* const* p, const float* values, const int64_t* begin, const int64_t* end, int rows,
                      __m256* s) {
@@ -322,54 +321,47 @@ constexpr int64_t TILE_GROUPS = 8;
 void key_major_scores(const uint16_t* qp, const Keys& keys, int64_t n, int64_t rows, int64_t seq, int64_t total,
                       int64_t window, int64_t dim, uint16_t* out) {
   const int64_t group_floats = dim * 8;
-  const int64_t parts = std::min(rows, (2 * at::get_num_threads() + n - 1) / n), part_rows = (rows + parts - 1) / parts;
-  at::parallel_for(0, n * parts, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xs(static_cast<size_t>(part_rows * dim));
+  const int64_t parts = std::min(rows, (2 * at::get_num_threads() + n - 1) / n);
+  each_run(n, rows, seq, total, window, (rows + parts - 1) / parts, [&](int64_t head, int64_t r0, int64_t count,
+                                                                      const int64_t* lo, const int64_t* hi) {
+    std::vector<float> xs(static_cast<size_t>(count * dim));
     std::vector<float> tile(static_cast<size_t>(TILE_GROUPS * group_floats));
-    std::vector<int64_t> lo(static_cast<size_t>(part_rows)), hi(static_cast<size_t>(part_rows));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / parts, r0 = head * rows + task % parts * part_rows;
-      const int64_t count = std::min(part_rows, (head + 1) * rows - r0);
-      if (count <= 0) continue;
-      bool queries_ordinary = true;
-      for (int64_t r = 0; r < count; ++r) {
-        seen(r0 + r, rows, seq, total, window, lo[r], hi[r]);
-        for (int64_t d = 0; d < dim; ++d) {
-          xs[r * dim + d] = textgen_cpu::bf16_to_float(qp[(r0 + r) * dim + d]);
-          queries_ordinary = queries_ordinary && ordinary(qp[(r0 + r) * dim + d]);
-        }
-        std::fill(out + (r0 + r) * total, out + (r0 + r + 1) * total, uint16_t(0));
+    bool queries_ordinary = true;
+    for (int64_t r = 0; r < count; ++r) {
+      for (int64_t d = 0; d < dim; ++d) {
+        xs[r * dim + d] = textgen_cpu::bf16_to_float(qp[(r0 + r) * dim + d]);
+        queries_ordinary = queries_ordinary && ordinary(qp[(r0 + r) * dim + d]);
       }
-      // Scores of group g for row r0 + r, stored where the row sees the key.
-      auto store = [&](int64_t g, int64_t r, __m256 sums) {
-        alignas(32) uint16_t b16[8];
-        textgen_cpu::store8(b16, sums);
-        const int64_t a = std::max(lo[r], 8 * g), b = std::min(hi[r], 8 * g + 7);
-        for (int64_t t = a; t <= b; ++t) out[(r0 + r) * total + t] = b16[t - 8 * g];
-      };
-      const int64_t first = *std::min_element(lo.begin(), lo.begin() + count) / 8,
-                    last = *std::max_element(hi.begin(), hi.begin() + count) / 8;
-      for (int64_t g0 = first; g0 <= last; g0 += TILE_GROUPS) {
-        const int64_t g1 = std::min(last, g0 + TILE_GROUPS - 1);
-        bool keys_ordinary = true;
-        for (int64_t g = g0; g <= g1; ++g)
-          keys_ordinary &= transpose_keys(keys, head, g * 8, total, dim, tile.data() + (g - g0) * group_floats);
-        const bool pairs = dim == textgen_cpu::DOT_STEP && queries_ordinary && keys_ordinary;
-        for (int64_t r = 0; r < count; r += 2) {
-          const int pair = r + 1 < count ? 2 : 1;
-          const int64_t a = std::max(g0, std::min(lo[r], lo[r + pair - 1]) / 8),
-                        b = std::min(g1, std::max(hi[r], hi[r + pair - 1]) / 8);
-          const float* x[2] = {xs.data() + r * dim, xs.data() + (r + pair - 1) * dim};
-          for (int64_t g = a; g <= b; ++g) {
-            const float* kt = tile.data() + (g - g0) * group_floats;
-            __m256 sums[2];
-            if (pair == 2) {
-              scores8<2>(pairs, kt, x, dim, sums);
-              store(g, r, sums[0]), store(g, r + 1, sums[1]);
-            } else {
-              scores8<1>(pairs, kt, x, dim, sums);
-              store(g, r, sums[0]);
-            }
+      std::fill(out + (r0 + r) * total, out + (r0 + r + 1) * total, uint16_t(0));
+    }
+    // Scores of group g for row r0 + r, stored where the row sees the key.
+    auto store = [&](int64_t g, int64_t r, __m256 sums) {
+      alignas(32) uint16_t b16[8];
+      textgen_cpu::store8(b16, sums);
+      const int64_t a = std::max(lo[r], 8 * g), b = std::min(hi[r], 8 * g + 7);
+      for (int64_t t = a; t <= b; ++t) out[(r0 + r) * total + t] = b16[t - 8 * g];
+    };
+    const int64_t first = *std::min_element(lo, lo + count) / 8, last = *std::max_element(hi, hi + count) / 8;
+    for (int64_t g0 = first; g0 <= last; g0 += TILE_GROUPS) {
+      const int64_t g1 = std::min(last, g0 + TILE_GROUPS - 1);
+      bool keys_ordinary = true;
+      for (int64_t g = g0; g <= g1; ++g)
+        keys_ordinary &= transpose_keys(keys, head, g * 8, total, dim, tile.data() + (g - g0) * group_floats);
+      const bool pairs = dim == textgen_cpu::DOT_STEP && queries_ordinary && keys_ordinary;
+      for (int64_t r = 0; r < count; r += 2) {
+        const int pair = r + 1 < count ? 2 : 1;
+        const int64_t a = std::max(g0, std::min(lo[r], lo[r + pair - 1]) / 8),
+                      b = std::min(g1, std::max(hi[r], hi[r + pair - 1]) / 8);
+        const float* x[2] = {xs.data() + r * dim, xs.data() + (r + pair - 1) * dim};
+        for (int64_t g = a; g <= b; ++g) {
+          const float* kt = tile.data() + (g - g0) * group_floats;
+          __m256 sums[2];
+          if (pair == 2) {
+            scores8<2>(pairs, kt, x, dim, sums);
+            store(g, r, sums[0]), store(g, r + 1, sums[1]);
+          } else {
+            scores8<1>(pairs, kt, x, dim, sums);
+            store(g, r, sums[0]);
           }
         }
       }
@@ -460,8 +452,8 @@ at::Tensor causal_values(const at::Tensor& probs, const at::Tensor& v, int64_t s
   });
   // Each part of each 16-column chunk, rows four at a time (`add_part`): on one thread 0.68-0.93x the time of each
   // row adding its keys in order of t into all four sums (benchmark/README.md, "prefix_reuse.py").
-  each_block(n, rows, seq, total, window, [&](int64_t head, int64_t r0, int64_t count, const int64_t* lo,
-                                               const int64_t* hi) {
+  each_run(n, rows, seq, total, window, BLOCK_ROWS, [&](int64_t head, int64_t r0, int64_t count, const int64_t* lo,
+                                                      const int64_t* hi) {
     std::vector<float> probs(static_cast<size_t>(count * total));  // by position, as v's keys
     std::vector<__m256> sums(static_cast<size_t>(count * 8));  // row r, part p: columns 0-7 at 8r + 2p, 8-15 next
     int64_t begin[4][BLOCK_ROWS], end[4][BLOCK_ROWS];
