@@ -122,9 +122,9 @@ def test_scores_past_float32_s_range_keep_torch_s_bits(where: str) -> None:
     g = torch.Generator().manual_seed(7)
     q, k = torch.randn(2, 16, 64, generator=g).bfloat16(), torch.randn(2, 40, 64, generator=g).bfloat16()
     q[1, 14, 0], q[1, 14, 32], k[1, 30, 0], k[1, 30, 32] = -(2.0**64), 2.0**64, 2.0**63, 2.0**64
-    if where == "query":  # tiny queries in the other head: every one of its products below 2^-126
-        q[0] = q[0] * 2.0**-70
-    else:
+    if where == "query":  # head 0's queries and keys below 2^-63: their products subnormal, near 2^-140
+        q[0], k[0] = q[0] * 2.0**-70, k[0] * 2.0**-70
+    else:  # a tile of head 0's keys below 2^-63
         k[0, :8] = k[0, :8] * 2.0**-70
     scores = torch.ops.textgen.causal_scores_bf16(q, k, 16, 0)
     visible = seen(16, 16, 40, 0)
