@@ -16,9 +16,9 @@
 //   operand is transposed. Where a head is whole steps of 64 values, eight keys are converted to float32 and
 //   transposed once per task ([D][8], a key a lane) and two queries at a time summed over them (`key_scores8`):
 //   the same products and additions, all of them vertical, without dot_row's unpacking and folds; with a head of 64
-//   values and no operand outside float32's comfortable range, the first additions fused into the products
-//   (`key_scores8_pairs`), which gives the same bits with a quarter fewer operations. Scores a row does not see
-//   are 0 (textgen::causal_softmax_bf16 reads only the others).
+//   values and no `unusual` operand, the first additions fused into the products (`key_scores8_pairs`), which
+//   gives the same bits with a quarter fewer operations. Scores a row does not see are 0
+//   (textgen::causal_softmax_bf16 reads only the others).
 // textgen::causal_values_bf16(probs [N, R, T], v, seq, window, slots=None) -> [N, R, D] bf16: probs @ v, as torch's
 //   matmul sums a product of two untransposed bf16 matrices: per output, four float32 partial sums (key t into
 //   t % 4, the keys after the last whole four into the first), added in order ((0 + 1) + 2) + 3, rounded once.
@@ -97,29 +97,26 @@ void each_run(int64_t heads, int64_t rows, int64_t seq, int64_t total, int64_t w
   });
 }
 
-// Whether a bf16 value (its bits) is 0 or of a magnitude in [2^-63, 2^63): the product of two such values is 0 or a
-// normal float32, never a subnormal, an infinity or a NaN (key_scores8_pairs).
-inline bool ordinary(uint16_t bits) {
-  const int magnitude = bits & 0x7FFF;
-  return magnitude == 0 || (magnitude >= 0x2000 && magnitude < 0x5F00);
+// The lanes of v that are neither 0 nor of a magnitude in [2^-63, 2^63), all ones: the product of two values
+// that are is 0 or a normal float32, never a subnormal, an infinity or a NaN (key_scores8_pairs).
+inline __m256i unusual(__m256 v) {
+  const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i usual = _mm256_or_si256(_mm256_cmpeq_epi32(magnitude, zero),
+                                        _mm256_and_si256(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x1FFFFFFF)),
+                                                         _mm256_cmpgt_epi32(_mm256_set1_epi32(0x5F000000), magnitude)));
+  return _mm256_andnot_si256(usual, _mm256_set1_epi32(-1));
 }
 
 // Eight keys' float32 values [D][8] (value d of key i at d * 8 + i) from keys t0 .. t0 + 7 of `head` (zeros past
-// `total`): 8 x 8 blocks converted and transposed in registers. Returns whether every value is `ordinary`.
+// `total`): 8 x 8 blocks converted and transposed in registers. Returns whether no value is `unusual`.
 inline bool transpose_keys(const Keys& keys, int64_t head, int64_t t0, int64_t total, int64_t dim, float* kt) {
-  // `ordinary` on float32 bits, eight lanes at a time: an unusual lane sets its bits in `unusual`.
-  const __m256i sign_off = _mm256_set1_epi32(0x7FFFFFFF), least = _mm256_set1_epi32(0x1FFFFFFF),
-                bound = _mm256_set1_epi32(0x5F000000), zero = _mm256_setzero_si256();
-  __m256i unusual = zero;
+  __m256i flags = _mm256_setzero_si256();
   for (int64_t d0 = 0; d0 < dim; d0 += 8) {
     __m256 r[8];
     for (int i = 0; i < 8; ++i) {
       r[i] = t0 + i < total ? textgen_cpu::load8(keys.at(head, t0 + i) + d0) : _mm256_setzero_ps();
-      const __m256i magnitude = _mm256_and_si256(_mm256_castps_si256(r[i]), sign_off);
-      const __m256i usual = _mm256_or_si256(
-          _mm256_cmpeq_epi32(magnitude, zero),
-          _mm256_and_si256(_mm256_cmpgt_epi32(magnitude, least), _mm256_cmpgt_epi32(bound, magnitude)));
-      unusual = _mm256_or_si256(unusual, _mm256_andnot_si256(usual, _mm256_set1_epi32(-1)));
+      flags = _mm256_or_si256(flags, unusual(r[i]));
     }
     __m256 t[8], u[8];
     for (int i = 0; i < 4; ++i) {
@@ -136,7 +133,7 @@ inline bool transpose_keys(const Keys& keys, int64_t head, int64_t t0, int64_t t
       _mm256_storeu_ps(kt + (d0 + 4 + v) * 8, _mm256_permute2f128_ps(u[v], u[4 + v], 0x31));
     }
   }
-  return _mm256_testz_si256(unusual, unusual);
+  return _mm256_testz_si256(flags, flags);
 }
 
 // (A lambda's call is inlined only where it is marked so: left to the compiler, these were calls passing their
@@ -189,8 +186,8 @@ TEXTGEN_INLINE inline void key_scores8(const float* kt, const float* const* x, i
 // key_scores8 for a head of one step (64 values), each pair of products the tree adds first taken by one fused
 // multiply-add: f(j) + f(j + 4) is round(p + x * k) with p = f(j). A product of two bf16 values (8 significant
 // bits each) is exact in float32 wherever it is a normal number, so the multiply-add rounds what torch's addition
-// rounds; only for `ordinary` operands, whose products are (a product past float32's largest, rounded to infinity
-// before torch adds it, would not be: test_attention_products.py).
+// rounds; only where no operand is `unusual`, so that every product is (a product past float32's largest, rounded
+// to infinity before torch adds it, would not be: test_attention_products.py).
 template <int Q>
 TEXTGEN_INLINE inline void key_scores8_pairs(const float* kt, const float* const* x, __m256* out) {
   tree8<Q>(
@@ -247,13 +244,14 @@ struct Parts {
   }
 };
 
+// Rows of one head a task of the values op takes (`each_run`): they share the head's converted values in cache.
+constexpr int64_t BLOCK_ROWS = 16;
+
 // Up to VALUE_ROWS rows of one part: row r's sums (s[2r]: columns 0-7, s[2r + 1]: 8-15) over positions
 // [begin[r], end[r]) of `values` (16 columns a position) weighted by p[r] (the row's probabilities by position), in
 // order of position. The positions every row has are summed for all rows at once, each position's 16 values loaded
 // once for them all: a row alone costs three loads for two multiply-adds, four rows together six for eight (and
 // fewer loads than multiply-adds keep both FMA units busy).
-// Rows of one head a task of the values op takes (`each_run`): they share the head's converted values in cache.
-constexpr int64_t BLOCK_ROWS = 16;
 constexpr int VALUE_ROWS = 4;  // (the loop over common positions below is written for four)
 inline void add_part(const float* const* p, const float* values, const int64_t* begin, const int64_t* end, int rows,
                      __m256* s) {
@@ -326,14 +324,16 @@ void key_major_scores(const uint16_t* qp, const Keys& keys, int64_t n, int64_t r
                                                                       const int64_t* lo, const int64_t* hi) {
     std::vector<float> xs(static_cast<size_t>(count * dim));
     std::vector<float> tile(static_cast<size_t>(TILE_GROUPS * group_floats));
-    bool queries_ordinary = true;
+    __m256i flags = _mm256_setzero_si256();
     for (int64_t r = 0; r < count; ++r) {
-      for (int64_t d = 0; d < dim; ++d) {
-        xs[r * dim + d] = textgen_cpu::bf16_to_float(qp[(r0 + r) * dim + d]);
-        queries_ordinary = queries_ordinary && ordinary(qp[(r0 + r) * dim + d]);
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 x8 = textgen_cpu::load8(qp + (r0 + r) * dim + d);
+        _mm256_storeu_ps(xs.data() + r * dim + d, x8);
+        flags = _mm256_or_si256(flags, unusual(x8));
       }
       std::fill(out + (r0 + r) * total, out + (r0 + r + 1) * total, uint16_t(0));
     }
+    const bool queries_ordinary = _mm256_testz_si256(flags, flags);
     // Scores of group g for row r0 + r, stored where the row sees the key.
     auto store = [&](int64_t g, int64_t r, __m256 sums) {
       alignas(32) uint16_t b16[8];
