@@ -61,6 +61,9 @@ AVX2_TESTS = (
     "test_chooser.py::test_greedy_ids_and_logprobs_are_torch_s_bits_with_and_without_the_op",
 )
 AVX2_ENV = {ARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", ENV_SWITCH: "1"}
+# test_paged_attention.py's skip where the AVX2 build's bf16 prefill products are not torch's (an AVX-512 CPU).
+POOL_SKIP = "bfloat16 prefill rows read the pool only through the ops of an AVX2 build"
+
 # What the sources test (`#if defined(...)`): the architecture and four CPU features. The AVX2 paths are the ones
 # compiled where the AVX-512 macros are not defined, whatever else -march enables.
 SOURCE_MACROS = {"__x86_64__", "__i386__", "__AVX2__", "__FMA__", "__AVX512F__", "__AVX512BF16__"}
@@ -134,10 +137,14 @@ def test_the_avx2_build_passes_the_op_and_oracle_tests() -> None:
     )
     assert probe.returncode == 0, probe.stderr[-4000:]
     assert probe.stdout.split() == ["AVX2", "AVX2"]
-    tests = run_with(AVX2_ENV, 600, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AVX2_TESTS)
+    tests = run_with(AVX2_ENV, 600, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *AVX2_TESTS)
     summary = tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else ""
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
-    assert "passed" in summary and "skipped" not in summary, summary
+    assert "passed" in summary, summary
+    # The one skip an AVX-512 CPU makes here: torch multiplies bf16 through oneDNN whatever its capability, so the
+    # AVX2 build's prefill products do not give torch's bits and the engine leaves them (reads_pool is False).
+    skips = [line for line in tests.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert all(POOL_SKIP in line for line in skips), skips
 
 
 def kernel_available_with(env: dict[str, str], available: bool, timeout: float) -> subprocess.CompletedProcess[str]:
