@@ -9,8 +9,10 @@ its AVX2 kernels there. On an AVX-512 machine the AVX2 test does the same in a p
 - every test that checks an op against its torch code runs there, and the engines' oracle tests (greedy tokens
   equal to transformers', padded and paged, float32 and bfloat16).
 On a machine without AVX-512 the suite's own build is that build: the sources choose their paths by
-`__AVX512F__`, `__AVX512BF16__`, `__AVX2__` and `__FMA__` alone, which -march=native there defines as x86-64-v3
-does, and torch runs its AVX2 kernels by itself. The test then checks that this process is on those paths, and the
+`__AVX512F__`, `__AVX512BF16__`, `__AVX512VNNI__`, `__AVX512VBMI__`, `__AVX2__` and `__FMA__` alone, which
+-march=native there defines as x86-64-v3 does, and torch runs its AVX2 kernels by itself. (On AVX-512, VNNI and VBMI
+pick int4_gemv's integer blocks of torch's AVX-512 layout; the float blocks they replace still run there for a row
+the integer path declines, which test_int4_gemv.py checks.) The test then checks that this process is on those paths, and the
 suite's own run of the same tests is the AVX2 run.
 """
 
@@ -64,9 +66,12 @@ AVX2_ENV = {ARCH_ENV: "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2", ENV_SWITCH: "1
 # test_paged_attention.py's skip where the AVX2 build's bf16 prefill products are not torch's (an AVX-512 CPU).
 POOL_SKIP = "bfloat16 prefill rows read the pool only through the ops of an AVX2 build"
 
-# What the sources test (`#if defined(...)`): the architecture and four CPU features. The AVX2 paths are the ones
+# What the sources test (`#if defined(...)`): the architecture and six CPU features. The AVX2 paths are the ones
 # compiled where the AVX-512 macros are not defined, whatever else -march enables.
-SOURCE_MACROS = {"__x86_64__", "__i386__", "__AVX2__", "__FMA__", "__AVX512F__", "__AVX512BF16__"}
+SOURCE_MACROS = {
+    *("__x86_64__", "__i386__", "__AVX2__", "__FMA__"),
+    *("__AVX512F__", "__AVX512BF16__", "__AVX512VNNI__", "__AVX512VBMI__"),
+}
 # What x86-64-v3 code may use beyond AVX2 and FMA: a CPU (or a VM) without one of them would stop the build's
 # process on an illegal instruction.
 X86_64_V3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}

@@ -8,10 +8,11 @@
 //   torch's int4 kernel on the 2-core Zen 3 (quant_kernels.gemv_until measures where they do), with
 //   w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / G, as torch's kernel defines it. Computed as
 //   y[n] = sum_g ( scale[g, n] * (sum_{k in g} q[n, k] x[k] - 8 X[g]) + offset[g, n] * X[g] ), X[g] = sum_{k in g}
-//   x[k], the result rounded once to bf16. On the vector path of layout 1 (AVX2's) x is first put on a grid of
-//   127 steps each side of the largest |x| of its 32 values (quantize_row: within 1/254 of that value, as llama.cpp's
-//   Q8_0 blocks put a Q4_0 product's activations), so that the inner sums are exact integer sums, about 23 vector
-//   operations per 64 bytes of weight instead of 58; elsewhere every sum is in float32 on x read exactly. The bits
+//   x[k], the result rounded once to bf16. On the vector paths of layout 1 (AVX2's) and of layout 2 (AVX-512's,
+//   where the CPU has AVX512-VNNI and AVX512-VBMI) x is first put on a grid of 127 steps each side of the largest |x|
+//   of its 32 values (quantize_row: within 1/254 of that value, as llama.cpp's Q8_0 blocks put a Q4_0 product's
+//   activations), so that the inner sums are exact integer sums, about 23 vector operations per 64 bytes of weight
+//   instead of 58 on AVX2, 8 on AVX-512; elsewhere every sum is in float32 on x read exactly. The bits
 //   are not torch's kernel's (it dequantizes each weight to float first): tests/test_int4_gemv.py checks the op
 //   against the float32 product within those bounds.
 // textgen::int4_dequantize(packed, scales_offsets, group_size) -> float32 [N, K]: the weight as that formula gives
@@ -34,8 +35,8 @@
 // to 8 int32 lanes whose low nibbles are 8 consecutive outputs and high nibbles the 8 outputs nb/2 further on;
 // pair rows are first put in output order.
 //
-// Vector path: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs); elsewhere a scalar loop computes the same
-// formula. Threads split the blocks (at::parallel_for), each streaming a contiguous run of the packed weight.
+// Vector paths: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs but for layout 2's integer blocks, which
+// take AVX512-VNNI and AVX512-VBMI where the CPU has them); elsewhere a scalar loop computes the same formula. Threads split the blocks (at::parallel_for), each streaming a contiguous run of the packed weight.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -308,6 +309,65 @@ void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
   for (int o = 0; o < 4; ++o) _mm256_storeu_ps(y + 8 * o, total[o]);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+// A full block of layout 2 (64 outputs, rows of 32 bytes) on the integer path, with AVX-512's byte permutes and
+// VNNI's four-product sums: block_ints's arithmetic (exact integer sums over each block of 32 values of k, then one
+// multiply-add a block by its step), 16 vector operations per 128 bytes of weight instead of block_split<32>'s float
+// conversions and multiply-adds. Rows k .. k + 3 are two 64-byte loads; their low nibbles are outputs 0..31 and the
+// high ones 32..63, each 32-byte row in output order, and one two-source byte permute gathers the four rows' values
+// of 16 outputs into 16 lanes of 4 bytes (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by the same four
+// values of the row's int8 x and adds into the lane: at most 4 * 15 * 127 a step, 8 steps a block.
+void block_vnni(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0, int64_t k,
+                int64_t g, float* y) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // lane o (of 16) of quad set h: bytes (o, 32 + o, 64 + o, 96 + o) + 16 h of the two registers side by side
+  alignas(64) int8_t index[2][64];
+  for (int h = 0; h < 2; ++h)
+    for (int o = 0; o < 16; ++o)
+      for (int r = 0; r < 4; ++r) index[h][4 * o + r] = static_cast<int8_t>(32 * r + 16 * h + o);
+  const __m512i first16 = _mm512_load_si512(index[0]), second16 = _mm512_load_si512(index[1]);
+  const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 total[4];
+  for (int a = 0; a < 4; ++a) total[a] = _mm512_setzero_ps();
+  for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
+    __m512 sums[4];
+    for (int a = 0; a < 4; ++a) sums[a] = _mm512_setzero_ps();
+    for (int64_t c0 = k0; c0 < k0 + g; c0 += X_BLOCK) {
+      __m512i acc[4];  // outputs 0..15, 16..31, 32..47, 48..63
+      for (int a = 0; a < 4; ++a) acc[a] = _mm512_setzero_si512();
+      const uint8_t* row = w + c0 * 32;
+      for (int64_t kk = c0; kk < c0 + X_BLOCK; kk += 4, row += 128) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + 64), _MM_HINT_T0);
+        const __m512i a = _mm512_loadu_si512(row), b = _mm512_loadu_si512(row + 64);
+        const __m512i a_lo = _mm512_and_si512(a, low4), b_lo = _mm512_and_si512(b, low4);
+        const __m512i a_hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+        const __m512i b_hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+        int32_t four;
+        std::memcpy(&four, x.q.data() + kk, 4);
+        const __m512i xq = _mm512_set1_epi32(four);
+        acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_permutex2var_epi8(a_lo, first16, b_lo), xq);
+        acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_permutex2var_epi8(a_lo, second16, b_lo), xq);
+        acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_permutex2var_epi8(a_hi, first16, b_hi), xq);
+        acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_permutex2var_epi8(a_hi, second16, b_hi), xq);
+      }
+      const __m512 step = _mm512_set1_ps(x.step[c0 / X_BLOCK]);
+      for (int a = 0; a < 4; ++a) sums[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[a]), step, sums[a]);
+    }
+    const __m512 xsum = _mm512_set1_ps(x.xsum[gi]), xsum8 = _mm512_set1_ps(8.f * x.xsum[gi]);
+    const uint32_t* pairs = so + gi * n_total + n0;
+    for (int a = 0; a < 4; ++a) {
+      const __m512i sov = _mm512_loadu_si512(pairs + 16 * a);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sov, 16));
+      const __m512 offset = _mm512_castsi512_ps(_mm512_and_si512(sov, high16));
+      total[a] = _mm512_fmadd_ps(scale, _mm512_sub_ps(sums[a], xsum8), total[a]);
+      total[a] = _mm512_fmadd_ps(offset, xsum, total[a]);
+    }
+  }
+  for (int a = 0; a < 4; ++a) _mm512_storeu_ps(y + 16 * a, total[a]);
+}
+#endif
+
 // Block [n0, n0 + 16 V) of the output; `split`: the row is layout 1 or 2 (else pairs).
 template <int V>
 void block_avx2(const float* x, const float* xsum, const uint8_t* w, const uint32_t* so, int64_t n_total,
@@ -365,6 +425,12 @@ void row_gemv(const float* x, const float* xsum, const RowInts* ints, const uint
           block_avx2<3>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
           continue;
         case 64:
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+          if (split && ints != nullptr) {
+            block_vnni(*ints, wb, so, n, n0, k, g, y + n0);
+            continue;
+          }
+#endif
           if (split)
             block_split<32>(x, xsum, wb, so, n, n0, k, g, y + n0);
           else
@@ -416,7 +482,12 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t kk = 0; kk < k; ++kk) xf[kk] = bf16_to_float(xp[r * k + kk]);
 #if defined(__AVX2__) && defined(__FMA__)
-    const bool integer = lay == SPLIT32 && quantize_row(xf.data(), k, group_size, ints);
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+    const bool integer_layout = lay == SPLIT32 || lay == SPLIT64;
+#else
+    const bool integer_layout = lay == SPLIT32;
+#endif
+    const bool integer = integer_layout && quantize_row(xf.data(), k, group_size, ints);
 #else
     const bool integer = false;
 #endif
