@@ -12,8 +12,8 @@ On a machine without AVX-512 the suite's own build is that build: the sources ch
 `__AVX512F__`, `__AVX512BF16__`, `__AVX512VNNI__`, `__AVX512VBMI__`, `__AVX2__` and `__FMA__` alone, which
 -march=native there defines as x86-64-v3 does, and torch runs its AVX2 kernels by itself. (On AVX-512, VNNI and VBMI
 pick int4_gemv's integer blocks of torch's AVX-512 layout; the float blocks they replace still run there for a row
-the integer path declines, which test_int4_gemv.py checks.) The test then checks that this process is on those paths, and the
-suite's own run of the same tests is the AVX2 run.
+the integer path declines, which test_int4_gemv.py checks.) The test then checks that this process is on those
+paths, and the suite's own run of the same tests is the AVX2 run.
 """
 
 from __future__ import annotations

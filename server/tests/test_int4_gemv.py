@@ -79,12 +79,16 @@ def test_dequantize_gives_the_weight_the_formula_gives(n: int, k: int, group: in
     assert torch.equal(torch.ops.textgen.int4_dequantize(packed, scales_offsets, group), w)
 
 
-def test_several_rows_are_computed_one_by_one() -> None:
+@pytest.mark.parametrize("rows", [2, 3, 5, 7])
+def test_several_rows_give_each_row_s_own_bits(rows: int) -> None:
+    """Rows that share each read of the weight (four at a time on AVX-512 with VNNI; a full block and a short one
+    here) sum as one row alone does."""
     packed, scales_offsets, w = packed_weight(80, 256, 64)
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     got = torch.ops.textgen.int4_gemv(x, packed, scales_offsets, 64)
     assert_near(got, x, w)
-    assert torch.equal(got[3:4], torch.ops.textgen.int4_gemv(x[3:4], packed, scales_offsets, 64))
+    alone = torch.cat([torch.ops.textgen.int4_gemv(x[i : i + 1], packed, scales_offsets, 64) for i in range(rows)])
+    assert torch.equal(got, alone)
 
 
 def test_a_zero_group_and_a_non_finite_input_are_computed_as_float_sums_would() -> None:

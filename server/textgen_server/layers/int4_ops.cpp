@@ -5,7 +5,8 @@
 //
 // textgen::int4_gemv(x [M, K] bf16, packed uint8 [N, K/2], scales_offsets bf16 [K/G, N, 2], group_size G) -> y
 //   bf16 [M, N], row by row: each row streams the whole weight, and yet up to 64 rows ran faster so than through
-//   torch's int4 kernel on the 2-core Zen 3 (quant_kernels.gemv_until measures where they do), with
+//   torch's int4 kernel on the 2-core Zen 3 (quant_kernels.gemv_until measures where they do); on layout 2's
+//   integer path four rows at a time share each read of the weight. With
 //   w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / G, as torch's kernel defines it. Computed as
 //   y[n] = sum_g ( scale[g, n] * (sum_{k in g} q[n, k] x[k] - 8 X[g]) + offset[g, n] * X[g] ), X[g] = sum_{k in g}
 //   x[k], the result rounded once to bf16. On the vector paths of layout 1 (AVX2's) and of layout 2 (AVX-512's,
@@ -36,7 +37,8 @@
 // pair rows are first put in output order.
 //
 // Vector paths: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs but for layout 2's integer blocks, which
-// take AVX512-VNNI and AVX512-VBMI where the CPU has them); elsewhere a scalar loop computes the same formula. Threads split the blocks (at::parallel_for), each streaming a contiguous run of the packed weight.
+// take AVX512-VNNI and AVX512-VBMI where the CPU has them); elsewhere a scalar loop computes the same
+// formula. Threads split the blocks (at::parallel_for), each streaming a contiguous run of the packed weight.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -119,6 +121,9 @@ void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uin
 // largest |x|, where bf16 itself rounds x by up to 2^-9 of x). `xsum[g]`: group g's sum over its blocks of step[b]
 // times the block's sum of q (the x the offsets and the centring multiply).
 constexpr int64_t X_BLOCK = 32;
+// Up to this many rows share each read of the weight on layout 2's integer path (block_vnni): four rows'
+// accumulators (16 registers) and the shared nibbles fill AVX-512's 32.
+constexpr int64_t ROWS_AT_ONCE = 4;
 struct RowInts {
   std::vector<int8_t> q;
   std::vector<float> step, xsum;
@@ -310,15 +315,18 @@ void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-// A full block of layout 2 (64 outputs, rows of 32 bytes) on the integer path, with AVX-512's byte permutes and
-// VNNI's four-product sums: block_ints's arithmetic (exact integer sums over each block of 32 values of k, then one
-// multiply-add a block by its step), 16 vector operations per 128 bytes of weight instead of block_split<32>'s float
-// conversions and multiply-adds. Rows k .. k + 3 are two 64-byte loads; their low nibbles are outputs 0..31 and the
-// high ones 32..63, each 32-byte row in output order, and one two-source byte permute gathers the four rows' values
-// of 16 outputs into 16 lanes of 4 bytes (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by the same four
-// values of the row's int8 x and adds into the lane: at most 4 * 15 * 127 a step, 8 steps a block.
-void block_vnni(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0, int64_t k,
-                int64_t g, float* y) {
+// A full block of layout 2 (64 outputs, rows of 32 bytes) on the integer path for R rows of x at once, with AVX-512's
+// byte permutes and VNNI's four-product sums: block_ints's arithmetic (exact integer sums over each block of 32
+// values of k, then one multiply-add a block by its step). Rows k .. k + 3 of the weight are two 64-byte loads; their
+// low nibbles are outputs 0..31 and the high ones 32..63, each 32-byte row in output order, and one two-source byte
+// permute gathers the four rows' values of 16 outputs into 16 lanes of 4 bytes (k, k + 1, k + 2, k + 3), which
+// vpdpbusd multiplies by the same four values of an x row's int8 values and adds into the lane (at most 4 * 15 *
+// 127 a step, 8 steps a block). 12 vector operations per 128 bytes gather the nibbles, then 4 per row (a
+// conversion and a multiply-add per weight on block_split<32>'s float path), and the weight is read once for R rows.
+// y[r]: row r's outputs of this block.
+template <int R>
+void block_vnni(const RowInts* const* x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0,
+                int64_t k, int64_t g, float* const* y) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // lane o (of 16) of quad set h: bytes (o, 32 + o, 64 + o, 96 + o) + 16 h of the two registers side by side
   alignas(64) int8_t index[2][64];
@@ -327,14 +335,14 @@ void block_vnni(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
       for (int r = 0; r < 4; ++r) index[h][4 * o + r] = static_cast<int8_t>(32 * r + 16 * h + o);
   const __m512i first16 = _mm512_load_si512(index[0]), second16 = _mm512_load_si512(index[1]);
   const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 total[4];
-  for (int a = 0; a < 4; ++a) total[a] = _mm512_setzero_ps();
+  // Each row's float sums of the group so far and its totals, in memory: R rows' would not fit the registers.
+  alignas(64) float sums[R][64], total[R][64] = {};
   for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
-    __m512 sums[4];
-    for (int a = 0; a < 4; ++a) sums[a] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) std::fill_n(sums[r], 64, 0.f);
     for (int64_t c0 = k0; c0 < k0 + g; c0 += X_BLOCK) {
-      __m512i acc[4];  // outputs 0..15, 16..31, 32..47, 48..63
-      for (int a = 0; a < 4; ++a) acc[a] = _mm512_setzero_si512();
+      __m512i acc[R][4];  // outputs 0..15, 16..31, 32..47, 48..63 of each row
+      for (int r = 0; r < R; ++r)
+        for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_setzero_si512();
       const uint8_t* row = w + c0 * 32;
       for (int64_t kk = c0; kk < c0 + X_BLOCK; kk += 4, row += 128) {
         _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES), _MM_HINT_T0);
@@ -343,28 +351,37 @@ void block_vnni(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
         const __m512i a_lo = _mm512_and_si512(a, low4), b_lo = _mm512_and_si512(b, low4);
         const __m512i a_hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
         const __m512i b_hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-        int32_t four;
-        std::memcpy(&four, x.q.data() + kk, 4);
-        const __m512i xq = _mm512_set1_epi32(four);
-        acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_permutex2var_epi8(a_lo, first16, b_lo), xq);
-        acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_permutex2var_epi8(a_lo, second16, b_lo), xq);
-        acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_permutex2var_epi8(a_hi, first16, b_hi), xq);
-        acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_permutex2var_epi8(a_hi, second16, b_hi), xq);
+        const __m512i quads[4] = {
+            _mm512_permutex2var_epi8(a_lo, first16, b_lo), _mm512_permutex2var_epi8(a_lo, second16, b_lo),
+            _mm512_permutex2var_epi8(a_hi, first16, b_hi), _mm512_permutex2var_epi8(a_hi, second16, b_hi)};
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, x[r]->q.data() + kk, 4);
+          const __m512i xq = _mm512_set1_epi32(four);
+          for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_dpbusd_epi32(acc[r][a], quads[a], xq);
+        }
       }
-      const __m512 step = _mm512_set1_ps(x.step[c0 / X_BLOCK]);
-      for (int a = 0; a < 4; ++a) sums[a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[a]), step, sums[a]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 step = _mm512_set1_ps(x[r]->step[c0 / X_BLOCK]);
+        for (int a = 0; a < 4; ++a)
+          _mm512_store_ps(sums[r] + 16 * a,
+                          _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][a]), step, _mm512_load_ps(sums[r] + 16 * a)));
+      }
     }
-    const __m512 xsum = _mm512_set1_ps(x.xsum[gi]), xsum8 = _mm512_set1_ps(8.f * x.xsum[gi]);
     const uint32_t* pairs = so + gi * n_total + n0;
     for (int a = 0; a < 4; ++a) {
       const __m512i sov = _mm512_loadu_si512(pairs + 16 * a);
       const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sov, 16));
       const __m512 offset = _mm512_castsi512_ps(_mm512_and_si512(sov, high16));
-      total[a] = _mm512_fmadd_ps(scale, _mm512_sub_ps(sums[a], xsum8), total[a]);
-      total[a] = _mm512_fmadd_ps(offset, xsum, total[a]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xsum = _mm512_set1_ps(x[r]->xsum[gi]), xsum8 = _mm512_set1_ps(8.f * x[r]->xsum[gi]);
+        __m512 t = _mm512_load_ps(total[r] + 16 * a);
+        t = _mm512_fmadd_ps(scale, _mm512_sub_ps(_mm512_load_ps(sums[r] + 16 * a), xsum8), t);
+        _mm512_store_ps(total[r] + 16 * a, _mm512_fmadd_ps(offset, xsum, t));
+      }
     }
   }
-  for (int a = 0; a < 4; ++a) _mm512_storeu_ps(y + 16 * a, total[a]);
+  for (int r = 0; r < R; ++r) std::copy_n(total[r], 64, y[r] + n0);
 }
 #endif
 
@@ -397,53 +414,67 @@ void block_avx2(const float* x, const float* xsum, const uint8_t* w, const uint3
 }
 #endif
 
-// One row x (float32 [k]) against the whole packed weight: y float32 [n]. `ints`: the row quantized for the
-// integer path (full blocks of layout 1), or null.
+// Block b of the weight (outputs [b B, b B + B), B = block_outputs(lay)) for one row x (float32 [k]) into y float32
+// [n]. `ints`: the row quantized for the integer path (full blocks of layouts 1 and 2), or null.
+void one_block(const float* x, const float* xsum, const RowInts* ints, const uint8_t* w, const uint32_t* so,
+               int64_t n, int64_t k, int64_t g, int lay, int64_t b, float* y) {
+  const int64_t bn = block_outputs(lay), n0 = b * bn, nb = std::min(bn, n - n0);
+  const bool full = nb == bn;
+  const uint8_t* wb = w + n0 * k / 2;
+#if defined(__AVX2__) && defined(__FMA__)
+  const bool split = full && lay != PAIRS;
+  switch (nb) {
+    case 16:
+      return block_avx2<1>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
+    case 32:
+      if (split && ints != nullptr) return block_ints(*ints, wb, so, n, n0, k, g, y + n0);
+      if (split) return block_split<16>(x, xsum, wb, so, n, n0, k, g, y + n0);
+      return block_avx2<2>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
+    case 48:
+      return block_avx2<3>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
+    case 64:
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+      if (split && ints != nullptr) {
+        float* const out[1] = {y};
+        return block_vnni<1>(&ints, wb, so, n, n0, k, g, out);
+      }
+#endif
+      if (split) return block_split<32>(x, xsum, wb, so, n, n0, k, g, y + n0);
+      return block_avx2<4>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
+    default:
+      break;
+  }
+#endif
+  block_scalar(x, xsum, wb, so, n, n0, nb, k, g, full, lay, y + n0);
+}
+
+// One row against the whole packed weight (one_block's arguments); threads split the blocks.
 void row_gemv(const float* x, const float* xsum, const RowInts* ints, const uint8_t* w, const uint32_t* so,
               int64_t n, int64_t k, int64_t g, int lay, float* y) {
   const int64_t bn = block_outputs(lay), blocks = (n + bn - 1) / bn;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * bn, nb = std::min(bn, n - n0);
-      const bool full = nb == bn;
-      const uint8_t* wb = w + n0 * k / 2;
-#if defined(__AVX2__) && defined(__FMA__)
-      const bool split = full && lay != PAIRS;
-      switch (nb) {
-        case 16:
-          block_avx2<1>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
-          continue;
-        case 32:
-          if (split && ints != nullptr)
-            block_ints(*ints, wb, so, n, n0, k, g, y + n0);
-          else if (split)
-            block_split<16>(x, xsum, wb, so, n, n0, k, g, y + n0);
-          else
-            block_avx2<2>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
-          continue;
-        case 48:
-          block_avx2<3>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
-          continue;
-        case 64:
+    for (int64_t b = begin; b < end; ++b) one_block(x, xsum, ints, w, so, n, k, g, lay, b, y);
+  });
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-          if (split && ints != nullptr) {
-            block_vnni(*ints, wb, so, n, n0, k, g, y + n0);
-            continue;
-          }
-#endif
-          if (split)
-            block_split<32>(x, xsum, wb, so, n, n0, k, g, y + n0);
-          else
-            block_avx2<4>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
-          continue;
-        default:
-          break;
+// R rows (2 to ROWS_AT_ONCE) of layout 2, every one quantized (ints[r]), against the whole packed weight: each full
+// block read once for all of them (block_vnni<R>), a short last block row by row. x[r], xsum[r], y[r]: one_block's.
+template <int R>
+void rows_vnni(const float* const* x, const float* const* xsum, const RowInts* const* ints, const uint8_t* w,
+               const uint32_t* so, int64_t n, int64_t k, int64_t g, float* const* y) {
+  const int64_t blocks = (n + 63) / 64;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (64 * b + 64 <= n) {
+        block_vnni<R>(ints, w + 64 * b * k / 2, so, n, 64 * b, k, g, y);
+      } else {
+        for (int r = 0; r < R; ++r) one_block(x[r], xsum[r], ints[r], w, so, n, k, g, SPLIT64, b, y[r]);
       }
-#endif
-      block_scalar(x, xsum, wb, so, n, n0, nb, k, g, full, lay, y + n0);
     }
   });
 }
+#endif
 
 // The packed weight [N, K/2] and its scales_offsets [K/G, N, 2] as both ops take them.
 void check_weight(const char* op, const at::Tensor& packed, const at::Tensor& scales_offsets, int64_t group_size) {
@@ -475,31 +506,67 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const auto* so = reinterpret_cast<const uint32_t*>(scales_offsets.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t groups = k / group_size;
-  std::vector<float> xf(k), xsum(groups), yf(n);
-  RowInts ints;
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+  const bool vnni = lay == SPLIT64;
+  const int64_t at_once = vnni ? ROWS_AT_ONCE : 1;  // rows that share each read of the weight
+#else
+  const bool vnni = false;
+  const int64_t at_once = 1;
+#endif
+  std::vector<std::vector<float>> xf(at_once, std::vector<float>(k)), xsum(at_once, std::vector<float>(groups)),
+      yf(at_once, std::vector<float>(n));
+  std::vector<RowInts> ints(at_once);
   // Full blocks of the integer path read only `ints`: the group sums of x are for the float path's blocks.
   const bool short_block = n % block_outputs(lay) != 0;
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t kk = 0; kk < k; ++kk) xf[kk] = bf16_to_float(xp[r * k + kk]);
+  for (int64_t r0 = 0; r0 < m; r0 += at_once) {
+    const int64_t rows = std::min(at_once, m - r0);
+    bool all_integer = true;
+    const float* xs[ROWS_AT_ONCE];
+    const float* xsums[ROWS_AT_ONCE];
+    const RowInts* quantized[ROWS_AT_ONCE];
+    float* ys[ROWS_AT_ONCE];
+    for (int64_t i = 0; i < rows; ++i) {
+      float* row = xf[i].data();
+      for (int64_t kk = 0; kk < k; ++kk) row[kk] = bf16_to_float(xp[(r0 + i) * k + kk]);
 #if defined(__AVX2__) && defined(__FMA__)
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-    const bool integer_layout = lay == SPLIT32 || lay == SPLIT64;
+      const bool integer = (lay == SPLIT32 || vnni) && quantize_row(row, k, group_size, ints[i]);
 #else
-    const bool integer_layout = lay == SPLIT32;
+      const bool integer = false;
 #endif
-    const bool integer = integer_layout && quantize_row(xf.data(), k, group_size, ints);
-#else
-    const bool integer = false;
-#endif
-    if (!integer || short_block) {
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        float sum = 0.f;
-        for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk) sum += xf[kk];
-        xsum[gi] = sum;
+      if (!integer || short_block) {
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          float sum = 0.f;
+          for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk) sum += row[kk];
+          xsum[i][gi] = sum;
+        }
       }
+      all_integer = all_integer && integer;
+      xs[i] = row;
+      xsums[i] = xsum[i].data();
+      quantized[i] = integer ? &ints[i] : nullptr;
+      ys[i] = yf[i].data();
     }
-    row_gemv(xf.data(), xsum.data(), integer ? &ints : nullptr, w, so, n, k, group_size, lay, yf.data());
-    for (int64_t j = 0; j < n; ++j) yp[r * n + j] = float_to_bf16(yf[j]);
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+    if (rows > 1 && all_integer) {
+      static_assert(ROWS_AT_ONCE == 4, "the switch takes 2, 3 or 4 rows");
+      switch (rows) {
+        case 2:
+          rows_vnni<2>(xs, xsums, quantized, w, so, n, k, group_size, ys);
+          break;
+        case 3:
+          rows_vnni<3>(xs, xsums, quantized, w, so, n, k, group_size, ys);
+          break;
+        default:
+          rows_vnni<4>(xs, xsums, quantized, w, so, n, k, group_size, ys);
+          break;
+      }
+    } else
+#endif
+    {
+      for (int64_t i = 0; i < rows; ++i) row_gemv(xs[i], xsums[i], quantized[i], w, so, n, k, group_size, lay, ys[i]);
+    }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < n; ++j) yp[(r0 + i) * n + j] = float_to_bf16(yf[i][j]);
   }
   return y;
 }
