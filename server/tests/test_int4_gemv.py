@@ -210,17 +210,23 @@ def test_with_custom_kernels_off_int4_kernel_never_calls_the_op(
     assert calls == []
 
 
-def test_many_rows_run_as_a_float32_gemm_from_the_measured_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["float32-gemm", "bfloat16-gemm"])
+def test_many_rows_run_as_a_gemm_from_the_measured_row_count(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
+    """Float32 where the CPU has no bf16 multiply; bf16 (the dequantized weight rounded to bf16) where it has."""
     monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
     monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    monkeypatch.setattr(cpu_ops, "x86_bf16_hardware", lambda: native_bf16)
     weight = int4_weight(112, 256, 128, act_order=True)
     kernel = Int4Kernel(weight, None)
     kernel.dequantize_from, kernel.gemv_until = 8, 1  # as if measured (test_quantized.py checks the measurement)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     permuted = x[:, kernel.order].contiguous()  # act order: the kernel's input features, its groups consecutive
-    # the float32 product of x and the weight as the kernel holds it (its offsets rounded to bf16), rounded once
+    # the product of x and the weight as the kernel holds it (its offsets rounded to bf16), rounded once
     held = torch.ops.textgen.int4_dequantize(kernel.packed, kernel.scales_offsets, kernel.group_size)
-    assert torch.equal(kernel(x), (permuted.float() @ held.t()).to(torch.bfloat16))
+    dtype = torch.bfloat16 if native_bf16 else torch.float32
+    assert torch.equal(kernel(x), torch.nn.functional.linear(permuted.to(dtype), held.to(dtype)).to(torch.bfloat16))
     want = x.float() @ weight.dequantize().float().t()  # the checkpoint's weight: offsets not rounded
     assert (kernel(x).float() - want).abs().max() <= 0.01 * want.abs().max()
     assert torch.equal(kernel(x[:7]), kernel._int4(permuted[:7]))

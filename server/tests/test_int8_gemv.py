@@ -117,14 +117,21 @@ def test_with_custom_kernels_off_int8_kernel_never_calls_the_op(
     assert kernel.dequantize_from is None  # nothing timed at load either
 
 
-def test_many_rows_run_as_a_float32_gemm_from_the_measured_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["float32-gemm", "bfloat16-gemm"])
+def test_many_rows_run_as_a_gemm_from_the_measured_row_count(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
+    """Float32 where the CPU has no bf16 multiply; bf16 (the dequantized weight rounded to bf16) where it has."""
     monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
     monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    monkeypatch.setattr(cpu_ops, "x86_bf16_hardware", lambda: native_bf16)
     floats = torch.randn(96, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     weight = QuantizedWeight.per_channel_int8(floats)
     kernel = Int8Kernel(weight, None)
     kernel.dequantize_from = 8  # as if measured (test_quantized.py checks the measurement)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     held = kernel.ints.float() * kernel.scales.float()[:, None]
-    assert torch.equal(kernel(x), (x.float() @ held.t()).to(torch.bfloat16))
+    dtype = torch.bfloat16 if native_bf16 else torch.float32
+    assert torch.equal(kernel(x), torch.nn.functional.linear(x.to(dtype), held.to(dtype)).to(torch.bfloat16))
+    assert (kernel(x).float() - x.float() @ held.t()).abs().max() <= 0.01 * (x.float() @ held.t()).abs().max()
     assert torch.equal(kernel(x[:7]), torch._weight_int8pack_mm(x[:7], kernel.ints, kernel.scales))

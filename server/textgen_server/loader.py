@@ -18,7 +18,6 @@ import ctypes
 import gc
 import json
 import logging
-import platform
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +28,7 @@ from safetensors import safe_open
 from textgen_server.adapters import load_adapters
 from textgen_server.config import ServeConfig, ShardConfig, UnsupportedConfigError
 from textgen_server.hub import resolve_model_dir
+from textgen_server.layers.cpu_ops import x86_bf16_hardware
 from textgen_server.layers.quantization import read_quant_config
 from textgen_server.layers.quantized_weight import QuantConfig
 from textgen_server.layers.rotary import override_rope_scaling
@@ -103,14 +103,6 @@ def shard_dtype(serve: ServeConfig, device: torch.device, quant: QuantConfig | N
             "decodes batches faster (benchmark/README.md); drop --dtype to run float32"
         )
     return dtype
-
-
-def x86_bf16_hardware() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), or is not x86 (where torch's
-    flags below say nothing: an ARM server's BF16 extension is not among them)."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return True
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 # ---- refusals: what the model's config asks that this shard cannot run ----

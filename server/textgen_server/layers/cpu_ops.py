@@ -51,6 +51,15 @@ ARCH_ENV = "TEXTGEN_CPU_ARCH"
 BUILT_STAMP = "textgen-built"
 
 
+@functools.cache
+def x86_bf16_hardware() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), or is not x86 (where torch's
+    flags below say nothing: an ARM server's BF16 extension is not among them)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags as the kernel lists them (/proc/cpuinfo; empty where it cannot be read)."""
     try:

@@ -11,12 +11,13 @@
   `textgen::int4_gemv` (int4_ops.cpp) on the same packed weight and scales where the CPU ops are on (cpu_ops.py):
   torch's kernel streams the weight well below the memory's bandwidth there. So do a few rows (a batched decode
   step), row by row, up to the count where that measured faster at load (`gemv_until`). Many rows (a prefill) run
-  as a float32 GEMM on the weight dequantized for the call (`textgen::int4_dequantize`) from the row count where
-  that measured faster at load, if any.
+  as a GEMM on the weight dequantized for the call (`textgen::int4_dequantize`; in bfloat16 where the CPU
+  multiplies it natively, else float32: `gemm_dtype`) from the row count where that measured faster at load, if
+  any.
 - `Int8Kernel`: int8 weights with one scale per output feature (symmetric, per-channel: eetq, and 8-bit
   checkpoints quantized that way): one row by `textgen::int8_gemv` (int8_ops.cpp) where the CPU ops are on, more
-  by torch's `_weight_int8pack_mm`, and from the row count where it measured faster at load as a float32 GEMM on
-  the weight dequantized for the call, as the int4 kernel (`dequantize_from`); bfloat16 activations (torch's
+  by torch's `_weight_int8pack_mm`, and from the row count where it measured faster at load as a GEMM on the
+  weight dequantized for the call, as the int4 kernel (`dequantize_from`); bfloat16 activations (torch's
   float32 path, like its int4 kernel's, is a scalar fallback: float32 shards dequantize at load). Both share
   `PackedKernel`.
 - `Int8DynamicKernel`: the same weights (both int8 kernels hold them as `Int8Weights`) with the activations
@@ -122,17 +123,29 @@ def _wins(
         yield rows, first_s < least_seconds(functools.partial(second, x), TIMING_ROUNDS)
 
 
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a many-row product on a weight dequantized for the call, for rows of `dtype`: bfloat16 rows
+    where the CPU multiplies bfloat16 natively (oneDNN's bf16 GEMM ran 2.2-2.9x its float32 one at 2,048 rows on a
+    Zen 4 with AVX512-BF16; the weight is then rounded to bf16 as a bf16 checkpoint's is), float32 otherwise."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and cpu_ops.x86_bf16_hardware() else torch.float32
+
+
 def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int, dtype: torch.dtype) -> int | None:
-    """The fewest rows (of DEQUANTIZE_ROWS) whose product runs faster through `gemm` (a float32 GEMM on the weight
-    dequantized for the call) than through torch's packed `kernel`, None where none does: measured once per CPU,
-    torch, shape and thread count. On a CPU without bf16 arithmetic torch's int4 and int8 kernels ran 1.5-2x
-    slower than the float32 GEMM from 512 rows on (benchmark/README.md, "Quantized models")."""
+    """The fewest rows (of DEQUANTIZE_ROWS) whose product runs faster through `gemm` (a GEMM in `gemm_dtype` on
+    the weight dequantized for the call) than through torch's packed `kernel`, None where none does: measured once
+    per CPU, torch, shape and thread count. On a CPU without bf16 arithmetic torch's int4 and int8 kernels ran
+    1.5-2x slower than the float32 GEMM from 512 rows on; with AVX512-BF16, 2.2-2.5x slower than the bf16 GEMM at
+    2,048 rows (benchmark/README.md, "Quantized models")."""
 
     def measure() -> int | None:
         return next((rows for rows, won in _wins(gemm, kernel, DEQUANTIZE_ROWS, in_features, dtype) if won), None)
 
     def report(rows: int | None) -> None:
-        how = f"from {rows} rows as a float32 GEMM on the dequantized weight" if rows else "the packed kernel only"
+        how = (
+            f"from {rows} rows as a {gemm_dtype(dtype)} GEMM on the dequantized weight"
+            if rows
+            else "the packed kernel only"
+        )
         logger.info("CPU %s, many rows: %s (measured)", label, how)
 
     key = f"{label} dequantize threads {torch.get_num_threads()}"
@@ -263,7 +276,8 @@ class Int4Kernel(PackedKernel):
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
         weight = torch.ops.textgen.int4_dequantize(self.packed, self.scales_offsets, self.group_size)
-        return F.linear(rows.float(), weight).to(rows.dtype)
+        dtype = gemm_dtype(rows.dtype)
+        return F.linear(rows.to(dtype), weight.to(dtype)).to(rows.dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.order is not None:
@@ -325,7 +339,8 @@ class Int8Kernel(Int8Weights):
         return torch._weight_int8pack_mm(rows, self.ints, self.scales)
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows.float(), self.ints.float() * self.scales.float()[:, None]).to(rows.dtype)
+        dtype = gemm_dtype(rows.dtype)
+        return F.linear(rows.to(dtype), (self.ints.float() * self.scales.float()[:, None]).to(dtype)).to(rows.dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
