@@ -51,7 +51,6 @@ ARCH_ENV = "TEXTGEN_CPU_ARCH"
 BUILT_STAMP = "textgen-built"
 
 
-@functools.cache
 def x86_bf16_hardware() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), or is not x86 (where torch's
     flags below say nothing: an ARM server's BF16 extension is not among them)."""

@@ -12,8 +12,8 @@
 //   x[k], the result rounded once to bf16. On the vector paths of layout 1 (AVX2's) and of layout 2 (AVX-512's,
 //   where the CPU has AVX512-VNNI and AVX512-VBMI) x is first put on a grid of 127 steps each side of the largest |x|
 //   of its 32 values (quantize_row: within 1/254 of that value, as llama.cpp's Q8_0 blocks put a Q4_0 product's
-//   activations), so that the inner sums are exact integer sums, about 23 vector operations per 64 bytes of weight
-//   instead of 58 on AVX2, 8 on AVX-512; elsewhere every sum is in float32 on x read exactly. The bits
+//   activations), so that the inner sums are exact integer sums: about 23 vector operations per 64 bytes of weight
+//   on AVX2 (58 on its float path), 8 on AVX-512; elsewhere every sum is in float32 on x read exactly. The bits
 //   are not torch's kernel's (it dequantizes each weight to float first): tests/test_int4_gemv.py checks the op
 //   against the float32 product within those bounds.
 // textgen::int4_dequantize(packed, scales_offsets, group_size) -> float32 [N, K]: the weight as that formula gives

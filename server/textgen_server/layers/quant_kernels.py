@@ -134,7 +134,7 @@ def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int
     """The fewest rows (of DEQUANTIZE_ROWS) whose product runs faster through `gemm` (a GEMM in `gemm_dtype` on
     the weight dequantized for the call) than through torch's packed `kernel`, None where none does: measured once
     per CPU, torch, shape and thread count. On a CPU without bf16 arithmetic torch's int4 and int8 kernels ran
-    1.5-2x slower than the float32 GEMM from 512 rows on; with AVX512-BF16, 2.2-2.5x slower than the bf16 GEMM at
+    1.5-2x slower than the float32 GEMM from 512 rows on; with AVX512-BF16, 2.2-2.3x slower than the bf16 GEMM at
     2,048 rows (benchmark/README.md, "Quantized models")."""
 
     def measure() -> int | None:
