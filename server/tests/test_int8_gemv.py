@@ -1,6 +1,7 @@
 """textgen::int8_gemv (layers/int8_ops.cpp): one row of an 8-bit projection with one scale per output feature,
 against the float64 product of the row and the weight, and Int8Kernel's use of it for one-row calls only while the
-CPU ops are switched on (test_cpu_targets.py reruns this file on the AVX2 build)."""
+CPU ops are switched on (test_cpu_targets.py reruns this file on the AVX2 build); and textgen::int8_rescale, W8A8's
+sums back to floats, against torch's expression."""
 
 from __future__ import annotations
 
@@ -135,3 +136,18 @@ def test_many_rows_run_as_a_gemm_from_the_measured_row_count(
     assert torch.equal(kernel(x), torch.nn.functional.linear(x.to(dtype), held.to(dtype)).to(torch.bfloat16))
     assert (kernel(x).float() - x.float() @ held.t()).abs().max() <= 0.01 * (x.float() @ held.t()).abs().max()
     assert torch.equal(kernel(x[:7]), torch._weight_int8pack_mm(x[:7], kernel.ints, kernel.scales))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rescale_gives_torch_s_bits(dtype: torch.dtype) -> None:
+    """W8A8's integer sums back to floats in one pass: `(sums.float() * row_scale * col_scale).to(dtype)`'s bits,
+    sums past 2^24 (rounded to float32 first) and a row whose scale is NaN (a NaN in x) included."""
+    g = torch.Generator().manual_seed(4)
+    sums = torch.randint(-(2**30), 2**30, (37, 70), generator=g, dtype=torch.int32)
+    row_scale = torch.rand(37, 1, generator=g) * 1e-3
+    row_scale[5] = float("nan")
+    col_scale = torch.rand(70, generator=g) * 1e-2
+    want = (sums.float() * row_scale * col_scale).to(dtype)
+    got = torch.ops.textgen.int8_rescale(sums, row_scale, col_scale, dtype)
+    assert got.dtype == dtype and bool(got[5].isnan().all())
+    assert torch.equal(torch.cat([got[:5], got[6:]]), torch.cat([want[:5], want[6:]]))

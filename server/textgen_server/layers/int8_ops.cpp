@@ -9,6 +9,9 @@
 //   sum's order is not torch's kernel's (8 lanes, k mod 8, each summed in order of k, then folded):
 //   tests/test_int8_gemv.py checks the op against the float64 product within the rounding of its sums.
 //
+// textgen::int8_rescale(sums int32 [M, N], row_scale float32 [M, 1], col_scale float32 [N], dtype) -> [M, N]: W8A8's
+//   integer sums back to floats, `(sums.float() * row_scale * col_scale).to(dtype)`'s bits in one pass (below).
+//
 // Vector path: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs), four outputs at a time, each reading its
 // own contiguous row of the weight, a quarter of the thread's outputs apart; elsewhere a scalar loop sums the same
 // products in order of k. Threads split the outputs (at::parallel_for).
@@ -113,12 +116,49 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return y;
 }
 
+// float32 -> bf16 as torch converts, NaN included (a row of x with a NaN has a NaN scale).
+inline uint16_t to_bf16(float f) { return f != f ? uint16_t(0x7FC0) : float_to_bf16(f); }
+
+// W8A8's integer sums back to floats (quant_kernels.Int8DynamicKernel): y[m, n] = float(sums[m, n]) * row_scale[m] *
+// col_scale[n], each product rounded to float32 in that order, then to `dtype` (bfloat16 or float32): the bits of
+// `(sums.float() * row_scale * col_scale).to(dtype)`, in one pass over the sums where torch's takes four.
+at::Tensor int8_rescale(const at::Tensor& sums, const at::Tensor& row_scale, const at::Tensor& col_scale,
+                        at::ScalarType dtype) {
+  TORCH_CHECK(sums.dim() == 2 && sums.scalar_type() == at::kInt, "int8_rescale: int32 sums [M, N]");
+  const int64_t m = sums.size(0), n = sums.size(1);
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.numel() == m,
+              "int8_rescale: float32 row scales [M, 1]");
+  TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.numel() == n, "int8_rescale: float32 scales [N]");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "int8_rescale: a bfloat16 or float32 result");
+  const at::Tensor sc = sums.contiguous(), rc = row_scale.contiguous(), cc = col_scale.contiguous();
+  at::Tensor y = at::empty({m, n}, sums.options().dtype(dtype));
+  const int32_t* sp = sc.data_ptr<int32_t>();
+  const float* rp = rc.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* row = sp + r * n;
+      const float scale = rp[r];
+      if (dtype == at::kFloat) {
+        float* out = y.data_ptr<float>() + r * n;
+        for (int64_t j = 0; j < n; ++j) out[j] = float(row[j]) * scale * cp[j];
+      } else {
+        auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r * n;
+        for (int64_t j = 0; j < n; ++j) out[j] = to_bf16(float(row[j]) * scale * cp[j]);
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_rescale(Tensor sums, Tensor row_scale, Tensor col_scale, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("int8_rescale", &int8_rescale);
 }

