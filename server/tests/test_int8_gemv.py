@@ -151,3 +151,23 @@ def test_rescale_gives_torch_s_bits(dtype: torch.dtype) -> None:
     got = torch.ops.textgen.int8_rescale(sums, row_scale, col_scale, dtype)
     assert got.dtype == dtype and bool(got[5].isnan().all())
     assert torch.equal(torch.cat([got[:5], got[6:]]), torch.cat([want[:5], want[6:]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_rows_gives_torch_s_bits(dtype: torch.dtype) -> None:
+    """W8A8's activations to integers in one pass: the compressed-tensors expression's bits (a row of zeros takes
+    float32's epsilon as its scale; halves round to even), and nothing (empty tensors) where a row holds an infinity
+    or a NaN, whose conversion to int8 torch leaves to the CPU."""
+    x = (torch.randn(21, 45, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    x[1] = 0
+    x[2, :4] = torch.tensor([127.5, 2.5, -2.5, 0.5])  # scale 1: ties at 2.5, -2.5 and 0.5
+    floats = x.float()
+    scale = floats.abs().amax(dim=1, keepdim=True) / 127.5
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    want = torch.round(floats / scale).clamp(-128, 127).to(torch.int8)
+    ints, got_scale = torch.ops.textgen.int8_quantize_rows(x)
+    assert torch.equal(ints, want) and torch.equal(got_scale, scale)
+    assert ints[2, :4].tolist() == [127, 2, -2, 0]
+    for bad in (float("nan"), float("inf")):
+        x[7, 3] = bad
+        assert [t.numel() for t in torch.ops.textgen.int8_quantize_rows(x)] == [0, 0]

@@ -9,6 +9,9 @@
 //   sum's order is not torch's kernel's (8 lanes, k mod 8, each summed in order of k, then folded):
 //   tests/test_int8_gemv.py checks the op against the float64 product within the rounding of its sums.
 //
+// textgen::int8_quantize_rows(x [M, K] bf16 or float32) -> (q int8 [M, K], scale float32 [M, 1]): W8A8's
+//   activations to integers as the compressed-tensors package quantizes them, torch's expression's bits in one pass
+//   (below); empty tensors where a row holds an infinity or a NaN.
 // textgen::int8_rescale(sums int32 [M, N], row_scale float32 [M, 1], col_scale float32 [N], dtype) -> [M, N]: W8A8's
 //   integer sums back to floats, `(sums.float() * row_scale * col_scale).to(dtype)`'s bits in one pass (below).
 //
@@ -20,7 +23,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <tuple>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -116,6 +123,66 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return y;
 }
 
+// Row r of x (bf16 or float32, k values) as float32 into `out`.
+template <typename T>
+inline void row_floats(const T* x, int64_t k, float* out) {
+  for (int64_t j = 0; j < k; ++j) out[j] = to_float(x[j]);
+}
+
+// W8A8's activations (quant_kernels.Int8DynamicKernel._quantize, as the compressed-tensors package quantizes them):
+// each row's scale = max |x| / 127.5 (float32 epsilon where that is 0), and q = x / scale rounded half to even,
+// clamped to [-128, 127]: torch's expression's bits in one pass over x where it takes six. Returns (q int8 [M, K],
+// scale float32 [M, 1]), or two empty tensors where a row holds an infinity or a NaN (whose conversion to int8 torch
+// leaves to the CPU): the caller then runs torch's expression.
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "int8_quantize_rows: bf16 or float32 x [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({m, 1}, x.options().dtype(at::kFloat));
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(k);
+    for (int64_t r = begin; r < end && finite.load(std::memory_order_relaxed); ++r) {
+      if (x.scalar_type() == at::kFloat) {
+        std::copy_n(xc.data_ptr<float>() + r * k, k, row.data());
+      } else {
+        row_floats(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + r * k, k, row.data());
+      }
+      float most = 0.f;
+      bool nan = false;  // a NaN is never the max below: looked for apart
+      for (int64_t j = 0; j < k; ++j) {
+        most = std::max(most, std::fabs(row[j]));
+        nan |= row[j] != row[j];
+      }
+      if (nan || !std::isfinite(most)) {
+        finite = false;
+        break;
+      }
+      float scale = most / 127.5f;
+      if (scale == 0.f) scale = std::numeric_limits<float>::epsilon();
+      scales.data_ptr<float>()[r] = scale;
+      int8_t* out = q.data_ptr<int8_t>() + r * k;
+      int64_t j = 0;
+#if defined(__AVX2__)
+      const __m256 divisor = _mm256_set1_ps(scale), low = _mm256_set1_ps(-128.f), high = _mm256_set1_ps(127.f);
+      for (; j + 8 <= k; j += 8) {
+        const __m256 rounded = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row.data() + j), divisor),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i ints = _mm256_cvtps_epi32(_mm256_min_ps(high, _mm256_max_ps(low, rounded)));
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packs_epi16(words, words));
+      }
+#endif
+      for (; j < k; ++j)
+        out[j] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, std::nearbyint(row[j] / scale))));
+    }
+  });
+  if (!finite) return {at::empty({0}, q.options()), at::empty({0}, scales.options())};
+  return {q, scales};
+}
+
 // float32 -> bf16 as torch converts, NaN included (a row of x with a NaN has a NaN scale).
 inline uint16_t to_bf16(float f) { return f != f ? uint16_t(0x7FC0) : float_to_bf16(f); }
 
@@ -156,9 +223,11 @@ at::Tensor int8_rescale(const at::Tensor& sums, const at::Tensor& row_scale, con
 TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("int8_rescale(Tensor sums, Tensor row_scale, Tensor col_scale, ScalarType dtype) -> Tensor");
+  m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
   m.impl("int8_rescale", &int8_rescale);
+  m.impl("int8_quantize_rows", &int8_quantize_rows);
 }
