@@ -324,16 +324,23 @@ void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
 // 127 a step, 8 steps a block). 12 vector operations per 128 bytes gather the nibbles, then 4 per row (a
 // conversion and a multiply-add per weight on block_split<32>'s float path), and the weight is read once for R rows.
 // y[r]: row r's outputs of this block.
+// The permutes' byte indexes: lane o (of 16) of quad set h takes bytes (o, 32 + o, 64 + o, 96 + o) + 16 h of the two
+// registers side by side.
+struct QuadIndex {
+  alignas(64) int8_t bytes[2][64];
+  QuadIndex() {
+    for (int h = 0; h < 2; ++h)
+      for (int o = 0; o < 16; ++o)
+        for (int r = 0; r < 4; ++r) bytes[h][4 * o + r] = static_cast<int8_t>(32 * r + 16 * h + o);
+  }
+};
+const QuadIndex QUAD_INDEX;
+
 template <int R>
 void block_vnni(const RowInts* const* x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0,
                 int64_t k, int64_t g, float* const* y) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // lane o (of 16) of quad set h: bytes (o, 32 + o, 64 + o, 96 + o) + 16 h of the two registers side by side
-  alignas(64) int8_t index[2][64];
-  for (int h = 0; h < 2; ++h)
-    for (int o = 0; o < 16; ++o)
-      for (int r = 0; r < 4; ++r) index[h][4 * o + r] = static_cast<int8_t>(32 * r + 16 * h + o);
-  const __m512i first16 = _mm512_load_si512(index[0]), second16 = _mm512_load_si512(index[1]);
+  const __m512i first16 = _mm512_load_si512(QUAD_INDEX.bytes[0]), second16 = _mm512_load_si512(QUAD_INDEX.bytes[1]);
   const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   // Each row's float sums of the group so far and its totals, in memory: R rows' would not fit the registers.
   alignas(64) float sums[R][64], total[R][64] = {};
@@ -518,13 +525,14 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   std::vector<RowInts> ints(at_once);
   // Full blocks of the integer path read only `ints`: the group sums of x are for the float path's blocks.
   const bool short_block = n % block_outputs(lay) != 0;
+  const float* xs[ROWS_AT_ONCE];
+  const float* xsums[ROWS_AT_ONCE];
+  float* ys[ROWS_AT_ONCE];
+  for (int64_t i = 0; i < at_once; ++i) xs[i] = xf[i].data(), xsums[i] = xsum[i].data(), ys[i] = yf[i].data();
   for (int64_t r0 = 0; r0 < m; r0 += at_once) {
     const int64_t rows = std::min(at_once, m - r0);
     bool all_integer = true;
-    const float* xs[ROWS_AT_ONCE];
-    const float* xsums[ROWS_AT_ONCE];
     const RowInts* quantized[ROWS_AT_ONCE];
-    float* ys[ROWS_AT_ONCE];
     for (int64_t i = 0; i < rows; ++i) {
       float* row = xf[i].data();
       for (int64_t kk = 0; kk < k; ++kk) row[kk] = bf16_to_float(xp[(r0 + i) * k + kk]);
@@ -541,10 +549,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
         }
       }
       all_integer = all_integer && integer;
-      xs[i] = row;
-      xsums[i] = xsum[i].data();
       quantized[i] = integer ? &ints[i] : nullptr;
-      ys[i] = yf[i].data();
     }
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
     if (rows > 1 && all_integer) {

@@ -123,11 +123,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return y;
 }
 
-// Row r of x (bf16 or float32, k values) as float32 into `out`.
-template <typename T>
-inline void row_floats(const T* x, int64_t k, float* out) {
-  for (int64_t j = 0; j < k; ++j) out[j] = to_float(x[j]);
-}
 
 // W8A8's activations (quant_kernels.Int8DynamicKernel._quantize, as the compressed-tensors package quantizes them):
 // each row's scale = max |x| / 127.5 (float32 epsilon where that is 0), and q = x / scale rounded half to even,
@@ -141,15 +136,16 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
   const at::Tensor xc = x.contiguous();
   at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({m, 1}, x.options().dtype(at::kFloat));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) : nullptr;
+  const float* xf = bf16 ? nullptr : xc.data_ptr<float>();
+  float* sp = scales.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
   std::atomic<bool> finite{true};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(k);
     for (int64_t r = begin; r < end && finite.load(std::memory_order_relaxed); ++r) {
-      if (x.scalar_type() == at::kFloat) {
-        std::copy_n(xc.data_ptr<float>() + r * k, k, row.data());
-      } else {
-        row_floats(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + r * k, k, row.data());
-      }
+      for (int64_t j = 0; j < k; ++j) row[j] = bf16 ? bf16_to_float(xb[r * k + j]) : xf[r * k + j];
       float most = 0.f;
       bool nan = false;  // a NaN is never the max below: looked for apart
       for (int64_t j = 0; j < k; ++j) {
@@ -162,8 +158,8 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
       }
       float scale = most / 127.5f;
       if (scale == 0.f) scale = std::numeric_limits<float>::epsilon();
-      scales.data_ptr<float>()[r] = scale;
-      int8_t* out = q.data_ptr<int8_t>() + r * k;
+      sp[r] = scale;
+      int8_t* out = qp + r * k;
       int64_t j = 0;
 #if defined(__AVX2__)
       const __m256 divisor = _mm256_set1_ps(scale), low = _mm256_set1_ps(-128.f), high = _mm256_set1_ps(127.f);
@@ -202,16 +198,16 @@ at::Tensor int8_rescale(const at::Tensor& sums, const at::Tensor& row_scale, con
   const int32_t* sp = sc.data_ptr<int32_t>();
   const float* rp = rc.data_ptr<float>();
   const float* cp = cc.data_ptr<float>();
+  float* yf = dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
+  auto* yb = dtype == at::kFloat ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int32_t* row = sp + r * n;
       const float scale = rp[r];
-      if (dtype == at::kFloat) {
-        float* out = y.data_ptr<float>() + r * n;
-        for (int64_t j = 0; j < n; ++j) out[j] = float(row[j]) * scale * cp[j];
+      if (yf != nullptr) {
+        for (int64_t j = 0; j < n; ++j) yf[r * n + j] = float(row[j]) * scale * cp[j];
       } else {
-        auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r * n;
-        for (int64_t j = 0; j < n; ++j) out[j] = to_bf16(float(row[j]) * scale * cp[j]);
+        for (int64_t j = 0; j < n; ++j) yb[r * n + j] = to_bf16(float(row[j]) * scale * cp[j]);
       }
     }
   });
