@@ -5,8 +5,8 @@
 //
 // textgen::int4_gemv(x [M, K] bf16, packed uint8 [N, K/2], scales_offsets bf16 [K/G, N, 2], group_size G) -> y
 //   bf16 [M, N], row by row: each row streams the whole weight, and yet up to 64 rows ran faster so than through
-//   torch's int4 kernel on the 2-core Zen 3 (quant_kernels.gemv_until measures where they do); on layout 2's
-//   integer path four rows at a time share each read of the weight. With
+//   torch's int4 kernel on the 2-core Zen 3 (quant_kernels.gemv_until measures where they do); on the integer paths
+//   of layouts 1 and 2 (below) four rows at a time share each read of the weight. With
 //   w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / G, as torch's kernel defines it. Computed as
 //   y[n] = sum_g ( scale[g, n] * (sum_{k in g} q[n, k] x[k] - 8 X[g]) + offset[g, n] * X[g] ), X[g] = sum_{k in g}
 //   x[k], the result rounded once to bf16. On the vector paths of layout 1 (AVX2's) and of layout 2 (AVX-512's,
@@ -121,8 +121,8 @@ void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uin
 // largest |x|, where bf16 itself rounds x by up to 2^-9 of x). `xsum[g]`: group g's sum over its blocks of step[b]
 // times the block's sum of q (the x the offsets and the centring multiply).
 constexpr int64_t X_BLOCK = 32;
-// Up to this many rows share each read of the weight on layout 2's integer path (block_vnni): four rows'
-// accumulators (16 registers) and the shared nibbles fill AVX-512's 32.
+// Up to this many rows share each read of the weight on the integer paths (block_ints, block_vnni): on layout 2
+// four rows' accumulators (16 registers) and the shared nibbles fill AVX-512's 32.
 constexpr int64_t ROWS_AT_ONCE = 4;
 struct RowInts {
   std::vector<int8_t> q;
@@ -250,31 +250,38 @@ void block_split(const float* x, const float* xsum, const uint8_t* w, const uint
   for (int a = 0; a < A; ++a) _mm256_storeu_ps(y + 8 * a, total[a]);
 }
 
-// A full block of layout 1 (32 outputs, rows of 16 bytes) on the integer path: a block of 32 values of k's sums of
-// q[n, k] (0..15) times the row's q[k] are exact in integers, so the float work is once per block and group:
-// total += scale * (sum_b step[b] * sum_{k in b} q[n, k] q[k] - 8 xsum) + offset * xsum. Two 32-byte loads hold rows
-// k .. k + 3; interleaving their bytes pairs row k with k + 2 (low 128-bit lane) and k + 1 with k + 3 (high lane)
-// for 8 outputs, which maddubs multiplies by the matching pair of the row's int8 values and adds: two products of
-// at most 15 * 127 each, so the 8 such sums of a block stay within int16 before they are widened. About 23 vector
-// operations per 64 bytes of weight (34 with x on a 16-bit grid, as two int8 parts; 58 for block_split<16>'s
-// conversions and multiply-adds): benchmark/README.md, "Quantized models".
-void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0, int64_t k,
-                int64_t g, float* y) {
+// A full block of layout 1 (32 outputs, rows of 16 bytes) on the integer path for R rows of x at once: a block of
+// 32 values of k's sums of q[n, k] (0..15) times the row's q[k] are exact in integers, so the float work is once per
+// block and group: total += scale * (sum_b step[b] * sum_{k in b} q[n, k] q[k] - 8 xsum) + offset * xsum. Two 32-byte
+// loads hold rows k .. k + 3; interleaving their bytes pairs row k with k + 2 (low 128-bit lane) and k + 1 with k + 3
+// (high lane) for 8 outputs, which maddubs multiplies by the matching pair of the row's int8 values and adds: two
+// products of at most 15 * 127 each, so the 8 such sums of a block stay within int16 before they are widened. About
+// 23 vector operations per 64 bytes of weight for one row (34 with x on a 16-bit grid, as two int8 parts; 58 for
+// block_split<16>'s conversions and multiply-adds): benchmark/README.md, "Quantized models". Each step's nibbles are
+// put in pair order once for the R rows, whose int16 sums of a block of k (4 R registers) spill to L1 where they
+// outgrow the 16 registers: the weight streams from memory once for R rows, and a row's sums are the same
+// operations as alone. y[r]: row r's outputs of this block.
+template <int R>
+void block_ints(const RowInts* const* x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0, int64_t k,
+                int64_t g, float* const* y) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // the 4 bytes of rows k .. k + 3 to the pairs (k, k + 2) in the low lane and (k + 1, k + 3) in the high one
   const __m256i pairs_of = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,  //
                                             1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
   const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
   const __m256i high16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 total[4];
-  for (int a = 0; a < 4; ++a) total[a] = _mm256_setzero_ps();
+  __m256 total[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < 4; ++o) total[r][o] = _mm256_setzero_ps();
   for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
-    // octet a (outputs 8a .. 8a + 7): [2a] its outputs 0..3, [2a + 1] its outputs 4..7, in both lanes
-    __m256 sums[8];
-    for (int a = 0; a < 8; ++a) sums[a] = _mm256_setzero_ps();
+    // octet a (outputs 8a .. 8a + 7) of row r: [r][2a] its outputs 0..3, [r][2a + 1] its outputs 4..7, in both lanes
+    __m256 sums[R][8];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < 8; ++a) sums[r][a] = _mm256_setzero_ps();
     for (int64_t c0 = k0; c0 < k0 + g; c0 += X_BLOCK) {
-      __m256i q16[4];
-      for (int a = 0; a < 4; ++a) q16[a] = zero;
+      __m256i q16[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int o = 0; o < 4; ++o) q16[r][o] = zero;
       const uint8_t* row = w + c0 * 16;
       for (int64_t kk = c0; kk < c0 + X_BLOCK; kk += 4, row += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES), _MM_HINT_T0);
@@ -286,32 +293,40 @@ void block_ints(const RowInts& x, const uint8_t* w, const uint32_t* so, int64_t 
         // outputs 0..7, 8..15 (low nibbles) and 16..23, 24..31 (high nibbles)
         const __m256i q[4] = {_mm256_unpacklo_epi8(a_lo, b_lo), _mm256_unpackhi_epi8(a_lo, b_lo),
                               _mm256_unpacklo_epi8(a_hi, b_hi), _mm256_unpackhi_epi8(a_hi, b_hi)};
-        int32_t four;
-        std::memcpy(&four, x.q.data() + kk, 4);
-        const __m256i xq = _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs_of);
-        for (int o = 0; o < 4; ++o) q16[o] = _mm256_add_epi16(q16[o], _mm256_maddubs_epi16(q[o], xq));
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, x[r]->q.data() + kk, 4);
+          const __m256i xq = _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs_of);
+          for (int o = 0; o < 4; ++o) q16[r][o] = _mm256_add_epi16(q16[r][o], _mm256_maddubs_epi16(q[o], xq));
+        }
       }
-      const __m256 step = _mm256_set1_ps(x.step[c0 / X_BLOCK]);
-      for (int o = 0; o < 4; ++o) {  // int16 (q16, 0) pairs -> int32, times the block's step
-        const __m256i first = _mm256_madd_epi16(_mm256_unpacklo_epi16(q16[o], zero), ones);
-        const __m256i second = _mm256_madd_epi16(_mm256_unpackhi_epi16(q16[o], zero), ones);
-        sums[2 * o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), step, sums[2 * o]);
-        sums[2 * o + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), step, sums[2 * o + 1]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 step = _mm256_set1_ps(x[r]->step[c0 / X_BLOCK]);
+        for (int o = 0; o < 4; ++o) {  // int16 (q16, 0) pairs -> int32, times the block's step
+          const __m256i first = _mm256_madd_epi16(_mm256_unpacklo_epi16(q16[r][o], zero), ones);
+          const __m256i second = _mm256_madd_epi16(_mm256_unpackhi_epi16(q16[r][o], zero), ones);
+          sums[r][2 * o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), step, sums[r][2 * o]);
+          sums[r][2 * o + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), step, sums[r][2 * o + 1]);
+        }
       }
     }
-    const __m256 xsum = _mm256_set1_ps(x.xsum[gi]), xsum8 = _mm256_set1_ps(8.f * x.xsum[gi]);
     const uint32_t* pairs = so + gi * n_total + n0;
     for (int o = 0; o < 4; ++o) {
-      const __m256 u = sums[2 * o], v = sums[2 * o + 1];  // the two lanes of each: rows (k, k + 2) and (k + 1, k + 3)
-      const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
       const __m256i sov = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * o));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sov, 16));
       const __m256 offset = _mm256_castsi256_ps(_mm256_and_si256(sov, high16));
-      total[o] = _mm256_fmadd_ps(scale, _mm256_sub_ps(s, xsum8), total[o]);
-      total[o] = _mm256_fmadd_ps(offset, xsum, total[o]);
+      for (int r = 0; r < R; ++r) {
+        // the two lanes of each: rows (k, k + 2) and (k + 1, k + 3)
+        const __m256 u = sums[r][2 * o], v = sums[r][2 * o + 1];
+        const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
+        const __m256 xsum = _mm256_set1_ps(x[r]->xsum[gi]), xsum8 = _mm256_set1_ps(8.f * x[r]->xsum[gi]);
+        total[r][o] = _mm256_fmadd_ps(scale, _mm256_sub_ps(s, xsum8), total[r][o]);
+        total[r][o] = _mm256_fmadd_ps(offset, xsum, total[r][o]);
+      }
     }
   }
-  for (int o = 0; o < 4; ++o) _mm256_storeu_ps(y + 8 * o, total[o]);
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < 4; ++o) _mm256_storeu_ps(y[r] + n0 + 8 * o, total[r][o]);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -434,7 +449,10 @@ void one_block(const float* x, const float* xsum, const RowInts* ints, const uin
     case 16:
       return block_avx2<1>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
     case 32:
-      if (split && ints != nullptr) return block_ints(*ints, wb, so, n, n0, k, g, y + n0);
+      if (split && ints != nullptr) {
+        float* const out[1] = {y};
+        return block_ints<1>(&ints, wb, so, n, n0, k, g, out);
+      }
       if (split) return block_split<16>(x, xsum, wb, so, n, n0, k, g, y + n0);
       return block_avx2<2>(x, xsum, wb, so, n, n0, k, g, false, y + n0);
     case 48:
@@ -464,19 +482,33 @@ void row_gemv(const float* x, const float* xsum, const RowInts* ints, const uint
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Whether rows of layout `lay` that the integer path takes share each read of the weight: layout 1's blocks
+// (block_ints), and layout 2's where the CPU has AVX512-VNNI and AVX512-VBMI (block_vnni).
+bool shares_reads(int lay) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-// R rows (2 to ROWS_AT_ONCE) of layout 2, every one quantized (ints[r]), against the whole packed weight: each full
-// block read once for all of them (block_vnni<R>), a short last block row by row. x[r], xsum[r], y[r]: one_block's.
+  return lay == SPLIT32 || lay == SPLIT64;
+#else
+  return lay == SPLIT32;
+#endif
+}
+
+// R rows (2 to ROWS_AT_ONCE) of layout `lay` (shares_reads), every one quantized (ints[r]), against the whole packed
+// weight: each full block read once for all of them, a short last block row by row. x[r], xsum[r], y[r]: one_block's.
 template <int R>
-void rows_vnni(const float* const* x, const float* const* xsum, const RowInts* const* ints, const uint8_t* w,
-               const uint32_t* so, int64_t n, int64_t k, int64_t g, float* const* y) {
-  const int64_t blocks = (n + 63) / 64;
+void rows_shared(const float* const* x, const float* const* xsum, const RowInts* const* ints, const uint8_t* w,
+                 const uint32_t* so, int64_t n, int64_t k, int64_t g, int lay, float* const* y) {
+  const int64_t bn = block_outputs(lay), blocks = (n + bn - 1) / bn;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      if (64 * b + 64 <= n) {
-        block_vnni<R>(ints, w + 64 * b * k / 2, so, n, 64 * b, k, g, y);
+      if (bn * b + bn > n) {
+        for (int r = 0; r < R; ++r) one_block(x[r], xsum[r], ints[r], w, so, n, k, g, lay, b, y[r]);
+      } else if (lay == SPLIT32) {
+        block_ints<R>(ints, w + bn * b * k / 2, so, n, bn * b, k, g, y);
       } else {
-        for (int r = 0; r < R; ++r) one_block(x[r], xsum[r], ints[r], w, so, n, k, g, SPLIT64, b, y[r]);
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+        block_vnni<R>(ints, w + bn * b * k / 2, so, n, bn * b, k, g, y);
+#endif
       }
     }
   });
@@ -513,13 +545,12 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const auto* so = reinterpret_cast<const uint32_t*>(scales_offsets.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t groups = k / group_size;
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-  const bool vnni = lay == SPLIT64;
-  const int64_t at_once = vnni ? ROWS_AT_ONCE : 1;  // rows that share each read of the weight
+#if defined(__AVX2__) && defined(__FMA__)
+  const bool shared = shares_reads(lay);
 #else
-  const bool vnni = false;
-  const int64_t at_once = 1;
+  const bool shared = false;
 #endif
+  const int64_t at_once = shared ? ROWS_AT_ONCE : 1;  // rows that share each read of the weight
   std::vector<std::vector<float>> xf(at_once, std::vector<float>(k)), xsum(at_once, std::vector<float>(groups)),
       yf(at_once, std::vector<float>(n));
   std::vector<RowInts> ints(at_once);
@@ -537,7 +568,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
       float* row = xf[i].data();
       for (int64_t kk = 0; kk < k; ++kk) row[kk] = bf16_to_float(xp[(r0 + i) * k + kk]);
 #if defined(__AVX2__) && defined(__FMA__)
-      const bool integer = (lay == SPLIT32 || vnni) && quantize_row(row, k, group_size, ints[i]);
+      const bool integer = shared && quantize_row(row, k, group_size, ints[i]);
 #else
       const bool integer = false;
 #endif
@@ -551,18 +582,18 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
       all_integer = all_integer && integer;
       quantized[i] = integer ? &ints[i] : nullptr;
     }
-#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#if defined(__AVX2__) && defined(__FMA__)
     if (rows > 1 && all_integer) {
       static_assert(ROWS_AT_ONCE == 4, "the switch takes 2, 3 or 4 rows");
       switch (rows) {
         case 2:
-          rows_vnni<2>(xs, xsums, quantized, w, so, n, k, group_size, ys);
+          rows_shared<2>(xs, xsums, quantized, w, so, n, k, group_size, lay, ys);
           break;
         case 3:
-          rows_vnni<3>(xs, xsums, quantized, w, so, n, k, group_size, ys);
+          rows_shared<3>(xs, xsums, quantized, w, so, n, k, group_size, lay, ys);
           break;
         default:
-          rows_vnni<4>(xs, xsums, quantized, w, so, n, k, group_size, ys);
+          rows_shared<4>(xs, xsums, quantized, w, so, n, k, group_size, lay, ys);
           break;
       }
     } else

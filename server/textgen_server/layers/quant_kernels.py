@@ -10,8 +10,8 @@
   (benchmark/README.md, "Quantized models"). One row (a batch-1 decode step) goes to textgen's own
   `textgen::int4_gemv` (int4_ops.cpp) on the same packed weight and scales where the CPU ops are on (cpu_ops.py):
   torch's kernel streams the weight well below the memory's bandwidth there. So do a few rows (a batched decode
-  step: row by row, or four rows a read of the weight on AVX-512 with VNNI), up to the count where that measured
-  faster at load (`gemv_until`). Many rows (a prefill) run
+  step: four rows a read of the weight on torch's AVX2 layout and on its AVX-512 one where the CPU has VNNI, else
+  row by row), up to the count where that measured faster at load (`gemv_until`). Many rows (a prefill) run
   as a GEMM on the weight dequantized for the call (`textgen::int4_dequantize`; in bfloat16 where the CPU
   multiplies it natively, else float32: `gemm_dtype`) from the row count where that measured faster at load, if
   any.
@@ -155,10 +155,9 @@ def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int
 
 def gemv_until(label: str, gemv: Product, kernel: Product, in_features: int, dtype: torch.dtype) -> int:
     """The most rows (1, or one of GEMV_ROWS) up to which `gemv` (textgen's op: row by row, each row streaming the
-    whole weight, or four rows a read on AVX-512 with VNNI) ran faster than torch's packed `kernel` at every measured
-    count: measured once per CPU, torch,
-    shape and thread count. On the 2-core Zen 3 the int4 op, row by row, took 0.5-0.7x torch's int4 kernel's time
-    from 2 to 64 rows (benchmark/README.md, "Quantized models")."""
+    whole weight, or four rows a read on AVX2 and on AVX-512 with VNNI) ran faster than torch's packed `kernel` at
+    every measured count: measured once per CPU, torch, shape and thread count. On the 2-core Zen 3 the int4 op, row
+    by row, took 0.5-0.7x torch's int4 kernel's time from 2 to 64 rows (benchmark/README.md, "Quantized models")."""
 
     def measure() -> int:
         until = 1
