@@ -107,6 +107,7 @@ OP_CASES = pytest.mark.parametrize(
         (1, 100, 78, 32, True),  # a partial block of outputs, runs of 32 and a shorter one
         (1, 100, 77, 0, True),  # an odd K: the last bf16 pair is half padding
         (3, 130, 256, 64, False),  # rows one after another; two whole tiles of blocks and a partial one
+        (2, 96, 40, 0, True),  # with AVX-512 a tile of two blocks after a whole one (with AVX2 a whole tile and four)
         (1, 2304, 768, 512, False),  # the small Llama's q/k/v, in runs of 512
         (0, 48, 32, 0, True),
     ],

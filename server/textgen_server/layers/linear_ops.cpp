@@ -3,12 +3,16 @@
 // AVX512-BF16; any number of rows in bfloat16 on a CPU with AVX2 and FMA but no AVX-512. At one row a projection
 // reads its whole weight for two flops a value, so its speed is how fast the weight streams from memory; the GEMM
 // libraries' kernels reach well below the read bandwidth there on some CPUs (benchmark/README.md, "gemv"). This one
-// streams its outputs' weights as contiguous runs of memory, with software prefetch.
+// streams each thread's share of the weight as one contiguous run of memory, with software prefetch.
 //
 // textgen::gemv_pack(w [N, K]) -> packed: float32, and bf16 with AVX512-BF16, in blocks of LANES outputs (16 with
-//   AVX-512, 8 with AVX2: one float32 vector), zero-padded, each block one contiguous run: bf16 [ceil(N/16),
-//   ceil(K/2), 16, 2] (output n's value pair k at [n / 16, k, n % 16, :]), float32 [ceil(N/LANES), K, LANES].
-//   bf16 in the AVX2 build: w itself, [N, K] (each output's sum reads its own row, below).
+//   AVX-512, 8 with AVX2: one float32 vector), zero-padded: a step's values of block b are output n = b LANES + i's
+//   value pair (bf16) or value (float32) at k, in i's order, and tiles of BLOCKS blocks (the last one shorter) lie
+//   one after another, each step by step with its blocks' values side by side, so that a tile, which one thread
+//   sums, is one run of memory (four blocks each a run of its own, four streams a thread, read 5-18% slower on a
+//   Zen 4: benchmark/README.md). Its shape: bf16 [ceil(N/16), ceil(K/2), 32], float32 [ceil(N/LANES), K, LANES],
+//   over memory in that order. bf16 in the AVX2 build: w itself, [N, K] (each output's sum reads its own row,
+//   below).
 // textgen::gemv(x [..., K], packed, bias [N] float32 or None, n, k_chunk) -> y [..., N] in x's dtype, row by row
 //   (each row streams the whole weight: at 2+ rows the libraries' kernels, which reuse each loaded weight, win,
 //   but for the AVX2 build's bfloat16 below;
@@ -97,8 +101,14 @@ at::Tensor pack(const at::Tensor& w) {
   const int64_t blocks = (n + LANES - 1) / LANES, steps = (k + step - 1) / step;
   at::Tensor padded = at::zeros({blocks * LANES, steps * step}, w.options());
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
-  const at::Tensor blocked = padded.view({blocks, LANES, steps, step}).permute({0, 2, 1, 3});
-  return blocked.contiguous().view({blocks, steps, LANES * step});
+  const at::Tensor blocked =
+      padded.view({blocks, LANES, steps, step}).permute({0, 2, 1, 3}).reshape({blocks, steps, LANES * step});
+  // [tile][step][block of the tile][LANES * step]: the whole tiles, then the last one of blocks % BLOCKS blocks
+  const int64_t whole = blocks / BLOCKS * BLOCKS;
+  const at::Tensor tiles =
+      blocked.narrow(0, 0, whole).view({whole / BLOCKS, BLOCKS, steps, LANES * step}).permute({0, 2, 1, 3});
+  const at::Tensor rest = blocked.narrow(0, whole, blocks - whole).permute({1, 0, 2});
+  return at::cat({tiles.reshape({-1}), rest.reshape({-1})}).view({blocks, steps, LANES * step});
 }
 
 #if defined(__AVX512F__)
@@ -106,7 +116,8 @@ using Acc = __m512;  // LANES float32 sums
 inline Acc zero() { return _mm512_setzero_ps(); }
 inline Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
 
-// Step p of B blocks: x's value (float32) or value pair (bf16) at p times each block's weights there.
+// Step p of B blocks: x's value (float32) or value pair (bf16) at p times each block's weights there (`at`, the
+// blocks' values block_stride apart).
 template <typename T, int B>
 inline void step(const T* x, const T* at, int64_t block_stride, int64_t p, int64_t k, Acc (&acc)[B]) {
   if constexpr (std::is_same_v<T, float>) {
@@ -154,12 +165,14 @@ inline void store(Acc total, const float* bias, T* y, int64_t valid) {
 #endif
 
 #if defined(TEXTGEN_GEMV)
-// y[blocks b0 .. b0+B) for one row x; w points at block b0 of the packed weight, y at its first output.
+// y[blocks b0 .. b0+B) for one row x; w points at the tile of those B blocks in the packed weight, y at its first
+// output.
 template <typename T, int B>
 void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T* y, int64_t n_valid,
           int64_t k_chunk) {
   constexpr int64_t per_step = values_per_step<T>();
-  const int64_t block_stride = steps * per_step * LANES;  // elements of one packed block
+  constexpr int64_t block_stride = per_step * LANES;  // a step's values of one block, its blocks side by side
+  constexpr int64_t step_stride = B * block_stride;
   const int64_t run = k_chunk ? k_chunk / per_step : steps;  // steps summed before they join the total
   Acc total[B];
   for (int64_t start = 0; start < steps; start += run) {
@@ -167,9 +180,9 @@ void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T
     Acc acc[B];
     for (int b = 0; b < B; ++b) acc[b] = zero();
     for (int64_t p = start; p < stop; ++p) {
-      const T* at = w + p * per_step * LANES;
+      const T* at = w + p * step_stride;
       for (int b = 0; b < B; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * per_step * LANES),
+        _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * step_stride),
                      _MM_HINT_T0);
       step<T, B>(x, at, block_stride, p, k, acc);
     }
@@ -186,7 +199,8 @@ void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T
 template <typename T>
 void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t steps, const float* bias, T* y,
           int64_t n, int64_t k_chunk) {
-  const int64_t block_stride = steps * values_per_step<T>() * LANES, tiles = (blocks + BLOCKS - 1) / BLOCKS;
+  static_assert(BLOCKS == 4, "the last tile takes 1, 2 or 3 blocks below");
+  const int64_t block_elems = steps * values_per_step<T>() * LANES, tiles = (blocks + BLOCKS - 1) / BLOCKS;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = t * BLOCKS, n0 = b0 * LANES;
@@ -195,11 +209,13 @@ void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t 
         T* yr = y + r * n + n0;
         const float* br = bias ? bias + n0 : nullptr;
         if (b0 + BLOCKS <= blocks) {
-          tile<T, BLOCKS>(xr, w + b0 * block_stride, steps, k, br, yr, n - n0, k_chunk);
+          tile<T, BLOCKS>(xr, w + b0 * block_elems, steps, k, br, yr, n - n0, k_chunk);
+        } else if (blocks - b0 == 3) {
+          tile<T, 3>(xr, w + b0 * block_elems, steps, k, br, yr, n - n0, k_chunk);
+        } else if (blocks - b0 == 2) {
+          tile<T, 2>(xr, w + b0 * block_elems, steps, k, br, yr, n - n0, k_chunk);
         } else {
-          for (int64_t b = b0; b < blocks; ++b)
-            tile<T, 1>(xr, w + b * block_stride, steps, k, br ? br + (b - b0) * LANES : nullptr,
-                       yr + (b - b0) * LANES, n - b * LANES, k_chunk);
+          tile<T, 1>(xr, w + b0 * block_elems, steps, k, br, yr, n - n0, k_chunk);
         }
       }
     }
