@@ -98,11 +98,27 @@ def test_write_kv_matches_index_copy(dtype: torch.dtype) -> None:
     assert caches[0].count_nonzero() > 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 300])  # one thread; split over threads
+def test_gather_kv_is_torch_s_gather_head_by_head(dtype: torch.dtype, tokens: int) -> None:
+    k_cache, v_cache = randn(40, 16, 3, 8, dtype=dtype), randn(40, 16, 3, 8, dtype=dtype, seed=1)
+    slots = torch.randperm(40 * 16, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    k, v = ops.gather_kv(k_cache, v_cache, slots)
+    for got, cache in ((k, k_cache), (v, v_cache)):
+        assert got.shape == (3, tokens, 8) and got.is_contiguous()
+        assert torch.equal(got, cache.view(-1, 3, 8)[slots].transpose(0, 1))
+
+
 def test_bad_inputs_raise_instead_of_reading_out_of_bounds() -> None:
     cache = torch.zeros(2, 4, 1, 8)
     kv = torch.ones(1, 1, 8)
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.write_kv(cache, cache.clone(), torch.tensor([8]), kv, kv)
+    for slots in (torch.tensor([3, 8]), torch.tensor([-1])):
+        with pytest.raises(RuntimeError, match="slot out of range"):
+            ops.gather_kv(cache, cache.clone(), slots)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.gather_kv(cache, cache.bfloat16(), torch.tensor([0]))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.silu_mul(torch.ones(2, 4, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="weight"):

@@ -16,6 +16,9 @@
 //   underflows is flushed to 0, which changes no result: 1 + it is 1 either way).
 // textgen::write_kv(k_cache, v_cache, slots, k, v): k, v [T, Hkv, D] (rows any stride) stored at `slots` of the
 //   pools [N, S, Hkv, D] (slot s = block * S + offset).
+// textgen::gather_kv(k_cache, v_cache, slots) -> (k, v): the pools' rows at `slots` (int64 [T]) head by head, each
+//   [Hkv, T, D] contiguous: a prefill row's keys and values in the layout transformers' eager attention multiplies,
+//   in one pass where torch gathers the rows and then copies them again to transpose them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -261,21 +264,28 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// The caches' shape and the slots as write_kv and gather_kv take them, every slot inside the pool.
+void check_pool(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              op, ": caches must be contiguous [N, S, Hkv, D] of one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), op,
+              ": slots must be contiguous int64 [T]");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < slots.size(0); ++t) TORCH_CHECK(s[t] >= 0 && s[t] < capacity, op, ": slot out of range");
+}
+
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous(), "write_kv: caches must be contiguous [N, S, Hkv, D]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
-              "write_kv: slots must be contiguous int64 [T]");
+  check_pool("write_kv", k_cache, v_cache, slots);
   const int64_t tokens = slots.size(0), row = k_cache.size(2) * k_cache.size(3);
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->scalar_type() == k_cache.scalar_type() && t->dim() == 3 && t->size(0) == tokens &&
                     t->size(1) * t->size(2) == row && t->stride(2) == 1 && t->stride(1) == t->size(2),
                 "write_kv: k and v must be [T, Hkv, D] of the caches' dtype, each token's heads contiguous");
   }
   const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(s[t] >= 0 && s[t] < capacity, "write_kv: slot out of range");
   const int64_t bytes = row * k_cache.element_size();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
@@ -290,6 +300,29 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
   });
 }
 
+std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             const at::Tensor& slots) {
+  check_pool("gather_kv", k_cache, v_cache, slots);
+  const int64_t tokens = slots.size(0), heads = k_cache.size(2), dim = k_cache.size(3);
+  at::Tensor k = at::empty({heads, tokens, dim}, k_cache.options());
+  at::Tensor v = at::empty({heads, tokens, dim}, v_cache.options());
+  const int64_t bytes = dim * k_cache.element_size(), row = heads * bytes;
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const auto* kc = static_cast<const char*>(k_cache.data_ptr());
+  const auto* vc = static_cast<const char*>(v_cache.data_ptr());
+  auto* kp = static_cast<char*>(k.data_ptr());
+  auto* vp = static_cast<char*>(v.data_ptr());
+  at::parallel_for(0, tokens, GRAIN * 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kp + (h * tokens + t) * bytes, kc + s[t] * row + h * bytes, bytes);
+        std::memcpy(vp + (h * tokens + t) * bytes, vc + s[t] * row + h * bytes, bytes);
+      }
+    }
+  });
+  return {k, v};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(textgen, m) {
@@ -298,6 +331,7 @@ TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.def("gather_kv(Tensor k_cache, Tensor v_cache, Tensor slots) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) {
@@ -306,4 +340,5 @@ TORCH_LIBRARY_IMPL(textgen, CPU, m) {
   m.impl("rotary_", &rotary_);
   m.impl("silu_mul", &silu_mul);
   m.impl("write_kv", &write_kv);
+  m.impl("gather_kv", &gather_kv);
 }

@@ -175,13 +175,20 @@ def _row(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float, window: int | None
 ) -> torch.Tensor:
     """One row's n queries [n, H, D] over its keys at `slots` (the row's positions in order): read in the pool
-    where the ops can, else gathered from it."""
+    where the ops can, else gathered from it head by head ([Hkv, L, D] contiguous, the layout transformers' eager
+    attention multiplies: torch's matmul then copies neither operand, where the keys gathered in the pool's
+    [L, Hkv, D] order cost it a transposing copy of both; benchmark/README.md, "W2 on AVX-512")."""
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     if reads_pool(q.dtype, q.device):
         return pool_causal_attention(
             q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim), slots, scale, window
         )
-    keys = k_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    values = v_cache.view(-1, kv_heads, dim)[slots].transpose(0, 1).unsqueeze(0)
+    if ops_for(k_cache.dtype, k_cache.device):
+        keys, values = torch.ops.textgen.gather_kv(k_cache, v_cache, slots)
+    else:
+        keys = k_cache.view(-1, kv_heads, dim).index_select(0, slots).transpose(0, 1).contiguous()
+        values = v_cache.view(-1, kv_heads, dim).index_select(0, slots).transpose(0, 1).contiguous()
     attend = attention_for(q.dtype, q.device)
-    return causal_attention(q.transpose(0, 1).unsqueeze(0), keys, values, scale, window, attend)[0].transpose(0, 1)
+    return causal_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), scale, window, attend
+    )[0].transpose(0, 1)
