@@ -505,7 +505,7 @@ void rows_shared(const float* const* x, const float* const* xsum, const RowInts*
         for (int r = 0; r < R; ++r) one_block(x[r], xsum[r], ints[r], w, so, n, k, g, lay, b, y[r]);
       } else if (lay == SPLIT32) {
         block_ints<R>(ints, w + bn * b * k / 2, so, n, bn * b, k, g, y);
-      } else {
+      } else {  // SPLIT64, which shares_reads gives only to a build with VNNI and VBMI
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
         block_vnni<R>(ints, w + bn * b * k / 2, so, n, bn * b, k, g, y);
 #endif

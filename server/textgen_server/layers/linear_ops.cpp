@@ -9,8 +9,8 @@
 //   AVX-512, 8 with AVX2: one float32 vector), zero-padded: a step's values of block b are output n = b LANES + i's
 //   value pair (bf16) or value (float32) at k, in i's order, and tiles of BLOCKS blocks (the last one shorter) lie
 //   one after another, each step by step with its blocks' values side by side, so that a tile, which one thread
-//   sums, is one run of memory (four blocks each a run of its own, four streams a thread, read 5-18% slower on a
-//   Zen 4: benchmark/README.md). Its shape: bf16 [ceil(N/16), ceil(K/2), 32], float32 [ceil(N/LANES), K, LANES],
+//   sums, is one run of memory (four blocks each a run of its own, four streams a thread, took 1.05-1.2x the time
+//   on a Zen 4: benchmark/README.md). Its shape: bf16 [ceil(N/16), ceil(K/2), 32], float32 [ceil(N/LANES), K, LANES],
 //   over memory in that order. bf16 in the AVX2 build: w itself, [N, K] (each output's sum reads its own row,
 //   below).
 // textgen::gemv(x [..., K], packed, bias [N] float32 or None, n, k_chunk) -> y [..., N] in x's dtype, row by row
@@ -63,8 +63,9 @@ constexpr int64_t LANES = 16;  // outputs per block: one float32 vector
 #else
 constexpr int64_t LANES = 8;
 #endif
-constexpr int BLOCKS = 4;      // blocks streamed together (independent accumulators and memory streams)
-// Steps ahead of the current one that each stream prefetches: 1 or 2 KiB, a few cache lines per stream.
+constexpr int BLOCKS = 4;      // blocks summed together (independent accumulators), one tile of the packing
+// Steps ahead of the current one that a tile's stream prefetches: 8 KiB with AVX-512, 4 KiB with AVX2 (2 to 4 KiB
+// read slower on the Zen 4, 16 to 32 KiB too: benchmark/README.md).
 constexpr int64_t PREFETCH_STEPS = 32;
 
 bool supported([[maybe_unused]] c10::ScalarType dtype) {
