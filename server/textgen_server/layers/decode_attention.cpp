@@ -323,18 +323,10 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
 }
 
 #if defined(__AVX512F__)
-// The dots of one query (`dim` floats, a multiple of 16) with the keys of 16 slots (`keys[s]`), each summed as
-// `dot` sums it (16 lanes of fmadds over the columns, then `fold_add`: lanes 8 apart, then 4, 2, 1),
-// so the same floats, but the 16 trees are folded into one another: a shuffle-and-add per pair of vectors
-// instead of a horizontal reduction per dot. Returns the 16 dots in slot order.
-template <typename T>
-inline __m512 dot16(const float* q, const T* const* keys, int64_t dim) {
-  __m512 a[16];
-  for (int s = 0; s < 16; ++s) a[s] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim; d += 16) {
-    const __m512 qd = _mm512_loadu_ps(q + d);
-    for (int s = 0; s < 16; ++s) a[s] = _mm512_fmadd_ps(qd, load16(keys[s] + d), a[s]);
-  }
+// a[s]'s 16 lanes each summed as `fold_add` sums them (lanes 8 apart, then 4, 2, 1), so the same floats, but the
+// 16 trees folded into one another: a shuffle-and-add per pair of vectors instead of a horizontal reduction per
+// sum. Returns the 16 sums in slot order.
+inline __m512 fold16(const __m512 (&a)[16]) {
   // Lanes i and i + 8: slot 2m's sums in the low half of b[m], slot 2m + 1's in the high half.
   __m512 b[8];
   for (int m = 0; m < 8; ++m) {
@@ -355,6 +347,19 @@ inline __m512 dot16(const float* q, const T* const* keys, int64_t dim) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, e);
 }
+
+// The dots of one query (`dim` floats, a multiple of 16) with the keys of 16 slots (`keys[s]`), each summed as
+// `dot` sums it (16 lanes of fmadds over the columns, then `fold_add`, by fold16). Returns them in slot order.
+template <typename T>
+inline __m512 dot16(const float* q, const T* const* keys, int64_t dim) {
+  __m512 a[16];
+  for (int s = 0; s < 16; ++s) a[s] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 qd = _mm512_loadu_ps(q + d);
+    for (int s = 0; s < 16; ++s) a[s] = _mm512_fmadd_ps(qd, load16(keys[s] + d), a[s]);
+  }
+  return fold16(a);
+}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -372,6 +377,17 @@ inline float dot_pairs(const float* q, const uint16_t* key, int64_t dim) {
   __m512 a = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 32) a = _mm512_dpbf16_ps(a, pairs_of(q + d), (__m512bh)_mm512_loadu_si512(key + d));
   return fold_add(a);
+}
+
+// The dots of one query, as bf16 pairs (`qp`: dim / 32 vectors of pairs_of), with the keys of 16 slots, each summed
+// as dot_pairs sums it (fold16 folds as fold_add does). Returns them in slot order.
+inline __m512 dot16_pairs(const __m512bh* qp, const uint16_t* const* keys, int64_t dim) {
+  __m512 a[16];
+  for (int s = 0; s < 16; ++s) a[s] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 32) {
+    for (int s = 0; s < 16; ++s) a[s] = _mm512_dpbf16_ps(a[s], qp[d / 32], (__m512bh)_mm512_loadu_si512(keys[s] + d));
+  }
+  return fold16(a);
 }
 
 // The bf16 bits of a float32 that holds a bf16 value.
@@ -473,10 +489,24 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   int64_t t = 0;
   const bool pairs = use_pairs<T>(dim);
 #if defined(__AVX512F__)
-  // 16 slots at a time (dot16, the same sums as `dot`), each head's over the 16 slots. Pair products read the
-  // slots one after the other instead, all heads of a slot at once: memory streams them faster in that order
-  // (benchmark/README.md), and their per-slot fold is cheap beside the widening it replaces.
-  if (!pairs && dim % 16 == 0) {
+  // 16 slots at a time (dot16, the same sums as `dot`; dot16_pairs, those of dot_pairs), each head's over the 16
+  // slots: one fold for 16 dots instead of a horizontal reduction each, which bounded the pair products over long
+  // contexts (benchmark/README.md, "Decode attention's pair products 16 slots at a time").
+  if (dim % 16 == 0) {  // pair products take heads of a multiple of 32
+#if defined(__AVX512BF16__)
+    std::vector<__m512bh> query_pairs;  // the queries as bf16 pairs, dim / 32 vectors a head
+    if (pairs) {
+      for (int64_t d = 0; d < heads * dim; d += 32) query_pairs.push_back(pairs_of(queries.data() + d));
+    }
+#endif
+    auto dots = [&](int64_t i, const T* const* keys) {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (pairs) return dot16_pairs(query_pairs.data() + i * (dim / 32), keys, dim);
+      }
+#endif
+      return dot16(queries.data() + i * dim, keys, dim);
+    };
     const T* keys[16];
     for (; t + 16 <= rows; t += 16) {
       for (int64_t u = t + ahead; u < std::min(t + 16 + ahead, rows); ++u) {
@@ -484,7 +514,7 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
       }
       for (int64_t i = 0; i < heads; ++i) {
         for (int s = 0; s < 16; ++s) keys[s] = K + slots[t + s] * slot_stride + (h0 + i / group) * dim;
-        _mm512_storeu_ps(scores.data() + i * rows + t, round_as(T{}, dot16(queries.data() + i * dim, keys, dim)));
+        _mm512_storeu_ps(scores.data() + i * rows + t, round_as(T{}, dots(i, keys)));
       }
     }
   }
