@@ -123,7 +123,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return y;
 }
 
-
 // W8A8's activations (quant_kernels.Int8DynamicKernel._quantize, as the compressed-tensors package quantizes them):
 // each row's scale = max |x| / 127.5 (float32 epsilon where that is 0), and q = x / scale rounded half to even,
 // clamped to [-128, 127]: torch's expression's bits in one pass over x where it takes six. Returns (q int8 [M, K],
@@ -143,9 +142,12 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
   int8_t* qp = q.data_ptr<int8_t>();
   std::atomic<bool> finite{true};
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(k);
+    std::vector<float> converted(bf16 ? k : 0);  // a bf16 row in float32; a float32 row is read in place
     for (int64_t r = begin; r < end && finite.load(std::memory_order_relaxed); ++r) {
-      for (int64_t j = 0; j < k; ++j) row[j] = bf16 ? bf16_to_float(xb[r * k + j]) : xf[r * k + j];
+      if (bf16) {
+        for (int64_t j = 0; j < k; ++j) converted[j] = bf16_to_float(xb[r * k + j]);
+      }
+      const float* row = bf16 ? converted.data() : xf + r * k;
       float most = 0.f;
       bool nan = false;  // a NaN is never the max below: looked for apart
       for (int64_t j = 0; j < k; ++j) {
@@ -164,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x) {
 #if defined(__AVX2__)
       const __m256 divisor = _mm256_set1_ps(scale), low = _mm256_set1_ps(-128.f), high = _mm256_set1_ps(127.f);
       for (; j + 8 <= k; j += 8) {
-        const __m256 rounded = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row.data() + j), divisor),
+        const __m256 rounded = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + j), divisor),
                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m256i ints = _mm256_cvtps_epi32(_mm256_min_ps(high, _mm256_max_ps(low, rounded)));
         const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));

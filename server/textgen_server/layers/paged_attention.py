@@ -79,8 +79,9 @@ def paged_attention(
     - window: sliding window, a query at position p sees keys (p - window, p]; None: all keys up to p;
     - key_slots: per row of several queries, the pool slots (int64, on the pool's device) of its seq_lens[b]
       positions, computed once per step for every layer (`row_key_slots`); None: from the table, per call;
-    - kernel: whether decode rows go to the C++ op, as `use_paged_kernel(q.dtype, q.device)` says (a model decides
-      once at load what every layer's call would otherwise look up again); None: looked up here.
+    - kernel: whether decode rows go to the C++ op and rows of several queries gather their keys with the ops
+      (`textgen::gather_kv`), as `use_paged_kernel(q.dtype, q.device)` says (a model decides once at load what every
+      layer's call would otherwise look up again); None: looked up here.
 
     Bottom-right aligned: query i of a row of n queries sits at position seq_lens[b] - n + i. When every row has
     one query (T == B) the metadata is never read on the host; lists avoid a tensor-to-list copy otherwise.
@@ -116,7 +117,7 @@ def paged_attention(
             slots = key_slots[b] if key_slots is not None else None
             if slots is None:
                 slots = row_key_slots(block_tables[b : b + 1], [lens[b]], k_cache.shape[1], k_cache.device)[0]
-            out[cu[b] : cu[b + 1]] = _row(q[cu[b] : cu[b + 1]], k_cache, v_cache, slots, scale, window)
+            out[cu[b] : cu[b + 1]] = _row(q[cu[b] : cu[b + 1]], k_cache, v_cache, slots, scale, window, kernel)
     return out
 
 
@@ -172,10 +173,17 @@ def row_key_slots(
 
 
 def _row(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scale: float, window: int | None
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    window: int | None,
+    gather_op: bool,
 ) -> torch.Tensor:
     """One row's n queries [n, H, D] over its keys at `slots` (the row's positions in order): read in the pool
-    where the ops can, else gathered from it head by head ([Hkv, L, D] contiguous, the layout transformers' eager
+    where the ops can, else gathered from it head by head (by `textgen::gather_kv` where `gather_op`, paged_attention's
+    `kernel`; [Hkv, L, D] contiguous, the layout transformers' eager
     attention multiplies: torch's matmul then copies neither operand, where the keys gathered in the pool's
     [L, Hkv, D] order cost it a transposing copy of both; benchmark/README.md, "W2 on AVX-512")."""
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
@@ -183,7 +191,7 @@ def _row(
         return pool_causal_attention(
             q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim), slots, scale, window
         )
-    if ops_for(k_cache.dtype, k_cache.device):
+    if gather_op:
         keys, values = torch.ops.textgen.gather_kv(k_cache, v_cache, slots)
     else:
         keys = k_cache.view(-1, kv_heads, dim).index_select(0, slots).transpose(0, 1).contiguous()

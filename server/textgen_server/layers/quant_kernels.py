@@ -375,12 +375,12 @@ class Int8DynamicKernel(Int8Weights):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__(weight, bias)
         self.scales_f32 = self.scales.float()
-        # int8_gemv takes bfloat16 scales: a float32 shard's would be rounded
-        self.gemv = self.scales.dtype == torch.bfloat16 and cpu_ops.ops_for(self.scales.dtype, weight.q.device)
         # textgen::int8_quantize_rows and int8_rescale: the activations to integers and the integer sums back to
         # floats, each in one pass where torch's expressions take six and four, with their bits (on a 2-core Zen 4,
         # 9,239 x 2,048 activations 140 -> 10 ms, 2,048 x 4,096 sums 38 -> 1.5 ms: each as long as the product)
         self.ops = cpu_ops.ops_for(self.scales.dtype, weight.q.device)
+        # int8_gemv takes bfloat16 scales: a float32 shard's would be rounded
+        self.gemv = self.ops and self.scales.dtype == torch.bfloat16
         # --disable-custom-kernels: torch's integer product at every row count, nothing timed at load
         self.paths = ("int_mm",) * len(BUCKET_ROWS) if custom_kernels_disabled() else self._choose_paths()
 
