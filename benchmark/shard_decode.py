@@ -25,8 +25,13 @@ alternating, tokens/s per row and the tokens a step emits. On the random model g
 (the cost of guessing); with `--cycling` the model is first made to loop (builder.build_cycling_model), so every
 guess after the first period is confirmed (the gain at best).
 
+With `--decode-ahead` it measures the shard's decode ahead (server/textgen_server/decode_ahead.py): two shards
+started side by side, one as served (decode ahead on) and one with TEXTGEN_DECODE_AHEAD=0, runs alternating
+between them, and the ratio of step times per pair of runs.
+
 Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--threads 2] [--model-dir DIR]
-       [--grammar | --lora-adapters N | --speculate N [--cycling] | --quantize gptq|gptq-8|awq|eetq [--lm-head]]
+       [--grammar | --lora-adapters N | --speculate N [--cycling] | --quantize gptq|gptq-8|awq|eetq [--lm-head]
+       | --decode-ahead]
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from textgen_benchmark.decode import (
     shard_steps,
 )
 from textgen_benchmark.shard import DTYPES, small_model, start_shard, stop
+from textgen_server.config import DECODE_AHEAD_ENV as AHEAD_ENV
 from textgen_server.models.cache_names import cache_keyword
 
 
@@ -200,6 +206,32 @@ def speculation_steps(model_dir: Path, batches: list[int], runs: int, threads: i
         )
 
 
+def ahead_steps(model_dir: Path, batches: list[int], runs: int, threads: int, dtype: str) -> None:
+    """Decode step times of a shard that decodes ahead against one that does not, both up at once (the host's
+    speed drifts within minutes), runs alternating; the median and spread of the per-pair ratios."""
+    shards = {}
+    try:
+        for name, flag in (("off", "0"), ("on", "1")):
+            uds = f"/tmp/textgen-bench-{name}-{os.getpid()}"
+            shards[name] = (uds, start_shard(model_dir, uds, threads, dtype=dtype, extra_env={AHEAD_ENV: flag}))
+        results: dict[str, list[dict[int, Step]]] = {"off": [], "on": []}
+        for _ in range(runs):
+            for name, (uds, proc) in shards.items():
+                results[name].append(asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, batches, 1)))
+    finally:
+        for _, proc in shards.values():
+            stop(proc)
+    print("| batch | off ms/step | on ms/step | on/off per pair: median (least-most) |")
+    print("|------:|------------:|-----------:|-------------------------------------:|")
+    for b in batches:
+        off, on = ([r[b].wall for r in results[name]] for name in ("off", "on"))
+        ratios = sorted(y / x for x, y in zip(off, on, strict=True))
+        print(
+            f"| {b} | {statistics.median(off) * 1e3:.2f} | {statistics.median(on) * 1e3:.2f} | "
+            f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}) |"
+        )
+
+
 # The decoder projections, which eetq quantizes at load.
 PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
@@ -300,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-adapters", type=int, default=0, metavar="N", help="base vs N adapters mixed")
     parser.add_argument("--speculate", type=int, default=0, metavar="N", help="a shard guessing N tokens vs none")
     parser.add_argument("--cycling", action="store_true", help="with --speculate: the model made to loop")
+    parser.add_argument("--decode-ahead", action="store_true", help="a shard decoding ahead vs one that does not")
     parser.add_argument(
         "--quantize",
         choices=("gptq", "gptq-8", "awq", "eetq"),
@@ -334,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.speculate:
         speculation_steps(model_dir, batches, args.runs, args.threads, args.dtype, args.speculate)
+        return
+    if args.decode_ahead:
+        ahead_steps(model_dir, batches, args.runs, args.threads, args.dtype)
         return
     proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype)
     try:

@@ -1,5 +1,5 @@
-"""shard_decode.py --grammar / --speculate / --quantize and speculation_cost.py on the tiny model, with real shard
-processes (conftest.py): they run and print their figures."""
+"""shard_decode.py --grammar / --speculate / --quantize / --decode-ahead and speculation_cost.py on the tiny model,
+with real shard processes (conftest.py): they run and print their figures."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def test_speculate_option_measures_a_guessing_shard_against_a_plain_one(
     row = re.search(r"^\| 2 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| (?:[0-9.]+|nan) \| [0-9.]+ / ([0-9.]+) \|$", out, re.M)
     assert row, out
     assert float(row.group(1)) > 1  # the looping model's guesses were confirmed
+
+
+def test_decode_ahead_option_measures_a_shard_with_it_against_one_without(
+    tiny_llama: Path, run_script: Callable[..., str]
+) -> None:
+    out = run_script(
+        "shard_decode", "--decode-ahead", "--model-dir", str(tiny_llama), "--batch", "1", "--runs", "2", *ONE_THREAD
+    )
+    assert re.search(r"^\| 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \([0-9.]+-[0-9.]+\) \|$", out, re.M), out
 
 
 def test_speculation_cost_times_refused_guesses(tiny_llama: Path, run_script: Callable[..., str]) -> None:

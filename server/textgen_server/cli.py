@@ -89,6 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from textgen_server.hub import ModelNotFoundError
     from textgen_server.interceptor import setup_tracing
     from textgen_server.loader import get_model
+    from textgen_server.model_thread import ModelThread
     from textgen_server.servicer import serve
     from textgen_server.utils.memory import keep_freed_memory
 
@@ -97,8 +98,10 @@ def run_serve(args: argparse.Namespace) -> int:
     keep_freed_memory()
     if config.otlp_endpoint:
         setup_tracing(config.otlp_endpoint, config.otlp_service_name)
+    # Loaded on the thread that will run it: model_thread.py says why the main thread runs no torch kernel.
+    worker = ModelThread()
     try:
-        model = get_model(config)
+        model = worker.call(lambda: get_model(config))
     except (UnsupportedConfigError, ModelNotFoundError) as error:
         logger.error("%s", error)
         return 1
@@ -108,7 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # The model load left hundreds of thousands of long-lived objects (torch, transformers): frozen, the
     # collector never walks them again, so no step pays for a full collection over them (benchmark/README.md).
     gc.freeze()
-    fatal = asyncio.run(serve(model, config))
+    fatal = asyncio.run(serve(model, config, worker))
     return 1 if fatal else 0
 
 

@@ -40,6 +40,9 @@ def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).lower() in ("1", "true")
 
 
+# textgen's switch for the shard's decode ahead (decode_ahead.py): on when unset, "1" or "true"; to measure it.
+DECODE_AHEAD_ENV = "TEXTGEN_DECODE_AHEAD"
+
 # TGI's switch for the shard's own kernels; textgen-launcher --disable-custom-kernels sets it to "True".
 DISABLE_CUSTOM_KERNELS = "DISABLE_CUSTOM_KERNELS"
 
@@ -119,6 +122,7 @@ class ServeConfig:
     cuda_graphs: str | None = None
     # TGI_WIGGLE_ROOM: the share of the memory fraction the KV pool may take on a GPU
     wiggle_room: str | None = None
+    decode_ahead: bool = True  # DECODE_AHEAD_ENV
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeConfig:
@@ -145,6 +149,7 @@ class ServeConfig:
             rope_factor=os.environ.get("ROPE_FACTOR") or None,
             cuda_graphs=os.environ.get("CUDA_GRAPHS") or None,
             wiggle_room=os.environ.get("TGI_WIGGLE_ROOM") or None,
+            decode_ahead=_env_flag(DECODE_AHEAD_ENV, "1"),
         )
 
     def check(self) -> None:

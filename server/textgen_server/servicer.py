@@ -7,36 +7,63 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
+import torch
 
 from textgen_common.grpc_options import GRPC_OPTIONS
 from textgen_pb import generate_pb2, generate_pb2_grpc
 from textgen_server.cache import BatchNotFoundError, Cache
 from textgen_server.config import ServeConfig
+from textgen_server.decode_ahead import DecodeAhead
 from textgen_server.interceptor import ErrorMapping, Tracing, Wrapper, wrap_rpcs
+from textgen_server.model_thread import ModelThread
 from textgen_server.models.model import Batch, InvalidRequestError, KVCacheFullError, Model
 
 logger = logging.getLogger("textgen_server.servicer")
 
 R = TypeVar("R", generate_pb2.PrefillResponse, generate_pb2.DecodeResponse)
+T = TypeVar("T")
 
 
 class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
-    """Every RPC of generate.v3. Errors are raised, and mapped to gRPC codes by interceptor.ErrorMapping."""
+    """Every RPC of generate.v3. Errors are raised, and mapped to gRPC codes by interceptor.ErrorMapping.
 
-    def __init__(self, model: Model, cache: Cache, server_urls: list[str]) -> None:
+    An RPC that reads the model or the batch cache runs as one call on the model thread (model_thread.py), so
+    calls never overlap and the event loop stays free to send replies and read requests meanwhile. With `ahead`,
+    a step that leaves a batch every row of which decodes one more token queues that batch's next forward right
+    behind itself (decode_ahead.py).
+    """
+
+    def __init__(
+        self, model: Model, cache: Cache, server_urls: list[str], worker: ModelThread, ahead: DecodeAhead | None
+    ) -> None:
         self.model = model
         self.cache = cache
         self.server_urls = server_urls
+        self.worker = worker
+        self.ahead = ahead
+
+    async def _run(self, call: Callable[[], T], decode_of: int | None = None) -> T:
+        """`call` on the model thread; first, a forward ahead is interrupted unless this is a Decode of that batch
+        alone (`decode_of`)."""
+        if self.ahead is not None:
+            self.ahead.interrupt_unless(decode_of)
+        return await self.worker.run(call)
+
+    def _drop_ahead(self) -> None:
+        if self.ahead is not None:
+            self.ahead.drop()
 
     async def Info(self, request: generate_pb2.InfoRequest, context: object) -> generate_pb2.InfoResponse:
         return self.model.info
 
     async def Health(self, request: generate_pb2.HealthRequest, context: object) -> generate_pb2.HealthResponse:
-        self.model.health()
+        # On the model thread, behind any step: a device that fails there fails here too.
+        await self.worker.run(self.model.health)
         return generate_pb2.HealthResponse()
 
     async def ServiceDiscovery(
@@ -47,25 +74,37 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     async def ClearCache(
         self, request: generate_pb2.ClearCacheRequest, context: object
     ) -> generate_pb2.ClearCacheResponse:
-        if request.HasField("id"):
-            self.cache.delete(request.id)
-        else:
-            self.cache.clear()
+        def clear() -> None:
+            self._drop_ahead()
+            if request.HasField("id"):
+                self.cache.delete(request.id)
+            else:
+                self.cache.clear()
+
+        await self._run(clear)
         return generate_pb2.ClearCacheResponse()
 
     async def FilterBatch(
         self, request: generate_pb2.FilterBatchRequest, context: object
     ) -> generate_pb2.FilterBatchResponse:
-        batch = self.cache.pop(request.batch_id)
-        try:
-            filtered = batch.filter(list(request.request_ids))
-        except ValueError:
-            self.cache.set(batch)  # a bad id list leaves the cached batch as it was
-            raise
-        self.cache.set(filtered)
-        return generate_pb2.FilterBatchResponse(batch=filtered.to_pb())
+        def filter_batch() -> generate_pb2.FilterBatchResponse:
+            self._drop_ahead()
+            batch = self.cache.pop(request.batch_id)
+            try:
+                filtered = batch.filter(list(request.request_ids))
+            except ValueError:
+                self.cache.set(batch)  # a bad id list leaves the cached batch as it was
+                raise
+            self.cache.set(filtered)
+            return generate_pb2.FilterBatchResponse(batch=filtered.to_pb())
+
+        return await self._run(filter_batch)
 
     async def Warmup(self, request: generate_pb2.WarmupRequest, context: object) -> generate_pb2.WarmupResponse:
+        return await self._run(lambda: self._warmup(request))
+
+    def _warmup(self, request: generate_pb2.WarmupRequest) -> generate_pb2.WarmupResponse:
+        self._drop_ahead()
         try:
             batch = self.model.batch_type.from_pb(request.batch, self.model)
         except KVCacheFullError:
@@ -90,6 +129,10 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     async def Prefill(self, request: generate_pb2.PrefillRequest, context: object) -> generate_pb2.PrefillResponse:
         """A new batch; with chunking, the router's running batch (`cached_batch`) joins it in the same forward."""
         start = time.perf_counter_ns()
+        return await self._run(lambda: self._prefill(request, start))
+
+    def _prefill(self, request: generate_pb2.PrefillRequest, start: int) -> generate_pb2.PrefillResponse:
+        self._drop_ahead()
         chunking = request.HasField("cached_batch")
         if chunking and not self.model.support_chunking:
             raise InvalidRequestError("this shard does not support prefill chunking (`cached_batch` must be unset)")
@@ -104,6 +147,10 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def Decode(self, request: generate_pb2.DecodeRequest, context: object) -> generate_pb2.DecodeResponse:
         start = time.perf_counter_ns()
+        alone = request.batches[0].id if len(request.batches) == 1 else None
+        return await self._run(lambda: self._decode(request, start), decode_of=alone)
+
+    def _decode(self, request: generate_pb2.DecodeRequest, start: int) -> generate_pb2.DecodeResponse:
         if not request.batches:
             raise InvalidRequestError("Must provide at least one batch")
         ids = [b.id for b in request.batches]
@@ -114,23 +161,33 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             # Checked before popping anything so that the other batches stay cached and usable.
             raise BatchNotFoundError(missing[0])
         batches = [self.cache.pop(i) for i in ids]
-        concat_ns = None
-        if len(batches) > 1:
-            concat_start = time.perf_counter_ns()
-            batch = self.model.batch_type.concatenate(batches)
-            concat_ns = time.perf_counter_ns() - concat_start
-        else:
-            batch = batches[0]
-        return self._step(generate_pb2.DecodeResponse, batch, start, concat_ns)
+        if len(batches) == 1:
+            ahead = self.ahead.take(batches[0]) if self.ahead is not None else None
+            return self._step(generate_pb2.DecodeResponse, batches[0], start, None, ahead)
+        self._drop_ahead()
+        concat_start = time.perf_counter_ns()
+        batch = self.model.batch_type.concatenate(batches)
+        return self._step(generate_pb2.DecodeResponse, batch, start, time.perf_counter_ns() - concat_start)
 
-    def _step(self, response_type: type[R], batch: Batch, start: int, concat_ns: int | None) -> R:
-        """Run one step, cache the batch it leaves (if any request is left) and build the reply."""
-        generations, next_batch, (forward_ns, decode_ns) = self.model.generate_token(batch)
+    def _step(
+        self,
+        response_type: type[R],
+        batch: Batch,
+        start: int,
+        concat_ns: int | None,
+        ahead: tuple[torch.Tensor, int] | None = None,
+    ) -> R:
+        """Run one step (from the logits computed ahead, if any), cache the batch it leaves (if any request is left),
+        queue its next forward ahead where it can be, and build the reply. forward_ns counts a forward run ahead."""
+        logits, ahead_ns = ahead if ahead is not None else (None, 0)
+        generations, next_batch, (forward_ns, decode_ns) = self.model.generate_token(batch, logits)
         self.cache.set(next_batch)
+        if self.ahead is not None and self.ahead.start(next_batch, generations):
+            self.worker.submit(self.ahead.run)
         return response_type(
             generations=generations,
             batch=next_batch.to_pb() if next_batch is not None else None,
-            forward_ns=forward_ns,
+            forward_ns=forward_ns + ahead_ns,
             decode_ns=decode_ns,
             total_ns=time.perf_counter_ns() - start,
             concat_ns=concat_ns,
@@ -144,9 +201,10 @@ def shard_urls(uds_path: str, sharded: bool) -> tuple[str, list[str]]:
     return urls[rank], urls
 
 
-async def serve(model: Model, config: ServeConfig) -> bool:
+async def serve(model: Model, config: ServeConfig, worker: ModelThread) -> bool:
     """Serve on `config.uds_path` until SIGTERM/SIGINT or a fatal RuntimeError in an RPC, then remove the
-    socket file. RPCs are traced when `config.otlp_endpoint` is set.
+    socket file. RPCs are traced when `config.otlp_endpoint` is set. `worker`: the thread the model was loaded on,
+    which runs every call into it.
 
     Returns True when the shard stopped because of a fatal error (the CLI then exits non-zero)."""
     local_url, urls = shard_urls(config.uds_path, config.sharded)
@@ -168,7 +226,8 @@ async def serve(model: Model, config: ServeConfig) -> bool:
     wrappers: list[Wrapper] = [ErrorMapping(shutdown_after_fatal_error)]
     if config.otlp_endpoint:
         wrappers.append(Tracing())
-    servicer = TextGenerationService(model, Cache(), urls)
+    ahead = DecodeAhead(model) if config.decode_ahead else None
+    servicer = TextGenerationService(model, Cache(), urls, worker, ahead)
     wrap_rpcs(servicer, *wrappers)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)

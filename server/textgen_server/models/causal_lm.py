@@ -276,8 +276,9 @@ class CausalLM(Model[CausalLMBatch]):
 
     @torch.inference_mode()
     def generate_token(
-        self, batch: CausalLMBatch
+        self, batch: CausalLMBatch, logits: torch.Tensor | None = None
     ) -> tuple[list[generate_pb2.Generation], CausalLMBatch | None, tuple[int, int]]:
+        assert logits is None, "the padded engine does not decode ahead"
         start = time.perf_counter_ns()
         prefill = batch.past_key_values is None
         want_prefill_logprobs = prefill and any(r.prefill_logprobs for r in batch.requests)

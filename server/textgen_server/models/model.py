@@ -6,6 +6,7 @@ The servicer never looks inside either: it builds a batch with `Model.batch_type
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -33,6 +34,10 @@ class InvalidRequestError(ValueError):
 class KVCacheFullError(InvalidRequestError):
     """A new batch needs more KV-cache blocks than the shard's pool has free (requests that came without blocks
     of their own: the shard allocates them)."""
+
+
+class Interrupted(Exception):
+    """A forward stopped between two layers because its interrupt was set (`Model.decode_logits`)."""
 
 
 class InvalidRequestsError(InvalidRequestError):
@@ -208,9 +213,21 @@ class Model(ABC, Generic[B]):
         """The Batch class this model consumes."""
 
     @abstractmethod
-    def generate_token(self, batch: B) -> tuple[list[generate_pb2.Generation], B | None, tuple[int, int]]:
+    def generate_token(
+        self, batch: B, logits: torch.Tensor | None = None
+    ) -> tuple[list[generate_pb2.Generation], B | None, tuple[int, int]]:
         """One step: returns this rank's generations, the batch for the next step (None when every
-        request stopped) and (forward_ns, decode_ns)."""
+        request stopped) and (forward_ns, decode_ns). `logits`: the step's, from `decode_logits` on the same
+        unchanged batch (only where `decodes_ahead` said so)."""
+
+    def decodes_ahead(self, batch: B) -> bool:
+        """Whether `decode_logits` can compute the batch's next step before it is asked for (servicer.py)."""
+        return False
+
+    def decode_logits(self, batch: B, interrupt: threading.Event) -> torch.Tensor:
+        """The logits of the batch's next step, leaving the batch as it is; raises `Interrupted` once `interrupt`
+        is set. Only called where `decodes_ahead(batch)`."""
+        raise NotImplementedError(f"{type(self).__name__} does not decode ahead")
 
     @cached_property
     def grammar_compiler(self) -> GrammarCompiler:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -119,11 +120,58 @@ class PagedCausalLM(Model[PagedBatch]):
             self.graphs.capture_all()
         return self.pool.tokens, max_input_tokens, max_total_tokens
 
+    def decodes_ahead(self, batch: PagedBatch) -> bool:
+        """Whether `decode_logits` can run the batch's next step ahead: on a CPU, one rank (an interrupted forward
+        must not leave the other ranks waiting in a collective), every row decoding one token with no guesses."""
+        return (
+            self.config.device.type == "cpu"
+            and self.config.world_size == 1
+            and not any(batch.speculative_ids)
+            and all(n == 1 for n in batch.chunk_lengths)
+            and all(c >= p for c, p in zip(batch.cache_lengths, batch.prompt_lengths, strict=True))
+        )
+
+    @torch.inference_mode()
+    def decode_logits(self, batch: PagedBatch, interrupt: threading.Event) -> torch.Tensor:
+        """The logits of the batch's next decode step (one row each), as `generate_token` computes them, without
+        changing the batch; `Interrupted` between two layers once `interrupt` is set. The step writes only its
+        rows' next keys and values, into their own blocks at positions no reader has yet: the step that follows
+        writes them again."""
+        return self._forward(batch, interrupt)[0]
+
     @torch.inference_mode()
     def generate_token(
-        self, batch: PagedBatch
+        self, batch: PagedBatch, logits: torch.Tensor | None = None
     ) -> tuple[list[generate_pb2.Generation], PagedBatch | None, tuple[int, int]]:
         start = time.perf_counter_ns()
+        if logits is None:
+            logits, firsts = self._forward(batch, None)
+        else:  # decode_logits': one row each
+            firsts = list(range(len(batch)))
+        guessing = any(batch.speculative_ids)
+        cache_lengths = batch.cache_lengths
+        batch.cache_lengths = [c + n for c, n in zip(cache_lengths, batch.chunk_lengths, strict=True)]
+        emitting = [i for i, ids in enumerate(batch.all_input_ids) if batch.cache_lengths[i] >= len(ids)]
+        chosen = self._choose(batch, emitting, logits, firsts)
+        if guessing:
+            # Keys and values stay for the last real token and the accepted guesses; the rest are overwritten later.
+            for k, i in enumerate(emitting):
+                if batch.speculative_ids[i]:
+                    batch.cache_lengths[i] = cache_lengths[i] + len(chosen.ids[k])
+        forward_ns = time.perf_counter_ns() - start
+
+        decode_start = time.perf_counter_ns()
+        generations, stopped = emit_generations(self, batch, emitting, chosen, by_request_id=True)
+        if self.paging.speculate:
+            self._guess(batch, emitting, chosen, stopped)
+        self._next_chunks(batch)
+        if len(emitting) == len(batch) and all(stopped):
+            batch.release()
+            return generations, None, (forward_ns, time.perf_counter_ns() - decode_start)
+        return generations, batch, (forward_ns, time.perf_counter_ns() - decode_start)
+
+    def _forward(self, batch: PagedBatch, interrupt: threading.Event | None) -> tuple[torch.Tensor, list[int]]:
+        """The step's forward: the logits rows choose from, and the index of each row's first among them."""
         prefilling = [c < p for c, p in zip(batch.cache_lengths, batch.prompt_lengths, strict=True)]
         # TGI's flash models: prompt logprobs only with REQUEST_LOGPROBS on, else no request gets prefill tokens.
         want_prompt_logprobs = self.paging.prompt_logprobs and any(
@@ -148,31 +196,18 @@ class PagedCausalLM(Model[PagedBatch]):
         if any(batch.adapter_indices):
             segments = AdapterSegments.of(batch.adapter_indices, batch.chunk_lengths, input_ids.device)
         logits = self._logits(
-            batch, input_ids, positions, step, None if want_prompt_logprobs else picked.to(input_ids.device), segments
+            batch,
+            input_ids,
+            positions,
+            step,
+            None if want_prompt_logprobs else picked.to(input_ids.device),
+            segments,
+            interrupt,
         )
         if want_prompt_logprobs:
             self._keep_prompt_logprobs(batch, logits, [0, *ends])
             logits = logits.index_select(0, picked.to(logits.device))
-        cache_lengths = batch.cache_lengths
-        batch.cache_lengths = [c + n for c, n in zip(cache_lengths, batch.chunk_lengths, strict=True)]
-        emitting = [i for i, ids in enumerate(batch.all_input_ids) if batch.cache_lengths[i] >= len(ids)]
-        chosen = self._choose(batch, emitting, logits, firsts)
-        if guessing:
-            # Keys and values stay for the last real token and the accepted guesses; the rest are overwritten later.
-            for k, i in enumerate(emitting):
-                if batch.speculative_ids[i]:
-                    batch.cache_lengths[i] = cache_lengths[i] + len(chosen.ids[k])
-        forward_ns = time.perf_counter_ns() - start
-
-        decode_start = time.perf_counter_ns()
-        generations, stopped = emit_generations(self, batch, emitting, chosen, by_request_id=True)
-        if self.paging.speculate:
-            self._guess(batch, emitting, chosen, stopped)
-        self._next_chunks(batch)
-        if len(emitting) == len(batch) and all(stopped):
-            batch.release()
-            return generations, None, (forward_ns, time.perf_counter_ns() - decode_start)
-        return generations, batch, (forward_ns, time.perf_counter_ns() - decode_start)
+        return logits, firsts
 
     def _logits(
         self,
@@ -182,9 +217,11 @@ class PagedCausalLM(Model[PagedBatch]):
         step: PagedStep,
         logits_index: torch.Tensor | None,
         segments: AdapterSegments | None,
+        interrupt: threading.Event | None = None,
     ) -> torch.Tensor:
         """The step's logits at `logits_index` (None: every token's): replayed from a CUDA graph where one fits
-        (decode steps only, with no token embedded otherwise), else the module's eager forward."""
+        (decode steps only, with no token embedded otherwise), else the module's eager forward (`interrupt`: see
+        `decode_logits`)."""
         embeds = self._image_embeds(batch)
         plain = segments is None and embeds is None and logits_index is not None
         if self.graphs is not None and len(input_ids) == len(batch) and plain:
@@ -192,7 +229,7 @@ class PagedCausalLM(Model[PagedBatch]):
             logits = self.graphs.run(input_ids, positions, step, longest)
             if logits is not None:
                 return logits
-        return self.module.forward_paged(input_ids, positions, step, logits_index, segments, embeds)
+        return self.module.forward_paged(input_ids, positions, step, logits_index, segments, embeds, interrupt)
 
     def _image_embeds(self, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Embeddings that replace some of the step's tokens' own, and their indices among the step's tokens: a

@@ -10,6 +10,7 @@ past_key_values: KVCache | None, use_cache=True)` returns `.logits` [B,S,V] over
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -37,6 +38,7 @@ from textgen_server.layers.tensor_parallel import (
 )
 from textgen_server.models.kv_cache import KVCache, PaddedKVCache
 from textgen_server.models.kv_pool import KVPool, PoolShape
+from textgen_server.models.model import Interrupted
 from textgen_server.utils.dist import DistInfo
 from textgen_server.utils.weights import Weights
 
@@ -74,6 +76,12 @@ def _layer_windows(config: ModelConfig) -> list[int | None]:
     if layer_types is None:
         return [window] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _check(interrupt: threading.Event | None) -> None:
+    """Stop a forward between two layers once its `interrupt` is set (a step run ahead that is not wanted)."""
+    if interrupt is not None and interrupt.is_set():
+        raise Interrupted
 
 
 def _attention_mask(attention_mask: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:
@@ -606,12 +614,13 @@ class TPCausalLM(nn.Module):
         logits_index: torch.Tensor | None,
         segments: AdapterSegments | None,
         image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        interrupt: threading.Event | None = None,
     ) -> torch.Tensor:
         """The paged engine's forward: `input_ids` [T] are every row's new tokens one row after another, and
         `position_ids` their rotary positions ([T], or M-RoPE's [3, T]); their keys and values are written to
         `step.slots`. Returns the logits [N, V] of the tokens `logits_index` picks (None: all T). `image_embeds`:
         (indices into T, their embeddings [n, H]), which replace those tokens' own (a VLM's image features at its
-        image tokens, models/paged_vlm.py)."""
+        image tokens, models/paged_vlm.py). Raises `Interrupted` between two layers once `interrupt` is set."""
         hidden = self.embed_tokens(input_ids)
         if image_embeds is not None:
             hidden[image_embeds[0]] = image_embeds[1].to(hidden.dtype)
@@ -620,9 +629,9 @@ class TPCausalLM(nn.Module):
         else:  # M-RoPE positions [3, T] (a Qwen2-VL prompt's image and the text between its images)
             cos, sin = self.rotary.multimodal(hidden, position_ids)
         if self.decodes_straight and segments is None and input_ids.shape[0] == len(step.seq_lens):
-            hidden, pending = self._decode_layers(hidden, cos, sin, step)
+            hidden, pending = self._decode_layers(hidden, cos, sin, step, interrupt)
         else:
-            hidden, pending = self._layers(hidden, cos, sin, step, segments)
+            hidden, pending = self._layers(hidden, cos, sin, step, segments, interrupt)
         if logits_index is not None:
             hidden, pending = hidden.index_select(0, logits_index), pending.index_select(0, logits_index)
         return self.lm_head(self.norm.add(hidden, pending)[1])
@@ -634,16 +643,23 @@ class TPCausalLM(nn.Module):
         sin: torch.Tensor,
         step: PaddedStep | PagedStep,
         segments: AdapterSegments | None,
+        interrupt: threading.Event | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer over the embedded tokens; (residual stream, last MLP output) as DecoderLayer."""
         pending: torch.Tensor | None = None
         for layer in self.layers:
+            _check(interrupt)
             hidden, pending = layer(hidden, pending, cos, sin, step, segments)
         assert pending is not None, "a model has at least one layer"
         return hidden, pending
 
     def _decode_layers(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: PagedStep
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: PagedStep,
+        interrupt: threading.Event | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_layers` for a paged step of decode rows with no adapter rows, through `DecoderLayer.decode`: the linear
         kernels' bucket found once, and the rows' tables and lengths put once in the attention op's types
@@ -658,6 +674,7 @@ class TPCausalLM(nn.Module):
         blocks = self._blocks(layers, kernel) if self.decodes_in_blocks else None
         pending: torch.Tensor | None = None
         for i, layer in enumerate(layers):
+            _check(interrupt)
             hidden, pending = layer.decode(
                 hidden, pending, cos, sin, step, kernel, None if blocks is None else blocks[i]
             )
