@@ -75,8 +75,13 @@ def test_one_row_is_the_float_product_of_the_dequantized_weight(n: int, k: int, 
 
 @pytest.mark.parametrize(("n", "k", "group"), SHAPES)
 def test_dequantize_gives_the_weight_the_formula_gives(n: int, k: int, group: int) -> None:
+    """In float32, and in bfloat16 as the float32 weight rounds to it."""
     packed, scales_offsets, w = packed_weight(n, k, group)
-    assert torch.equal(torch.ops.textgen.int4_dequantize(packed, scales_offsets, group), w)
+    assert torch.equal(torch.ops.textgen.int4_dequantize(packed, scales_offsets, group, torch.float32), w)
+    got = torch.ops.textgen.int4_dequantize(packed, scales_offsets, group, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, w.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.textgen.int4_dequantize(packed, scales_offsets, group, torch.float16)
 
 
 @pytest.mark.parametrize("rows", [2, 3, 5, 7])
@@ -236,7 +241,7 @@ def test_many_rows_run_as_a_gemm_from_the_measured_row_count(
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     permuted = x[:, kernel.order].contiguous()  # act order: the kernel's input features, its groups consecutive
     # the product of x and the weight as the kernel holds it (its offsets rounded to bf16), rounded once
-    held = torch.ops.textgen.int4_dequantize(kernel.packed, kernel.scales_offsets, kernel.group_size)
+    held = torch.ops.textgen.int4_dequantize(kernel.packed, kernel.scales_offsets, kernel.group_size, torch.float32)
     dtype = torch.bfloat16 if native_bf16 else torch.float32
     assert torch.equal(kernel(x), torch.nn.functional.linear(permuted.to(dtype), held.to(dtype)).to(torch.bfloat16))
     want = x.float() @ weight.dequantize().float().t()  # the checkpoint's weight: offsets not rounded

@@ -16,8 +16,8 @@
 //   on AVX2 (58 on its float path), 8 on AVX-512; elsewhere every sum is in float32 on x read exactly. The bits
 //   are not torch's kernel's (it dequantizes each weight to float first): tests/test_int4_gemv.py checks the op
 //   against the float32 product within those bounds.
-// textgen::int4_dequantize(packed, scales_offsets, group_size) -> float32 [N, K]: the weight as that formula gives
-//   it, for many-row products run as a float32 GEMM (layers/quant_kernels.py).
+// textgen::int4_dequantize(packed, scales_offsets, group_size, dtype) -> [N, K] in float32 or bfloat16 (a transposed
+//   view): the weight as that formula gives it, for many-row products run as a GEMM (layers/quant_kernels.py).
 // textgen::int4_gemv_layout() -> int: the packed layout (below) torch uses in this process, 0, 1 or 2.
 //
 // torch's CPU packed layout (_convert_weight_to_int4pack_for_cpu(q [N, K] int32, inner_k_tiles), aten/src/ATen/
@@ -607,39 +607,79 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return y;
 }
 
-// The whole weight in float32 [N, K]: w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], for products of many
-// rows, which run faster as a float32 GEMM than through torch's int4 kernel on some CPUs (quant_kernels.py).
-at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales_offsets, int64_t group_size) {
-  check_weight("int4_dequantize", packed, scales_offsets, group_size);
-  const int64_t n = packed.size(0), k = packed.size(1) * 2;
-  const int lay = static_cast<int>(layout());
-  at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
-  const auto* w = packed.data_ptr<uint8_t>();
-  const auto* so = reinterpret_cast<const uint32_t*>(scales_offsets.data_ptr<at::BFloat16>());
-  float* op = out.data_ptr<float>();
-  const int64_t bn = block_outputs(lay), blocks = (n + bn - 1) / bn;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * bn, nb = std::min(bn, n - n0);
-      const uint8_t* wb = w + n0 * k / 2;  // a block's rows of nb / 2 bytes, one per k: read down a column
-      for (int64_t j = 0; j < nb; ++j) {
-        float* row = op + (n0 + j) * k;
-        for (int64_t gi = 0; gi < k / group_size; ++gi) {
-          const ScaleOffset so_pair(so[gi * n + n0 + j]);
-          for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk)
-            row[kk] = float(nibble(wb + kk * (nb / 2), nb, j, nb == bn, lay) - 8) * so_pair.scale + so_pair.offset;
+// Blocks [b0, b1) of the weight, dequantized into `out` [K, N] (float32 or bf16; the transpose of the weight):
+// w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n]. The product is exact in float32 (a 4-bit integer times a bf16
+// scale), so each weight is rounded once, to float32 by the sum and to bf16 from there as torch's `.to()` rounds.
+// A block's packed row for one k holds its nb outputs' nibbles, written out as that k's run of nb outputs: no
+// transpose, and every loop a vector loop. 16 k at a time across the blocks, so that the rows written lie side by
+// side: block by block, each k's write fell a whole output row after the last, 4 KiB apart for N = 2,048, and
+// took 3x as long (benchmark/README.md, "int4 prefills").
+template <typename T>
+void dequantize_blocks(const uint8_t* w, const uint32_t* so, int64_t n, int64_t k, int64_t group_size, int lay,
+                       int64_t b0, int64_t b1, T* out) {
+  constexpr int64_t kChunk = 16;  // every group size check_weight allows is a multiple of it
+  const int64_t bn = block_outputs(lay), first = b0 * bn, outputs = std::min(b1 * bn, n) - first;
+  std::vector<float> scale(outputs), offset(outputs);  // the current group's, for the blocks' outputs
+  for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
+    if (k0 % group_size == 0) {
+      const uint32_t* group = so + k0 / group_size * n + first;
+      for (int64_t j = 0; j < outputs; ++j) {
+        const ScaleOffset so_pair(group[j]);
+        scale[j] = so_pair.scale;
+        offset[j] = so_pair.offset;
+      }
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * bn, nb = std::min(bn, n - n0), half = nb / 2;
+      const bool split = nb == bn && lay != PAIRS;  // low nibbles: the first half's outputs; high: the second's
+      const float* sc = scale.data() + (n0 - first);
+      const float* of = offset.data() + (n0 - first);
+      for (int64_t kk = k0; kk < k0 + kChunk; ++kk) {
+        const uint8_t* row = w + n0 * k / 2 + kk * half;  // a block's rows of nb / 2 bytes, one per k
+        T* dst = out + kk * n + n0;
+        if (split) {
+          for (int64_t j = 0; j < half; ++j) store_as(dst + j, float(int(row[j] & 15) - 8) * sc[j] + of[j]);
+          for (int64_t j = 0; j < half; ++j)
+            store_as(dst + half + j, float(int(row[j] >> 4) - 8) * sc[half + j] + of[half + j]);
+        } else {
+          for (int64_t j = 0; j < nb; ++j)
+            store_as(dst + j, float(int((row[j / 2] >> (4 * (j & 1))) & 15) - 8) * sc[j] + of[j]);
         }
       }
     }
+  }
+}
+
+// The whole weight [N, K] in `dtype` (float32 or bfloat16), for products of many rows, which run faster as a GEMM
+// on it than through torch's int4 kernel (quant_kernels.py): bf16 straight from the packed weight where the GEMM
+// runs in bf16, the same bits as the float32 weight rounded to bf16 after. It is the transpose of a contiguous
+// [K, N], which `F.linear` multiplies as it is (oneDNN reads either layout; as fast as [N, K] at 64-512 rows here).
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales_offsets, int64_t group_size,
+                           at::ScalarType dtype) {
+  check_weight("int4_dequantize", packed, scales_offsets, group_size);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int4_dequantize: to float32 or bfloat16");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  const int lay = static_cast<int>(layout());
+  at::Tensor out = at::empty({k, n}, packed.options().dtype(dtype));
+  const auto* w = packed.data_ptr<uint8_t>();
+  const auto* so = reinterpret_cast<const uint32_t*>(scales_offsets.data_ptr<at::BFloat16>());
+  const int64_t blocks = (n + block_outputs(lay) - 1) / block_outputs(lay);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    if (dtype == at::kFloat) {
+      dequantize_blocks(w, so, n, k, group_size, lay, b0, b1, out.data_ptr<float>());
+    } else {
+      auto* bf16 = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+      dequantize_blocks(w, so, n, k, group_size, lay, b0, b1, bf16);
+    }
   });
-  return out;
+  return out.t();
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scales_offsets, int group_size) -> Tensor");
-  m.def("int4_dequantize(Tensor packed, Tensor scales_offsets, int group_size) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, Tensor scales_offsets, int group_size, ScalarType dtype) -> Tensor");
   m.def("int4_gemv_layout() -> int", &layout);
 }
 

@@ -63,7 +63,7 @@ Product = Callable[[torch.Tensor], torch.Tensor]  # rows [M, K] -> their product
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
 # Row counts at which a many-row int4 or int8 product is timed both ways at load (`dequantize_from`).
-DEQUANTIZE_ROWS = (128, 512)
+DEQUANTIZE_ROWS = (32, 64, 128, 512)
 # Row counts at which textgen's one-row int4 op, run row by row, is timed against torch's int4 kernel (`gemv_until`).
 GEMV_ROWS = (8, 64)
 # The rounds of each timing at load (the least counts).
@@ -136,7 +136,8 @@ def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int
     the weight dequantized for the call) than through torch's packed `kernel`, None where none does: measured once
     per CPU, torch, shape and thread count. On a CPU without bf16 arithmetic torch's int4 and int8 kernels ran
     1.5-2x slower than the float32 GEMM from 512 rows on; with AVX512-BF16, 2.2-2.3x slower than the bf16 GEMM at
-    2,048 rows (benchmark/README.md, "Quantized models")."""
+    2,048 rows (benchmark/README.md, "Quantized models"), and on a Zen 4 the int4 weight dequantized to bf16 and
+    multiplied beat torch's int4 kernel from 32-64 rows ("int4 prefills")."""
 
     def measure() -> int | None:
         return next((rows for rows, won in _wins(gemm, kernel, DEQUANTIZE_ROWS, in_features, dtype) if won), None)
@@ -276,9 +277,9 @@ class Int4Kernel(PackedKernel):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_offsets)
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
-        weight = torch.ops.textgen.int4_dequantize(self.packed, self.scales_offsets, self.group_size)
         dtype = gemm_dtype(rows.dtype)
-        return F.linear(rows.to(dtype), weight.to(dtype)).to(rows.dtype)
+        weight = torch.ops.textgen.int4_dequantize(self.packed, self.scales_offsets, self.group_size, dtype)
+        return F.linear(rows.to(dtype), weight).to(rows.dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.order is not None:
