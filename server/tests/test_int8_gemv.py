@@ -139,6 +139,20 @@ def test_many_rows_run_as_a_gemm_from_the_measured_row_count(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_gives_torch_s_bits(dtype: torch.dtype) -> None:
+    """The weight for a many-row GEMM in one pass: `(weight.float() * scales.float()[:, None]).to(dtype)`'s bits."""
+    g = torch.Generator().manual_seed(6)
+    ints = torch.randint(-128, 128, (40, 100), generator=g, dtype=torch.int8)
+    scales = (torch.rand(40, generator=g) * 1e-2).to(torch.bfloat16)
+    got = torch.ops.textgen.int8_dequantize(ints, scales, dtype)
+    assert got.dtype == dtype and torch.equal(got, (ints.float() * scales.float()[:, None]).to(dtype))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.textgen.int8_dequantize(ints, scales, torch.float16)
+    with pytest.raises(RuntimeError, match="bf16 scales"):
+        torch.ops.textgen.int8_dequantize(ints, scales.float(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rescale_gives_torch_s_bits(dtype: torch.dtype) -> None:
     """W8A8's integer sums back to floats in one pass: `(sums.float() * row_scale * col_scale).to(dtype)`'s bits,
     sums past 2^24 (rounded to float32 first) and a row whose scale is NaN (a NaN in x) included."""

@@ -613,7 +613,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // A block's packed row for one k holds its nb outputs' nibbles, written out as that k's run of nb outputs: no
 // transpose, and every loop a vector loop. 16 k at a time across the blocks, so that the rows written lie side by
 // side: block by block, each k's write fell a whole output row after the last, 4 KiB apart for N = 2,048, and
-// took 3x as long (benchmark/README.md, "int4 prefills").
+// took 3x as long (benchmark/README.md, "int4 and int8 prefills").
 template <typename T>
 void dequantize_blocks(const uint8_t* w, const uint32_t* so, int64_t n, int64_t k, int64_t group_size, int lay,
                        int64_t b0, int64_t b1, T* out) {

@@ -14,6 +14,8 @@
 //   (below); empty tensors where a row holds an infinity or a NaN.
 // textgen::int8_rescale(sums int32 [M, N], row_scale float32 [M, 1], col_scale float32 [N], dtype) -> [M, N]: W8A8's
 //   integer sums back to floats, `(sums.float() * row_scale * col_scale).to(dtype)`'s bits in one pass (below).
+// textgen::int8_dequantize(weight int8 [N, K], scales bf16 [N], dtype) -> [N, K]: the weight-only int8 weight for a
+//   many-row GEMM, `(weight.float() * scales.float()[:, None]).to(dtype)`'s bits in one pass (below).
 //
 // Vector path: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs), four outputs at a time, each reading its
 // own contiguous row of the weight, a quarter of the thread's outputs apart; elsewhere a scalar loop sums the same
@@ -216,16 +218,48 @@ at::Tensor int8_rescale(const at::Tensor& sums, const at::Tensor& row_scale, con
   return y;
 }
 
+// The whole weight in `dtype` (float32 or bfloat16) for products of many rows run as a GEMM (quant_kernels.py,
+// Int8Kernel): w[n, k] = float(q[n, k]) * scale[n], exact in float32 (an 8-bit integer times a bf16 scale), then
+// rounded to `dtype` as torch's `.to()` rounds: `(weight.float() * scales.float()[:, None]).to(dtype)`'s bits in one
+// pass over the weight where that expression takes three and an intermediate float32 copy.
+at::Tensor int8_dequantize(const at::Tensor& weight, const at::Tensor& scales, at::ScalarType dtype) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_dequantize: a contiguous int8 [N, K] weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == n,
+              "int8_dequantize: contiguous bf16 scales [N]");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "int8_dequantize: to float32 or bfloat16");
+  at::Tensor out = at::empty({n, k}, weight.options().dtype(dtype));
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  float* of = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  auto* ob = dtype == at::kFloat ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int8_t* row = wp + r * k;
+      const float scale = bf16_to_float(sp[r]);
+      if (of != nullptr) {
+        for (int64_t j = 0; j < k; ++j) of[r * k + j] = float(row[j]) * scale;
+      } else {
+        for (int64_t j = 0; j < k; ++j) ob[r * k + j] = to_bf16(float(row[j]) * scale);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("int8_rescale(Tensor sums, Tensor row_scale, Tensor col_scale, ScalarType dtype) -> Tensor");
   m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("int8_dequantize(Tensor weight, Tensor scales, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
   m.impl("int8_rescale", &int8_rescale);
   m.impl("int8_quantize_rows", &int8_quantize_rows);
+  m.impl("int8_dequantize", &int8_dequantize);
 }

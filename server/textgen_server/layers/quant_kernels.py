@@ -137,7 +137,7 @@ def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int
     per CPU, torch, shape and thread count. On a CPU without bf16 arithmetic torch's int4 and int8 kernels ran
     1.5-2x slower than the float32 GEMM from 512 rows on; with AVX512-BF16, 2.2-2.3x slower than the bf16 GEMM at
     2,048 rows (benchmark/README.md, "Quantized models"), and on a Zen 4 the int4 weight dequantized to bf16 and
-    multiplied beat torch's int4 kernel from 32-64 rows ("int4 prefills")."""
+    multiplied beat torch's int4 kernel from 32-64 rows ("int4 and int8 prefills")."""
 
     def measure() -> int | None:
         return next((rows for rows, won in _wins(gemm, kernel, DEQUANTIZE_ROWS, in_features, dtype) if won), None)
@@ -342,7 +342,8 @@ class Int8Kernel(Int8Weights):
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
         dtype = gemm_dtype(rows.dtype)
-        return F.linear(rows.to(dtype), (self.ints.float() * self.scales.float()[:, None]).to(dtype)).to(rows.dtype)
+        weight = torch.ops.textgen.int8_dequantize(self.ints, self.scales, dtype)  # only measured with the ops on
+        return F.linear(rows.to(dtype), weight).to(rows.dtype)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
