@@ -112,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # collector never walks them again, so no step pays for a full collection over them (benchmark/README.md).
     gc.freeze()
     fatal = asyncio.run(serve(model, config, worker))
+    worker.stop()  # its last call ends before the interpreter does: no kernel left running on a daemon thread
     return 1 if fatal else 0
 
 

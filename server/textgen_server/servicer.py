@@ -241,4 +241,6 @@ async def serve(model: Model, config: ServeConfig, worker: ModelThread) -> bool:
         # A short grace lets the RPC that triggered a fatal shutdown deliver its error first.
         await server.stop(grace=1.0)
         socket_path.unlink(missing_ok=True)
+        if ahead is not None:
+            ahead.interrupt_unless(None)  # so that the model thread, stopped next (cli.py), is not left mid-forward
     return fatal
