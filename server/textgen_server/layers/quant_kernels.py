@@ -64,8 +64,8 @@ Product = Callable[[torch.Tensor], torch.Tensor]  # rows [M, K] -> their product
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest first
 # Row counts at which a many-row int4 or int8 product is timed both ways at load (`dequantize_from`).
 DEQUANTIZE_ROWS = (32, 64, 128, 512)
-# Row counts at which textgen's one-row int4 op, run row by row, is timed against torch's int4 kernel (`gemv_until`).
-GEMV_ROWS = (8, 64)
+# Row counts at which textgen's int4 op is timed against the path the kernel takes without it (`gemv_until`).
+GEMV_ROWS = (8, 64, 256, 512)
 # The rounds of each timing at load (the least counts).
 TIMING_ROUNDS = 3
 # The int4 kernel's K tiling, as torch's int4 weight-only quantization (torchao) packs for CPUs.
@@ -156,9 +156,11 @@ def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int
 
 def gemv_until(label: str, gemv: Product, kernel: Product, in_features: int, dtype: torch.dtype) -> int:
     """The most rows (1, or one of GEMV_ROWS) up to which `gemv` (textgen's op: row by row, each row streaming the
-    whole weight, or four rows a read on AVX2 and on AVX-512 with VNNI) ran faster than torch's packed `kernel` at
-    every measured count: measured once per CPU, torch, shape and thread count. On the 2-core Zen 3 the int4 op, row
-    by row, took 0.5-0.7x torch's int4 kernel's time from 2 to 64 rows (benchmark/README.md, "Quantized models")."""
+    whole weight, or four rows a read on AVX2 and on AVX-512 with VNNI) ran faster than `kernel` (what runs without
+    it: torch's packed kernel, or the GEMM on the weight dequantized for the call) at every measured count: measured
+    once per CPU, torch, shape and thread count. On the 2-core Zen 3 the int4 op, row by row, took 0.5-0.7x torch's
+    int4 kernel's time from 2 to 64 rows (benchmark/README.md, "Quantized models"); on a Zen 4 with VNNI, 0.7-0.9x
+    the dequantized GEMM's at 128-512 rows on the `1b` model's shapes ("int4 and int8 prefills")."""
 
     def measure() -> int:
         until = 1
@@ -262,7 +264,7 @@ class Int4Kernel(PackedKernel):
         self.dequantize_from = (
             dequantize_from(label, self._int4, self._gemm, k, weight.scales.dtype) if self.gemv else None
         )
-        self.gemv_until = gemv_until(label, self._op, self._int4, k, weight.scales.dtype) if self.gemv else 0
+        self.gemv_until = gemv_until(label, self._op, self._without_op, k, weight.scales.dtype) if self.gemv else 0
 
     def direct(self, bucket_index: int) -> Direct | None:
         most = bucket_max_rows(bucket_index)
@@ -287,6 +289,10 @@ class Int4Kernel(PackedKernel):
         rows = rows.contiguous()
         if rows.shape[0] <= self.gemv_until:
             return self._op(rows)
+        return self._without_op(rows)
+
+    def _without_op(self, rows: torch.Tensor) -> torch.Tensor:
+        """Past `gemv_until`: the GEMM on the dequantized weight from `dequantize_from` rows, else torch's kernel."""
         if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
             return self._gemm(rows)
         return self._int4(rows)
