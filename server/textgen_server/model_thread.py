@@ -1,5 +1,5 @@
-"""The shard's model thread: every call into the model (load, warmup, steps, the batch cache) runs on one thread
-of its own, in the order it was submitted, while the gRPC event loop runs on the main thread.
+"""The shard's model thread: every call that runs the model (load, warmup, steps, health) or touches the batch cache
+runs on one thread of its own, in the order it was submitted, while the gRPC event loop runs on the main thread.
 
 Why a thread of its own: while a step ran on the event loop's thread, the loop could neither send the last reply
 nor read the next request, so the gRPC round trip added to every step, and a step computed ahead

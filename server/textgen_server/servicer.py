@@ -32,8 +32,9 @@ T = TypeVar("T")
 class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     """Every RPC of generate.v3. Errors are raised, and mapped to gRPC codes by interceptor.ErrorMapping.
 
-    An RPC that reads the model or the batch cache runs as one call on the model thread (model_thread.py), so
-    calls never overlap and the event loop stays free to send replies and read requests meanwhile. With `ahead`,
+    An RPC that runs the model or touches the batch cache runs as one call on the model thread (model_thread.py),
+    so calls never overlap and the event loop stays free to send replies and read requests meanwhile (Info and
+    ServiceDiscovery answer from fixed fields on the loop). With `ahead`,
     a step that leaves a batch every row of which decodes one more token queues that batch's next forward right
     behind itself (decode_ahead.py).
     """
