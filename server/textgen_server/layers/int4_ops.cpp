@@ -361,6 +361,10 @@ void block_vnni(const RowInts* const* x, const uint8_t* w, const uint32_t* so, i
   alignas(64) float sums[R][64], total[R][64] = {};
   for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
     for (int r = 0; r < R; ++r) std::fill_n(sums[r], 64, 0.f);
+    // The group's scales, read after its weights: 256 bytes N pairs after the last group's, where no prefetcher
+    // looks; asked for now, they arrive while the group's weights are summed.
+    const char* scales = reinterpret_cast<const char*>(so + gi * n_total + n0);
+    for (int line = 0; line < 4; ++line) _mm_prefetch(scales + 64 * line, _MM_HINT_T0);
     for (int64_t c0 = k0; c0 < k0 + g; c0 += X_BLOCK) {
       __m512i acc[R][4];  // outputs 0..15, 16..31, 32..47, 48..63 of each row
       for (int r = 0; r < R; ++r)
