@@ -22,7 +22,7 @@ from textgen_pb import generate_pb2 as pb
 from textgen_server.builder import CYCLE_PERIOD as PERIOD
 from textgen_server.cache import Cache
 from textgen_server.decode_ahead import DecodeAhead
-from textgen_server.model_thread import ModelThread
+from textgen_server.model_thread import model_thread
 from textgen_server.models.model import Interrupted
 from textgen_server.models.paged_batch import PagedBatch
 from textgen_server.models.paged_lm import PagedCausalLM
@@ -177,7 +177,7 @@ def test_no_forward_ahead_while_a_row_prefills_or_guesses(cycling_llama: Path, m
 
 
 def test_the_model_thread_runs_calls_in_order_on_one_thread() -> None:
-    worker = ModelThread()
+    worker = model_thread()
     seen: list[tuple[int, int]] = []
 
     def call(i: int) -> Callable[[], int]:
@@ -193,12 +193,12 @@ def test_the_model_thread_runs_calls_in_order_on_one_thread() -> None:
     assert futures[0].result() == 0 and futures[3].result() == 30
     with pytest.raises(ValueError, match="two"):
         futures[2].result()
-    assert worker.call(lambda: threading.current_thread().name) == "textgen-model"
+    assert worker.submit(lambda: threading.current_thread().name).result().startswith("textgen-model")
     assert [i for i, _ in seen] == [0, 1, 2, 3]
     assert len({thread for _, thread in seen}) == 1 and seen[0][1] != threading.get_ident()
 
     async def awaited() -> int:
-        return await worker.run(call(5))
+        return await asyncio.wrap_future(worker.submit(call(5)))
 
     assert asyncio.run(awaited()) == 50
     gate = threading.Event()
@@ -206,7 +206,7 @@ def test_the_model_thread_runs_calls_in_order_on_one_thread() -> None:
     skipped = worker.submit(call(6))
     assert skipped.cancel()  # cancelled before it started: never run
     gate.set()
-    worker.stop()
+    worker.shutdown()
     assert [i for i, _ in seen] == [0, 1, 2, 3, 5]
 
 
@@ -227,12 +227,14 @@ def test_the_servicer_decodes_ahead_only_what_the_next_decode_asks_for(
 
     monkeypatch.setattr(model, "generate_token", recorded_step)
     monkeypatch.setattr(model, "decode_logits", recorded_forward)
-    worker = ModelThread()
+    worker = model_thread()
     service = TextGenerationService(model, Cache(), [], worker, DecodeAhead(model))
 
     async def scenario() -> None:
         async def settled() -> None:
-            await worker.run(lambda: None)  # every call queued so far, the forward ahead included, has run
+            await asyncio.wrap_future(
+                worker.submit(lambda: None)
+            )  # every call queued so far, the forward ahead included, has run
 
         first = make_batch(1, [make_request(0, "def foo(x):", 8), make_request(1, "class", 8)])
         cached = (await service.Prefill(pb.PrefillRequest(batch=first), None)).batch
@@ -253,7 +255,7 @@ def test_the_servicer_decodes_ahead_only_what_the_next_decode_asks_for(
     try:
         asyncio.run(scenario())
     finally:
-        worker.stop()
+        worker.shutdown()
     assert calls == [
         ("step", 1, False),  # Prefill
         ("ahead", 1, True),

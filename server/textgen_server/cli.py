@@ -89,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from textgen_server.hub import ModelNotFoundError
     from textgen_server.interceptor import setup_tracing
     from textgen_server.loader import get_model
-    from textgen_server.model_thread import ModelThread
+    from textgen_server.model_thread import model_thread
     from textgen_server.servicer import serve
     from textgen_server.utils.memory import keep_freed_memory
 
@@ -99,9 +99,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if config.otlp_endpoint:
         setup_tracing(config.otlp_endpoint, config.otlp_service_name)
     # Loaded on the thread that will run it: model_thread.py says why the main thread runs no torch kernel.
-    worker = ModelThread()
+    worker = model_thread()
     try:
-        model = worker.call(lambda: get_model(config))
+        model = worker.submit(get_model, config).result()
     except (UnsupportedConfigError, ModelNotFoundError) as error:
         logger.error("%s", error)
         return 1
@@ -112,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # collector never walks them again, so no step pays for a full collection over them (benchmark/README.md).
     gc.freeze()
     fatal = asyncio.run(serve(model, config, worker))
-    worker.stop()  # its last call ends before the interpreter does: no kernel left running on a daemon thread
+    worker.shutdown()  # its last call ends before the interpreter does: no kernel left running at exit
     return 1 if fatal else 0
 
 

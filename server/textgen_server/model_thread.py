@@ -12,51 +12,10 @@ too, and the main thread runs no torch kernel.
 
 from __future__ import annotations
 
-import asyncio
-import queue
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from concurrent.futures import ThreadPoolExecutor
 
 
-class ModelThread:
-    """Runs submitted calls one at a time on a daemon thread; a call's exception is raised to its caller."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="textgen-model", daemon=True)
-        self._thread.start()
-
-    def submit(self, call: Callable[[], T]) -> Future[T]:
-        """Queue `call` after every call submitted before it."""
-        future: Future[T] = Future()
-        self._jobs.put((call, future))
-        return future
-
-    def call(self, call: Callable[[], T]) -> T:
-        """Run `call` and wait for it (from a thread that is not the event loop's: the CLI's load)."""
-        return self.submit(call).result()
-
-    async def run(self, call: Callable[[], T]) -> T:
-        """Run `call` and await it (from the event loop). A call cancelled before it starts is skipped."""
-        return await asyncio.wrap_future(self.submit(call))
-
-    def stop(self) -> None:
-        """Finish the calls queued so far, then end the thread."""
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            call, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = call()
-            except BaseException as error:  # the caller's to handle, whatever it is: this thread goes on
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+def model_thread() -> ThreadPoolExecutor:
+    """The executor every such call goes through: one thread, calls in the order submitted, a call's exception
+    raised to its caller; `shutdown()` lets the calls queued so far finish."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="textgen-model")

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,7 +21,6 @@ from textgen_server.cache import BatchNotFoundError, Cache
 from textgen_server.config import ServeConfig
 from textgen_server.decode_ahead import DecodeAhead
 from textgen_server.interceptor import ErrorMapping, Tracing, Wrapper, wrap_rpcs
-from textgen_server.model_thread import ModelThread
 from textgen_server.models.model import Batch, InvalidRequestError, KVCacheFullError, Model
 
 logger = logging.getLogger("textgen_server.servicer")
@@ -40,7 +40,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     """
 
     def __init__(
-        self, model: Model, cache: Cache, server_urls: list[str], worker: ModelThread, ahead: DecodeAhead | None
+        self, model: Model, cache: Cache, server_urls: list[str], worker: ThreadPoolExecutor, ahead: DecodeAhead | None
     ) -> None:
         self.model = model
         self.cache = cache
@@ -53,7 +53,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         alone (`decode_of`)."""
         if self.ahead is not None:
             self.ahead.interrupt_unless(decode_of)
-        return await self.worker.run(call)
+        return await asyncio.wrap_future(self.worker.submit(call))
 
     def _drop_ahead(self) -> None:
         if self.ahead is not None:
@@ -64,7 +64,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def Health(self, request: generate_pb2.HealthRequest, context: object) -> generate_pb2.HealthResponse:
         # On the model thread, behind any step: a device that fails there fails here too.
-        await self.worker.run(self.model.health)
+        await asyncio.wrap_future(self.worker.submit(self.model.health))
         return generate_pb2.HealthResponse()
 
     async def ServiceDiscovery(
@@ -202,7 +202,7 @@ def shard_urls(uds_path: str, sharded: bool) -> tuple[str, list[str]]:
     return urls[rank], urls
 
 
-async def serve(model: Model, config: ServeConfig, worker: ModelThread) -> bool:
+async def serve(model: Model, config: ServeConfig, worker: ThreadPoolExecutor) -> bool:
     """Serve on `config.uds_path` until SIGTERM/SIGINT or a fatal RuntimeError in an RPC, then remove the
     socket file. RPCs are traced when `config.otlp_endpoint` is set. `worker`: the thread the model was loaded on,
     which runs every call into it.

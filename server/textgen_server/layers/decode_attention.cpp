@@ -379,13 +379,14 @@ inline float dot_pairs(const float* q, const uint16_t* key, int64_t dim) {
   return fold_add(a);
 }
 
-// The dots of one query, as bf16 pairs (`qp`: dim / 32 vectors of pairs_of), with the keys of 16 slots, each summed
-// as dot_pairs sums it (fold16 folds as fold_add does). Returns them in slot order.
-inline __m512 dot16_pairs(const __m512bh* qp, const uint16_t* const* keys, int64_t dim) {
+// The dots of one query (`dim` floats, a multiple of 32) with the keys of 16 slots, each summed as dot_pairs sums
+// it (the query's pairs made once a step for the 16 slots; fold16 folds as fold_add does). Returns them in slot order.
+inline __m512 dot16_pairs(const float* q, const uint16_t* const* keys, int64_t dim) {
   __m512 a[16];
   for (int s = 0; s < 16; ++s) a[s] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 32) {
-    for (int s = 0; s < 16; ++s) a[s] = _mm512_dpbf16_ps(a[s], qp[d / 32], (__m512bh)_mm512_loadu_si512(keys[s] + d));
+    const __m512bh qp = pairs_of(q + d);
+    for (int s = 0; s < 16; ++s) a[s] = _mm512_dpbf16_ps(a[s], qp, (__m512bh)_mm512_loadu_si512(keys[s] + d));
   }
   return fold16(a);
 }
@@ -493,16 +494,10 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   // slots: one fold for 16 dots instead of a horizontal reduction each, which bounded the pair products over long
   // contexts (benchmark/README.md, "Decode attention's pair products 16 slots at a time").
   if (dim % 16 == 0) {  // pair products take heads of a multiple of 32
-#if defined(__AVX512BF16__)
-    std::vector<__m512bh> query_pairs;  // the queries as bf16 pairs, dim / 32 vectors a head
-    if (pairs) {
-      for (int64_t d = 0; d < heads * dim; d += 32) query_pairs.push_back(pairs_of(queries.data() + d));
-    }
-#endif
     auto dots = [&](int64_t i, const T* const* keys) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, uint16_t>) {
-        if (pairs) return dot16_pairs(query_pairs.data() + i * (dim / 32), keys, dim);
+        if (pairs) return dot16_pairs(queries.data() + i * dim, keys, dim);
       }
 #endif
       return dot16(queries.data() + i * dim, keys, dim);

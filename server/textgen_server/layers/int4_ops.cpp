@@ -647,7 +647,7 @@ void dequantize_blocks(const uint8_t* w, const uint32_t* so, int64_t n, int64_t 
             store_as(dst + half + j, float(int(row[j] >> 4) - 8) * sc[half + j] + of[half + j]);
         } else {
           for (int64_t j = 0; j < nb; ++j)
-            store_as(dst + j, float(int((row[j / 2] >> (4 * (j & 1))) & 15) - 8) * sc[j] + of[j]);
+            store_as(dst + j, float(nibble(row, nb, j, nb == bn, lay) - 8) * sc[j] + of[j]);
         }
       }
     }

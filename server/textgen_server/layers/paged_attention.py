@@ -182,10 +182,10 @@ def _row(
     gather_op: bool,
 ) -> torch.Tensor:
     """One row's n queries [n, H, D] over its keys at `slots` (the row's positions in order): read in the pool
-    where the ops can, else gathered from it head by head (by `textgen::gather_kv` where `gather_op`, paged_attention's
-    `kernel`; [Hkv, L, D] contiguous, the layout transformers' eager
-    attention multiplies: torch's matmul then copies neither operand, where the keys gathered in the pool's
-    [L, Hkv, D] order cost it a transposing copy of both; benchmark/README.md, "W2 on AVX-512")."""
+    where the ops can, else gathered from it head by head (by `textgen::gather_kv` where `gather_op`,
+    paged_attention's `kernel`) into [Hkv, L, D] contiguous, the layout transformers' eager attention multiplies:
+    torch's matmul then copies neither operand, where the keys gathered in the pool's [L, Hkv, D] order cost it a
+    transposing copy of both (benchmark/README.md, "W2 on AVX-512")."""
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     if reads_pool(q.dtype, q.device):
         return pool_causal_attention(
