@@ -70,6 +70,12 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
+// Every cache line of `bytes` bytes from p, into all cache levels.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+}
+
 inline float to_float(uint16_t x) { return bf16_to_float(x); }
 inline float to_float(float x) { return x; }
 

@@ -39,6 +39,7 @@ SOURCES = tuple(
         "int4_ops.cpp",
         "int8_ops.cpp",
         "attention_products.cpp",
+        "prefill_attention.cpp",
         "decode_blocks.cpp",
     )
 )

@@ -316,12 +316,6 @@ inline void accumulate(const float* p, const T* base, const int64_t* offsets, in
   }
 }
 
-// Every cache line of `bytes` bytes from p.
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
-}
-
 #if defined(__AVX512F__)
 // a[s]'s 16 lanes each summed as `fold_add` sums them (lanes 8 apart, then 4, 2, 1), so the same floats, but the
 // 16 trees folded into one another: a shuffle-and-add per pair of vectors instead of a horizontal reduction per

@@ -9,8 +9,11 @@ else. Rows of several query tokens (prefills, prefill chunks) and every row wher
 dtype is another (float16) take the torch path: keys gathered from the pool, then the shard's attention kernel
 (`attention_for`: SDPA in float32, `matmul_attention` in half precision) under an explicit bottom-right causal
 mask (`causal_attention`; in bfloat16 with the op built, the masked softmax is `textgen::causal_softmax_bf16`).
-In bfloat16 on a CPU whose products the ops of attention_products.cpp give in torch's order (`reads_pool`), a
-row of several queries reads its keys and values in the pool where they lie, with the same bits and no gather.
+In bfloat16 on a CPU with AVX512-BF16, every row of several queries goes to `textgen::paged_prefill_attention`
+(prefill_attention.cpp; `prefill_op`) in one call per layer, which reads keys and values in the pool where they
+lie and rounds where the torch path rounds (float32 sums in another order, as the decode op's). In bfloat16 on a
+CPU whose products the ops of attention_products.cpp give in torch's order (`reads_pool`: AVX2), a row of several
+queries reads its keys and values in the pool where they lie, with the same bits and no gather.
 Both paths round where transformers' eager attention rounds in bfloat16 (see attention_kernels.py), so the
 decode op differs from the torch path only where float32 sums taken in another order round to another bfloat16.
 On a GPU every decode row takes `decode_rows`, torch ops that read nothing on the host when their metadata is
@@ -19,6 +22,7 @@ on the GPU, so a decode step can be captured in a CUDA graph (models/cuda_graphs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -79,9 +83,9 @@ def paged_attention(
     - window: sliding window, a query at position p sees keys (p - window, p]; None: all keys up to p;
     - key_slots: per row of several queries, the pool slots (int64, on the pool's device) of its seq_lens[b]
       positions, computed once per step for every layer (`row_key_slots`); None: from the table, per call;
-    - kernel: whether decode rows go to the C++ op and rows of several queries gather their keys with the ops
-      (`textgen::gather_kv`), as `use_paged_kernel(q.dtype, q.device)` says (a model decides once at load what every
-      layer's call would otherwise look up again); None: looked up here.
+    - kernel: whether decode rows go to the C++ op and rows of several queries to theirs (`prefill_op`) or
+      gather their keys with the ops (`textgen::gather_kv`), as `use_paged_kernel(q.dtype, q.device)` says (a
+      model decides once at load what every layer's call would otherwise look up again); None: looked up here.
 
     Bottom-right aligned: query i of a row of n queries sits at position seq_lens[b] - n + i. When every row has
     one query (T == B) the metadata is never read on the host; lists avoid a tensor-to-list copy otherwise.
@@ -112,6 +116,19 @@ def paged_attention(
             )
         else:
             out[tokens] = decode_rows(q[tokens], k_cache, v_cache, tables, lengths, scale, window)
+    if kernel and prefill_op(q, k_cache):
+        torch.ops.textgen.paged_prefill_attention(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables.contiguous(),
+            torch.tensor(lens),
+            torch.tensor(cu),
+            scale,
+            window or 0,
+        )
+        return out
     for b in range(batch):
         if cu[b + 1] - cu[b] > 1:
             slots = key_slots[b] if key_slots is not None else None
@@ -119,6 +136,19 @@ def paged_attention(
                 slots = row_key_slots(block_tables[b : b + 1], [lens[b]], k_cache.shape[1], k_cache.device)[0]
             out[cu[b] : cu[b + 1]] = _row(q[cu[b] : cu[b + 1]], k_cache, v_cache, slots, scale, window, kernel)
     return out
+
+
+def prefill_op(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether rows of several queries go to `textgen::paged_prefill_attention` (prefill_attention.cpp), all in one
+    call: bfloat16, a head size that is a multiple of 32, at most 64 query heads a KV head, and a build with
+    AVX512-BF16. The caller has checked that the ops are in use (`kernel`)."""
+    dim, kv_heads = q.shape[2], k_cache.shape[2]
+    return q.dtype == torch.bfloat16 and dim % 32 == 0 and q.shape[1] // kv_heads <= 64 and _prefill_op_built()
+
+
+@functools.cache
+def _prefill_op_built() -> bool:
+    return bool(torch.ops.textgen.paged_prefill_attention_built())
 
 
 def decode_rows(

@@ -1,0 +1,390 @@
+// Prefill attention through the paged KV pool on a CPU with AVX512-BF16: every row of several query tokens in a
+// step (prefills, prefill chunks, prefix-cache hits) in one call per layer, reading the keys and
+// values where they lie in the pool. The torch path it replaces there (paged_attention.py, `_row`) gathers each
+// row's keys and runs about ten small ops per row, whose copies and OpenMP waits took as long as the products
+// (benchmark/README.md, "W2 on AVX-512").
+//
+// textgen::paged_prefill_attention(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, window)
+//   writes out[cu[b]:cu[b + 1]] for every row b of at least two queries and leaves the other rows' tokens as they
+//   are (decode rows are paged_decode_attention's). Shapes as paged_decode_attention's (decode_attention.cpp): q /
+//   out [T, H, D] bfloat16 (q: any token and head strides; out contiguous), k_cache / v_cache [N, S, Hkv, D],
+//   block_tables int32 [B, M], seq_lens int64 [B], cu_seqlens_q int64 [B + 1]. Query i of row b's n queries sits at
+//   position seq_lens[b] - n + i and sees the positions up to it (window > 0: the last `window` of them).
+// textgen::paged_prefill_attention_built() -> bool: whether this build has the op's products (AVX512-BF16); where
+//   it does not, the op refuses every call.
+//
+// bfloat16 rounds where transformers' eager attention rounds: the scaled query (`q * scale`) and the scores are
+// rounded to bf16, the softmax takes torch's max, sum order and e * (1 / sum) over those scores with the decode op's
+// exp (`exp_nonpositive`, within about a float32 ulp of torch's vector exp, which made the softmax 1.7x slower
+// here), the probabilities are rounded to bf16 and the values' weighted sum is rounded once. The two products are
+// float32 sums of exact bf16 pair products (vdpbf16ps) in another order than oneDNN's, as the decode op's are.
+//
+// A task is one row's KV head and a block of its queries: up to 64 query rows (its queries times the query heads
+// of the group), 16 to a vector lane group. Scores are computed key by key for all of them at once, a key's pairs
+// broadcast against the queries' pairs laid out lane by lane (no transposition of the keys), into a key-major
+// buffer, so that the softmax runs down the keys vertically, 16 queries at a time. The values are interleaved two
+// keys at a time once per task, and each block of query rows sums them by pair products with its accumulators in
+// registers.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+using namespace textgen_cpu;
+
+bool built() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Query rows of a task at most: four lane groups of 16.
+constexpr int64_t MAX_ROWS = 64;
+// Keys ahead whose lines are asked for: the pool's slots scatter them, where the hardware prefetcher cannot follow.
+constexpr int64_t AHEAD = 16;
+
+#if defined(__AVX512BF16__)
+
+// One task: row b's KV head `head` and its queries [s0, s1).
+struct Task {
+  int64_t b, head, s0, s1;
+};
+
+// A thread's scratch, reused from task to task.
+struct Scratch {
+  std::vector<int64_t> offsets;   // each key's element offset in the pool (its slot and the task's KV head)
+  std::vector<__m512i> queries;   // [pairs][groups]: lane r of group g holds query row 16g + r's pair i
+  std::vector<float> scores;      // [keys][rows]: key-major, rows padded to whole groups; then the weights
+  std::vector<__m512i> values;    // [keys / 2][dim / 16]: keys 2j, 2j + 1 interleaved column by column
+  std::vector<uint32_t> zeros;    // a key of zeros, for the keys past a tile's last
+};
+
+// acc[k][g] = the pair-product dots of the KT keys `key` with the query rows of NG lane groups (`queries`, [pairs]
+// [NG]); KT * NG <= 16 accumulators stay in registers.
+template <int NG, int KT>
+inline void score_tile(const __m512i* queries, const uint32_t* const* key, int64_t pairs, __m512* acc) {
+  for (int a = 0; a < NG * KT; ++a) acc[a] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512bh q[NG];
+    for (int g = 0; g < NG; ++g) q[g] = (__m512bh)_mm512_loadu_si512(queries + i * NG + g);
+    for (int k = 0; k < KT; ++k) {
+      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(key[k][i]));
+      for (int g = 0; g < NG; ++g) acc[k * NG + g] = _mm512_dpbf16_ps(acc[k * NG + g], kv, q[g]);
+    }
+  }
+}
+
+// The task's scores: scores[t][r] = bf16(q_r . k_t) where query row r sees key t (lo[r] <= first + t <= hi[r]),
+// else -inf; top[g] = each row's largest. `seen_by_all[g]`: the keys [seen_by_all[2g], seen_by_all[2g + 1]] every
+// row of group g sees, stored without a mask.
+template <int NG>
+void task_scores(const uint16_t* K, const int64_t* offsets, int64_t keys, int64_t first, int64_t pairs,
+                 const __m512i* queries, const __m512i* lo, const __m512i* hi, const int64_t* seen_by_all,
+                 const uint32_t* zeros, float* scores, __m512* top) {
+  constexpr int KT = 16 / NG;
+  constexpr int64_t width = NG * 16;
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  for (int g = 0; g < NG; ++g) top[g] = none;
+  __m512 acc[NG * KT];
+  const uint32_t* key[KT];
+  for (int64_t t = 0; t < keys; t += KT) {
+    const int n = static_cast<int>(std::min<int64_t>(KT, keys - t));
+    for (int64_t u = t + AHEAD; u < std::min(t + KT + AHEAD, keys); ++u) prefetch_lines(K + offsets[u], pairs * 4);
+    for (int k = 0; k < KT; ++k) key[k] = k < n ? reinterpret_cast<const uint32_t*>(K + offsets[t + k]) : zeros;
+    score_tile<NG, KT>(queries, key, pairs, acc);
+    for (int g = 0; g < NG; ++g) {
+      const bool whole = first + t >= seen_by_all[2 * g] && first + t + n - 1 <= seen_by_all[2 * g + 1];
+      for (int k = 0; k < n; ++k) {
+        __m512 x = round_bf16(acc[k * NG + g]);
+        if (!whole) {
+          const __m512i position = _mm512_set1_epi32(static_cast<int>(first + t + k));
+          const __mmask16 seen = _mm512_cmple_epi32_mask(lo[g], position) & _mm512_cmple_epi32_mask(position, hi[g]);
+          x = _mm512_mask_blend_ps(seen, none, x);
+        }
+        top[g] = _mm512_max_ps(top[g], x);
+        _mm512_storeu_ps(scores + (t + k) * width + g * 16, x);
+      }
+    }
+  }
+}
+
+// The softmax of every query row over the task's keys (positions first, first + 1, ...), down the key-major scores,
+// 16 rows at a time, as torch's softmax of the row's `total` columns: exp(x - max), the sum as torch's (16 lane
+// sums of the columns t = lane mod 16 in column order, masked columns adding exact zeros, folded 8-4-2-1 as
+// fold_add folds; serially when total < 16; here each residue's sums are one vector), and the probabilities
+// e * (1 / sum) rounded to bf16. They overwrite the scores as pairs of consecutive keys: weights[j][r] (uint32,
+// `width` a key pair) holds row r's probabilities of keys 2j and 2j + 1.
+void task_softmax(float* scores, int64_t keys, int64_t width, int64_t first, int64_t total, const __m512* top) {
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  // vpermw: bf16 lanes (a0 .. a15, b0 .. b15) of cvtne2ps(b, a) to the pairs (a0, b0), (a1, b1), ...
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  auto* weights = reinterpret_cast<uint32_t*>(scores);
+  for (int64_t g = 0; g < width; g += 16) {
+    const __m512 shift = top[g / 16];
+    __m512 sums[16];
+    for (auto& x : sums) x = _mm512_setzero_ps();
+    auto exp_at = [&](int64_t t) {
+      float* at = scores + t * width + g;
+      const __m512 x = _mm512_loadu_ps(at);
+      const __mmask16 seen = _mm512_cmp_ps_mask(x, none, _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(x, shift)));
+      _mm512_storeu_ps(at, e);
+      return e;
+    };
+    __m512 sum;
+    if (total < 16) {
+      sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < keys; ++t) sum = _mm512_add_ps(sum, exp_at(t));
+    } else {
+      // Positions in runs of 16 aligned on 16, so that each residue's sum is a register of its own.
+      for (int64_t c = first - first % 16; c < first + keys; c += 16) {
+        if (c >= first && c + 16 <= first + keys) {
+          for (int j = 0; j < 16; ++j) sums[j] = _mm512_add_ps(sums[j], exp_at(c + j - first));
+          continue;
+        }
+        for (int j = 0; j < 16; ++j) {  // the first and last runs
+          const int64_t t = c + j - first;
+          if (t >= 0 && t < keys) sums[j] = _mm512_add_ps(sums[j], exp_at(t));
+        }
+      }
+      for (int j = 0; j < 8; ++j) sums[j] = _mm512_add_ps(sums[j], sums[j + 8]);
+      for (int j = 0; j < 4; ++j) sums[j] = _mm512_add_ps(sums[j], sums[j + 4]);
+      for (int j = 0; j < 2; ++j) sums[j] = _mm512_add_ps(sums[j], sums[j + 2]);
+      sum = _mm512_add_ps(sums[0], sums[1]);
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+    // In place: pair j lands on key j's row of scores, which keys 2j and 2j + 1 (read first) are at or past.
+    for (int64_t t = 0; t < keys; t += 2) {
+      const __m512 p0 = _mm512_mul_ps(_mm512_loadu_ps(scores + t * width + g), inv);
+      const __m512 p1 = t + 1 < keys ? _mm512_mul_ps(_mm512_loadu_ps(scores + (t + 1) * width + g), inv)
+                                     : _mm512_setzero_ps();
+      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+      _mm512_storeu_si512(weights + (t / 2) * width + g, _mm512_permutexvar_epi16(interleave, packed));
+    }
+  }
+}
+
+// Keys 2j and 2j + 1's values interleaved column by column (vpunpck{l,h}wd within 128-bit lanes: paired_column's
+// order), zeros standing in for a key past the last.
+void task_values(const uint16_t* V, const int64_t* offsets, int64_t keys, int64_t dim, __m512i* values) {
+  const int64_t vectors = dim / 16;
+  for (int64_t t = 0; t < keys; t += 2) {
+    for (int64_t u = t + AHEAD; u < std::min(t + 2 + AHEAD, keys); ++u) prefetch_lines(V + offsets[u], dim * 2);
+    const uint16_t* v0 = V + offsets[t];
+    const uint16_t* v1 = t + 1 < keys ? V + offsets[t + 1] : nullptr;
+    __m512i* out = values + (t / 2) * vectors;
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512i x0 = _mm512_loadu_si512(v0 + d);
+      const __m512i x1 = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+      out[d / 16] = _mm512_unpacklo_epi16(x0, x1);
+      out[d / 16 + 1] = _mm512_unpackhi_epi16(x0, x1);
+    }
+  }
+}
+
+// Where task_values' interleaving puts column d of each 32: columns 8k .. 8k + 3 of 128-bit lane k in the first
+// 16, 8k + 4 .. 8k + 7 in the second.
+inline int64_t paired_column(int64_t d) {
+  const int64_t r = d % 32, k = r / 8, j = r % 8;
+  return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
+}
+
+// Query rows a block of the values' sums takes, and the columns: 16 accumulators in registers.
+constexpr int64_t BLOCK_ROWS = 8;
+constexpr int64_t BLOCK_COLUMNS = 32;
+
+// BLOCK_ROWS query rows' weighted sums of the values' columns [c, c + 32) over key pairs [j0, j1), by pair
+// products; written to sums[row][32] in paired_column's order. (Four rows of 64 columns ran as fast.)
+inline void value_block(const uint32_t* weights, int64_t width, const __m512i* values, int64_t vectors, int64_t c,
+                        int64_t j0, int64_t j1, float* sums) {
+  __m512 acc[BLOCK_ROWS][2];
+  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(values + j * vectors + c / 16);
+    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(values + j * vectors + c / 16 + 1);
+    for (int64_t r = 0; r < BLOCK_ROWS; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[j * width + r]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w, v0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w, v1);
+    }
+  }
+  for (int64_t r = 0; r < BLOCK_ROWS; ++r) {
+    _mm512_storeu_ps(sums + r * BLOCK_COLUMNS, acc[r][0]);
+    _mm512_storeu_ps(sums + r * BLOCK_COLUMNS + 16, acc[r][1]);
+  }
+}
+
+// One task. Returns false (writing nothing) where the row's block table names a block outside the pool.
+bool run_task(const Task& task, const uint16_t* Q, int64_t q_token, int64_t q_head, const uint16_t* K,
+              const uint16_t* V, const int32_t* table, int64_t num_blocks, int64_t block_size, int64_t kv_heads,
+              int64_t group, int64_t dim, int64_t length, int64_t n, int64_t token0, int64_t window, float scale,
+              Scratch& scratch, uint16_t* out, int64_t out_token) {
+  const int64_t queries = task.s1 - task.s0, rows = queries * group, groups = (rows + 15) / 16, width = groups * 16;
+  const int64_t pairs = dim / 2;
+  // Query s sees positions [lo(s), hi(s)]: the task's keys run from its first query's lo to its last one's hi.
+  const int64_t hi0 = length - n + task.s0, last = length - n + task.s1 - 1;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, hi0 - window + 1) : 0, keys = last - first + 1;
+  auto& offsets = scratch.offsets;
+  offsets.resize(keys);
+  for (int64_t t = 0; t < keys; ++t) {
+    const int64_t pos = first + t, block = table[pos / block_size];
+    if (block < 0 || block >= num_blocks) return false;
+    offsets[t] = ((block * block_size + pos % block_size) * kv_heads + task.head) * dim;
+  }
+  // Row r = i * group + g: query s0 + i, query head head * group + g. Padding rows see every key with a zero query.
+  scratch.queries.assign(pairs * groups, _mm512_setzero_si512());
+  auto* lanes = reinterpret_cast<uint32_t*>(scratch.queries.data());
+  alignas(64) int32_t lo[MAX_ROWS], hi[MAX_ROWS];
+  for (int64_t r = 0; r < width; ++r) {
+    lo[r] = 0;
+    hi[r] = static_cast<int32_t>(last);
+    if (r >= rows) continue;
+    const int64_t s = task.s0 + r / group, h = task.head * group + r % group;
+    hi[r] = static_cast<int32_t>(length - n + s);
+    lo[r] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0);
+    const uint16_t* q = Q + (token0 + s) * q_token + h * q_head;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const uint32_t even = float_to_bf16(bf16_to_float(q[2 * i]) * scale);
+      const uint32_t odd = float_to_bf16(bf16_to_float(q[2 * i + 1]) * scale);
+      lanes[(i * groups + r / 16) * 16 + r % 16] = even | odd << 16;
+    }
+  }
+  __m512i lo16[4], hi16[4];
+  int64_t seen_by_all[8];
+  for (int64_t g = 0; g < groups; ++g) {
+    lo16[g] = _mm512_load_si512(lo + 16 * g);
+    hi16[g] = _mm512_load_si512(hi + 16 * g);
+    seen_by_all[2 * g] = *std::max_element(lo + 16 * g, lo + 16 * g + 16);
+    seen_by_all[2 * g + 1] = *std::min_element(hi + 16 * g, hi + 16 * g + 16);
+  }
+  __m512 top[4];
+  scratch.scores.resize(keys * width);
+  scratch.zeros.assign(pairs, 0u);
+  using Scores = void (*)(const uint16_t*, const int64_t*, int64_t, int64_t, int64_t, const __m512i*, const __m512i*,
+                          const __m512i*, const int64_t*, const uint32_t*, float*, __m512*);
+  constexpr Scores by_groups[4] = {task_scores<1>, task_scores<2>, task_scores<3>, task_scores<4>};
+  by_groups[groups - 1](K, offsets.data(), keys, first, pairs, scratch.queries.data(), lo16, hi16, seen_by_all,
+                        scratch.zeros.data(), scratch.scores.data(), top);
+  const int64_t key_pairs = (keys + 1) / 2;
+  task_softmax(scratch.scores.data(), keys, width, first, length, top);
+  const int64_t vectors = dim / 16;
+  scratch.values.resize(key_pairs * vectors);
+  task_values(V, offsets.data(), keys, dim, scratch.values.data());
+  // Each block of rows sums the key pairs its rows see at all (a row's weight is 0 past its own keys). The last block
+  // may take padding rows (their weights finite), whose sums are not written.
+  alignas(64) float sums[BLOCK_ROWS * BLOCK_COLUMNS];
+  const auto* weights = reinterpret_cast<const uint32_t*>(scratch.scores.data());
+  for (int64_t r0 = 0; r0 < rows; r0 += BLOCK_ROWS) {
+    const int64_t r1 = std::min(rows, r0 + BLOCK_ROWS);
+    const int64_t j0 = (lo[r0] - first) / 2, j1 = (hi[r1 - 1] - first) / 2 + 1;
+    for (int64_t c = 0; c < dim; c += BLOCK_COLUMNS) {
+      value_block(weights + r0, width, scratch.values.data(), vectors, c, j0, j1, sums);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t s = task.s0 + r / group, h = task.head * group + r % group;
+        uint16_t* o = out + (token0 + s) * out_token + h * dim + c;
+        const float* row = sums + (r - r0) * BLOCK_COLUMNS;
+        for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) o[d] = float_to_bf16(row[paired_column(d)]);
+      }
+    }
+  }
+  return true;
+}
+
+#endif  // __AVX512BF16__
+
+void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& cu_seqlens_q, double scale, int64_t window) {
+  TORCH_CHECK(built(), "paged_prefill_attention: this build has no AVX512-BF16 products");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: q, out and the caches must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1,
+              "paged_prefill_attention: q must be [T, H, D] with unit head_dim stride");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(),
+              "paged_prefill_attention: out must be contiguous, of q's shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "paged_prefill_attention: caches must be contiguous [N, S, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "paged_prefill_attention: block_tables must be contiguous int32 [B, M]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  cu_seqlens_q.scalar_type() == at::kLong && cu_seqlens_q.is_contiguous(),
+              "paged_prefill_attention: seq_lens and cu_seqlens_q must be contiguous int64");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
+  const int64_t batch = block_tables.size(0);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0 && dim % 32 == 0 && heads / kv_heads <= MAX_ROWS,
+              "paged_prefill_attention: heads or head size unsupported");
+  TORCH_CHECK(seq_lens.numel() == batch && cu_seqlens_q.numel() == batch + 1,
+              "paged_prefill_attention: block_tables, seq_lens and cu_seqlens_q disagree on the batch");
+  TORCH_CHECK(window >= 0, "paged_prefill_attention: window must be >= 0");
+  const int64_t* lengths = seq_lens.data_ptr<int64_t>();
+  const int64_t* cu = cu_seqlens_q.data_ptr<int64_t>();
+  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
+  TORCH_CHECK(cu[0] == 0 && cu[batch] == tokens, "paged_prefill_attention: cu_seqlens_q must span q's tokens");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = cu[b + 1] - cu[b];
+    TORCH_CHECK(n >= 1 && n <= lengths[b] && lengths[b] <= capacity && lengths[b] < (int64_t{1} << 31),
+                "paged_prefill_attention: every row needs a query, no more than its keys, within its block table");
+  }
+#if defined(__AVX512BF16__)
+  const int64_t group = heads / kv_heads, per_task = std::max<int64_t>(1, MAX_ROWS / group);
+  std::vector<Task> tasks;
+  // Head by head: rows sharing a cached prefix read the same keys and values one task after another, while they
+  // are in cache.
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t n = cu[b + 1] - cu[b];
+      for (int64_t s0 = 0; n > 1 && s0 < n; s0 += per_task) tasks.push_back({b, h, s0, std::min(n, s0 + per_task)});
+    }
+  }
+  const auto* Q = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* K = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const auto* V = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  const int64_t task_count = static_cast<int64_t>(tasks.size());
+  if (task_count == 0) return;
+  bool bad_block = false;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const FlushDenormals flush;
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < task_count; ++i) {
+      const Task& task = tasks[i];
+      const int64_t b = task.b;
+      if (!run_task(task, Q, q.stride(0), q.stride(1), K, V, tables + b * max_blocks, num_blocks, block_size,
+                    kv_heads, group, dim, lengths[b], cu[b + 1] - cu[b], cu[b], window, static_cast<float>(scale),
+                    scratch, O, heads * dim)) {
+#pragma omp atomic write
+        bad_block = true;
+      }
+    }
+  }
+  TORCH_CHECK(!bad_block, "paged_prefill_attention: a block table names a block outside the pool");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(textgen, m) {
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor cu_seqlens_q, float scale, int window) -> ()");
+  m.def("paged_prefill_attention_built() -> bool", &built);
+}
+
+TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
