@@ -1,6 +1,6 @@
 """`textgen::paged_prefill_attention` (prefill_attention.cpp): every row of several queries of a step in one call,
-reading keys and values in the pool, against the torch path it replaces (keys gathered, eager matmul attention)
-and the per-row reference of test_paged_attention.py."""
+reading keys and values in the pool, against the torch path it replaces (keys gathered; bf16 eager matmul
+attention, float32 SDPA) and the per-row reference of test_paged_attention.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROWS = [(1, 40), (70, 300), (2, 2), (130, 130), (1, 1), (17, 90), (5, 9), (40, 1
 
 @pytest.fixture(autouse=True)
 def built() -> None:
-    if not (kernel_available() and torch.ops.textgen.paged_prefill_attention_built()):
+    if not (kernel_available() and torch.ops.textgen.paged_prefill_attention_built(torch.bfloat16)):
         pytest.skip("the op is built for CPUs with AVX512-BF16 only (and needs a C++ compiler)")
 
 
@@ -45,15 +45,16 @@ def several(case: Case) -> torch.Tensor:
     return torch.repeat_interleave(counts > 1, counts)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("window", [None, 50])
 # (heads, KV heads, head size): one query head a KV head, 8 and 4 (two and one query per 64-row task at most), a
 # head of 128 values and one of 96 (three 32-column blocks of the values' sums).
 @pytest.mark.parametrize("heads", [(12, 12, 64), (32, 4, 64), (8, 1, 128), (12, 3, 96)], ids=str)
 def test_rows_of_several_queries_agree_with_the_torch_path(
-    block_size: int, window: int | None, heads: tuple[int, int, int]
+    dtype: torch.dtype, block_size: int, window: int | None, heads: tuple[int, int, int]
 ) -> None:
-    case = make_case(ROWS, torch.bfloat16, block_size, *heads, seed=3)
+    case = make_case(ROWS, dtype, block_size, *heads, seed=3)
     got = call(case, window or 0)
     mask = several(case)
     assert bool(got[~mask].isnan().all())  # decode rows are the decode op's: left as they were
@@ -68,13 +69,17 @@ def test_rows_of_several_queries_agree_with_the_torch_path(
         window,
         kernel=False,
     )[mask]
-    got = got[mask]
+    got, wanted = got[mask], reference(case, 0.125, window)[mask]
+    if dtype == torch.float32:  # against the float64 reference, as SDPA over the gathered keys
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(expected, wanted, rtol=1e-4, atol=1e-5)
+        return
     # The same roundings as the eager attention (scaled query, scores, probabilities, output) and torch's softmax
     # but for its exp: only float32 sums in another order, which move a rare score or output to the neighbouring
     # bfloat16 (a score's probability moves by 2^-8 of itself, an output by as much of a value: 2^-7 at most here).
     torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-7)
     assert (got == expected).float().mean() > 0.999
-    torch.testing.assert_close(got, reference(case, 0.125, window)[mask], rtol=1.6e-2, atol=2**-7)
+    torch.testing.assert_close(got, wanted, rtol=1.6e-2, atol=2**-7)
 
 
 def test_paged_attention_takes_the_op_for_every_row_of_several_queries() -> None:
@@ -89,10 +94,16 @@ def test_paged_attention_takes_the_op_for_every_row_of_several_queries() -> None
 
 def test_what_the_op_does_not_take_keeps_the_torch_path() -> None:
     q, pool = torch.zeros(4, 8, 64, dtype=torch.bfloat16), torch.zeros(2, 16, 4, 64, dtype=torch.bfloat16)
-    assert prefill_op(q, pool)
-    assert not prefill_op(q.float(), pool.float())  # float32: SDPA over the gathered keys
+    assert prefill_op(q, pool) and prefill_op(q.float(), pool.float())
+    assert not prefill_op(q.half(), pool.half())  # float16: the eager matmuls over the gathered keys
     assert not prefill_op(q[..., :48], pool[..., :48])  # a head that is not whole pairs of 32 values
     assert not prefill_op(torch.zeros(4, 65, 64, dtype=torch.bfloat16), pool[:, :, :1])  # 65 query heads a KV head
+
+
+def test_float16_is_refused() -> None:
+    case = make_case([(3, 20)], torch.float16, 16, 4, 2, 64, seed=8)
+    with pytest.raises(RuntimeError, match="this build has no products for Half"):
+        call(case, 0)
 
 
 def test_queries_are_read_through_their_strides() -> None:
@@ -112,14 +123,15 @@ def test_a_block_outside_the_pool_is_refused_before_any_write() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda c: setattr(c, "q", c.q.float()), "must be bfloat16"),
+        (lambda c: setattr(c, "q", c.q.float()), "must have q's dtype"),
         (lambda c: setattr(c, "seq_lens", torch.tensor([2, 40])), "no more than its keys"),
         (lambda c: setattr(c, "cu_seqlens_q", torch.tensor([0, 3, 4])), "must span q's tokens"),
         (lambda c: setattr(c, "block_tables", c.block_tables.long()), "int32"),
     ],
-    ids=["float32", "more queries than keys", "tokens", "table dtype"],
+    ids=["mixed dtypes", "more queries than keys", "tokens", "table dtype"],
 )
 def test_bad_inputs_are_refused(change: object, message: str) -> None:
+    """Each refused with its message; out is bfloat16 as the pool is."""
     case = make_case([(3, 20), (2, 40)], torch.bfloat16, 16, 4, 2, 64, seed=7)
     change(case)  # type: ignore[operator]
     with pytest.raises(RuntimeError, match=message):

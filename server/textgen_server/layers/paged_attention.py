@@ -140,15 +140,16 @@ def paged_attention(
 
 def prefill_op(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether rows of several queries go to `textgen::paged_prefill_attention` (prefill_attention.cpp), all in one
-    call: bfloat16, a head size that is a multiple of 32, at most 64 query heads a KV head, and a build with
-    AVX512-BF16. The caller has checked that the ops are in use (`kernel`)."""
+    call: float32 or bfloat16 where the build has its products (AVX-512; AVX512-BF16 for bfloat16), a head size that
+    is a multiple of 32 and at most 64 query heads a KV head. The caller has checked that the ops are in use
+    (`kernel`)."""
     dim, kv_heads = q.shape[2], k_cache.shape[2]
-    return q.dtype == torch.bfloat16 and dim % 32 == 0 and q.shape[1] // kv_heads <= 64 and _prefill_op_built()
+    return dim % 32 == 0 and q.shape[1] // kv_heads <= 64 and _prefill_op_built(q.dtype)
 
 
 @functools.cache
-def _prefill_op_built() -> bool:
-    return bool(torch.ops.textgen.paged_prefill_attention_built())
+def _prefill_op_built(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.bfloat16) and bool(torch.ops.textgen.paged_prefill_attention_built(dtype))
 
 
 def decode_rows(

@@ -1,4 +1,4 @@
-// Prefill attention through the paged KV pool on a CPU with AVX512-BF16: every row of several query tokens in a
+// Prefill attention through the paged KV pool on an AVX-512 CPU: every row of several query tokens in a
 // step (prefills, prefill chunks, prefix-cache hits) in one call per layer, reading the keys and
 // values where they lie in the pool. The torch path it replaces there (paged_attention.py, `_row`) gathers each
 // row's keys and runs about ten small ops per row, whose copies and OpenMP waits took as long as the products
@@ -7,24 +7,26 @@
 // textgen::paged_prefill_attention(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, window)
 //   writes out[cu[b]:cu[b + 1]] for every row b of at least two queries and leaves the other rows' tokens as they
 //   are (decode rows are paged_decode_attention's). Shapes as paged_decode_attention's (decode_attention.cpp): q /
-//   out [T, H, D] bfloat16 (q: any token and head strides; out contiguous), k_cache / v_cache [N, S, Hkv, D],
+//   out [T, H, D] bfloat16 or float32 (q: any token and head strides; out contiguous), k_cache / v_cache [N, S, Hkv,
+//   D] of q's dtype,
 //   block_tables int32 [B, M], seq_lens int64 [B], cu_seqlens_q int64 [B + 1]. Query i of row b's n queries sits at
 //   position seq_lens[b] - n + i and sees the positions up to it (window > 0: the last `window` of them).
-// textgen::paged_prefill_attention_built() -> bool: whether this build has the op's products (AVX512-BF16); where
-//   it does not, the op refuses every call.
+// textgen::paged_prefill_attention_built(dtype) -> bool: whether this build has the op's products for `dtype`:
+//   float32 with AVX-512, bfloat16 with AVX512-BF16 too; the op refuses the others.
 //
 // bfloat16 rounds where transformers' eager attention rounds: the scaled query (`q * scale`) and the scores are
 // rounded to bf16, the softmax takes torch's max, sum order and e * (1 / sum) over those scores with the decode op's
 // exp (`exp_nonpositive`, within about a float32 ulp of torch's vector exp, which made the softmax 1.7x slower
 // here), the probabilities are rounded to bf16 and the values' weighted sum is rounded once. The two products are
 // float32 sums of exact bf16 pair products (vdpbf16ps) in another order than oneDNN's, as the decode op's are.
+// float32 rounds nowhere in between, as SDPA, whose flash kernel sums in yet another order.
 //
 // A task is one row's KV head and a block of its queries: up to 64 query rows (its queries times the query heads
-// of the group), 16 to a vector lane group. Scores are computed key by key for all of them at once, a key's pairs
-// broadcast against the queries' pairs laid out lane by lane (no transposition of the keys), into a key-major
-// buffer, so that the softmax runs down the keys vertically, 16 queries at a time. The values are interleaved two
-// keys at a time once per task, and each block of query rows sums them by pair products with its accumulators in
-// registers.
+// of the group), 16 to a vector lane group. Scores are computed key by key for all of them at once, a key's values
+// (bf16: pairs) broadcast against the queries' laid out lane by lane (no transposition of the keys), into a
+// key-major buffer, so that the softmax runs down the keys vertically, 16 queries at a time. Each block of query
+// rows then sums the values with its accumulators in registers: in bf16 by pair products over keys interleaved two
+// at a time once per task, in float32 straight from the pool.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -41,12 +44,14 @@ namespace {
 
 using namespace textgen_cpu;
 
-bool built() {
+bool built([[maybe_unused]] at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
+  if (dtype == at::kBFloat16) return true;
 #endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
 }
 
 // Query rows of a task at most: four lane groups of 16.
@@ -54,7 +59,14 @@ constexpr int64_t MAX_ROWS = 64;
 // Keys ahead whose lines are asked for: the pool's slots scatter them, where the hardware prefetcher cannot follow.
 constexpr int64_t AHEAD = 16;
 
-#if defined(__AVX512BF16__)
+// Where the bf16 values' interleaving (task_values) puts column d of each 32: columns 8k .. 8k + 3 of 128-bit lane k
+// in the first 16, 8k + 4 .. 8k + 7 in the second.
+inline int64_t paired_column(int64_t d) {
+  const int64_t r = d % 32, k = r / 8, j = r % 8;
+  return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
+}
+
+#if defined(__AVX512F__)
 
 // One task: row b's KV head `head` and its queries [s0, s1).
 struct Task {
@@ -64,49 +76,70 @@ struct Task {
 // A thread's scratch, reused from task to task.
 struct Scratch {
   std::vector<int64_t> offsets;   // each key's element offset in the pool (its slot and the task's KV head)
-  std::vector<__m512i> queries;   // [pairs][groups]: lane r of group g holds query row 16g + r's pair i
+  std::vector<__m512i> queries;   // [pairs][groups] (bf16: lane r of group g, query row 16g + r's pair i) or
+                                  // [dim][groups] (float32)
   std::vector<float> scores;      // [keys][rows]: key-major, rows padded to whole groups; then the weights
   std::vector<__m512i> values;    // [keys / 2][dim / 16]: keys 2j, 2j + 1 interleaved column by column
-  std::vector<uint32_t> zeros;    // a key of zeros, for the keys past a tile's last
+  std::vector<float> zeros;       // a key of zeros, for the keys past a tile's last
 };
 
-// acc[k][g] = the pair-product dots of the KT keys `key` with the query rows of NG lane groups (`queries`, [pairs]
-// [NG]); KT * NG <= 16 accumulators stay in registers.
+// acc[k][g] = the dots of the KT keys `key` (dim values) with the query rows of NG lane groups (`queries`, [dim or
+// pairs][NG]); KT * NG <= 16 accumulators stay in registers. float32: fused multiply-adds.
 template <int NG, int KT>
-inline void score_tile(const __m512i* queries, const uint32_t* const* key, int64_t pairs, __m512* acc) {
+inline void score_tile(const __m512i* queries, const float* const* key, int64_t dim, __m512* acc) {
   for (int a = 0; a < NG * KT; ++a) acc[a] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < pairs; ++i) {
-    __m512bh q[NG];
-    for (int g = 0; g < NG; ++g) q[g] = (__m512bh)_mm512_loadu_si512(queries + i * NG + g);
+  for (int64_t d = 0; d < dim; ++d) {
+    __m512 q[NG];
+    for (int g = 0; g < NG; ++g) q[g] = _mm512_castsi512_ps(_mm512_loadu_si512(queries + d * NG + g));
     for (int k = 0; k < KT; ++k) {
-      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(key[k][i]));
-      for (int g = 0; g < NG; ++g) acc[k * NG + g] = _mm512_dpbf16_ps(acc[k * NG + g], kv, q[g]);
+      const __m512 kv = _mm512_set1_ps(key[k][d]);
+      for (int g = 0; g < NG; ++g) acc[k * NG + g] = _mm512_fmadd_ps(kv, q[g], acc[k * NG + g]);
     }
   }
 }
 
-// The task's scores: scores[t][r] = bf16(q_r . k_t) where query row r sees key t (lo[r] <= first + t <= hi[r]),
-// else -inf; top[g] = each row's largest. `seen_by_all[g]`: the keys [seen_by_all[2g], seen_by_all[2g + 1]] every
-// row of group g sees, stored without a mask.
-template <int NG>
-void task_scores(const uint16_t* K, const int64_t* offsets, int64_t keys, int64_t first, int64_t pairs,
-                 const __m512i* queries, const __m512i* lo, const __m512i* hi, const int64_t* seen_by_all,
-                 const uint32_t* zeros, float* scores, __m512* top) {
+#if defined(__AVX512BF16__)
+// bfloat16: pair products (vdpbf16ps), a key's pairs read as uint32.
+template <int NG, int KT>
+inline void score_tile(const __m512i* queries, const uint16_t* const* key, int64_t dim, __m512* acc) {
+  for (int a = 0; a < NG * KT; ++a) acc[a] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    __m512bh q[NG];
+    for (int g = 0; g < NG; ++g) q[g] = (__m512bh)_mm512_loadu_si512(queries + i * NG + g);
+    for (int k = 0; k < KT; ++k) {
+      uint32_t pair;
+      std::memcpy(&pair, key[k] + 2 * i, sizeof(pair));
+      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int g = 0; g < NG; ++g) acc[k * NG + g] = _mm512_dpbf16_ps(acc[k * NG + g], kv, q[g]);
+    }
+  }
+}
+#endif
+
+// The task's scores: scores[t][r] = q_r . k_t (bf16: rounded to bf16) where query row r sees key t (lo[r] <= first
+// + t <= hi[r]), else -inf; top[g] = each row's largest. Keys [seen_by_all[2g], seen_by_all[2g + 1]], which every
+// row of group g sees, are stored without a mask.
+template <typename T, int NG>
+void task_scores(const T* K, const int64_t* offsets, int64_t keys, int64_t first, int64_t dim, const __m512i* queries,
+                 const __m512i* lo, const __m512i* hi, const int64_t* seen_by_all, const T* zeros, float* scores,
+                 __m512* top) {
   constexpr int KT = 16 / NG;
   constexpr int64_t width = NG * 16;
   const __m512 none = _mm512_set1_ps(-INFINITY);
   for (int g = 0; g < NG; ++g) top[g] = none;
   __m512 acc[NG * KT];
-  const uint32_t* key[KT];
+  const T* key[KT];
   for (int64_t t = 0; t < keys; t += KT) {
     const int n = static_cast<int>(std::min<int64_t>(KT, keys - t));
-    for (int64_t u = t + AHEAD; u < std::min(t + KT + AHEAD, keys); ++u) prefetch_lines(K + offsets[u], pairs * 4);
-    for (int k = 0; k < KT; ++k) key[k] = k < n ? reinterpret_cast<const uint32_t*>(K + offsets[t + k]) : zeros;
-    score_tile<NG, KT>(queries, key, pairs, acc);
+    for (int64_t u = t + AHEAD; u < std::min(t + KT + AHEAD, keys); ++u) {
+      prefetch_lines(K + offsets[u], dim * static_cast<int64_t>(sizeof(T)));
+    }
+    for (int k = 0; k < KT; ++k) key[k] = k < n ? K + offsets[t + k] : zeros;
+    score_tile<NG, KT>(queries, key, dim, acc);
     for (int g = 0; g < NG; ++g) {
       const bool whole = first + t >= seen_by_all[2 * g] && first + t + n - 1 <= seen_by_all[2 * g + 1];
       for (int k = 0; k < n; ++k) {
-        __m512 x = round_bf16(acc[k * NG + g]);
+        __m512 x = round_as(T{}, acc[k * NG + g]);
         if (!whole) {
           const __m512i position = _mm512_set1_epi32(static_cast<int>(first + t + k));
           const __mmask16 seen = _mm512_cmple_epi32_mask(lo[g], position) & _mm512_cmple_epi32_mask(position, hi[g]);
@@ -119,18 +152,36 @@ void task_scores(const uint16_t* K, const int64_t* offsets, int64_t keys, int64_
   }
 }
 
-// The softmax of every query row over the task's keys (positions first, first + 1, ...), down the key-major scores,
-// 16 rows at a time, as torch's softmax of the row's `total` columns: exp(x - max), the sum as torch's (16 lane
-// sums of the columns t = lane mod 16 in column order, masked columns adding exact zeros, folded 8-4-2-1 as
-// fold_add folds; serially when total < 16; here each residue's sums are one vector), and the probabilities
-// e * (1 / sum) rounded to bf16. They overwrite the scores as pairs of consecutive keys: weights[j][r] (uint32,
-// `width` a key pair) holds row r's probabilities of keys 2j and 2j + 1.
-void task_softmax(float* scores, int64_t keys, int64_t width, int64_t first, int64_t total, const __m512* top) {
-  const __m512 none = _mm512_set1_ps(-INFINITY);
+#if defined(__AVX512BF16__)
+// The probabilities e * inv of the lane group at column g, rounded to bf16, as pairs of consecutive keys (uint32),
+// in place: pair j lands on key j's row, which keys 2j and 2j + 1 (read first) are at or past.
+inline void pack_pairs(float* scores, int64_t keys, int64_t width, int64_t g, __m512 inv) {
   // vpermw: bf16 lanes (a0 .. a15, b0 .. b15) of cvtne2ps(b, a) to the pairs (a0, b0), (a1, b1), ...
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   auto* weights = reinterpret_cast<uint32_t*>(scores);
+  for (int64_t t = 0; t < keys; t += 2) {
+    const __m512 p0 = _mm512_mul_ps(_mm512_loadu_ps(scores + t * width + g), inv);
+    const __m512 p1 = t + 1 < keys ? _mm512_mul_ps(_mm512_loadu_ps(scores + (t + 1) * width + g), inv)
+                                   : _mm512_setzero_ps();
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+    _mm512_storeu_si512(weights + (t / 2) * width + g, _mm512_permutexvar_epi16(interleave, packed));
+  }
+}
+#else
+// Never called: bf16 tasks run only where AVX512-BF16 is built.
+inline void pack_pairs(float*, int64_t, int64_t, int64_t, __m512) {}
+#endif
+
+// The softmax of every query row over the task's keys (positions first, first + 1, ...), down the key-major scores,
+// 16 rows at a time, as torch's softmax of the row's `total` columns: exp(x - max), the sum as torch's (16 lane
+// sums of the columns t = lane mod 16 in column order, masked columns adding exact zeros, folded 8-4-2-1 as
+// fold_add folds; serially when total < 16; here each residue's sums are one vector), and the probabilities
+// e * (1 / sum), which overwrite the scores: in float32 as they are; in bf16 rounded, as pairs of consecutive keys
+// (weights[j][r], uint32, `width` a key pair: row r's probabilities of keys 2j and 2j + 1).
+template <typename T>
+void task_softmax(float* scores, int64_t keys, int64_t width, int64_t first, int64_t total, const __m512* top) {
+  const __m512 none = _mm512_set1_ps(-INFINITY);
   for (int64_t g = 0; g < width; g += 16) {
     const __m512 shift = top[g / 16];
     __m512 sums[16];
@@ -165,17 +216,17 @@ void task_softmax(float* scores, int64_t keys, int64_t width, int64_t first, int
       sum = _mm512_add_ps(sums[0], sums[1]);
     }
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
-    // In place: pair j lands on key j's row of scores, which keys 2j and 2j + 1 (read first) are at or past.
-    for (int64_t t = 0; t < keys; t += 2) {
-      const __m512 p0 = _mm512_mul_ps(_mm512_loadu_ps(scores + t * width + g), inv);
-      const __m512 p1 = t + 1 < keys ? _mm512_mul_ps(_mm512_loadu_ps(scores + (t + 1) * width + g), inv)
-                                     : _mm512_setzero_ps();
-      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-      _mm512_storeu_si512(weights + (t / 2) * width + g, _mm512_permutexvar_epi16(interleave, packed));
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t t = 0; t < keys; ++t) {
+        _mm512_storeu_ps(scores + t * width + g, _mm512_mul_ps(_mm512_loadu_ps(scores + t * width + g), inv));
+      }
+    } else {
+      pack_pairs(scores, keys, width, g, inv);
     }
   }
 }
 
+#if defined(__AVX512BF16__)
 // Keys 2j and 2j + 1's values interleaved column by column (vpunpck{l,h}wd within 128-bit lanes: paired_column's
 // order), zeros standing in for a key past the last.
 void task_values(const uint16_t* V, const int64_t* offsets, int64_t keys, int64_t dim, __m512i* values) {
@@ -194,18 +245,36 @@ void task_values(const uint16_t* V, const int64_t* offsets, int64_t keys, int64_
   }
 }
 
-// Where task_values' interleaving puts column d of each 32: columns 8k .. 8k + 3 of 128-bit lane k in the first
-// 16, 8k + 4 .. 8k + 7 in the second.
-inline int64_t paired_column(int64_t d) {
-  const int64_t r = d % 32, k = r / 8, j = r % 8;
-  return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
-}
+
+#endif
 
 // Query rows a block of the values' sums takes, and the columns: 16 accumulators in registers.
 constexpr int64_t BLOCK_ROWS = 8;
 constexpr int64_t BLOCK_COLUMNS = 32;
 
-// BLOCK_ROWS query rows' weighted sums of the values' columns [c, c + 32) over key pairs [j0, j1), by pair
+// float32: BLOCK_ROWS query rows' weighted sums (probabilities p [keys][width]) of the values' columns [c, c + 32)
+// over keys [t0, t1), read in the pool at `offsets`; written to sums[row][32].
+inline void value_block(const float* p, int64_t width, const float* V, const int64_t* offsets, int64_t c, int64_t t0,
+                        int64_t t1, float* sums) {
+  __m512 acc[BLOCK_ROWS][2];
+  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t + AHEAD < t1) prefetch_lines(V + offsets[t + AHEAD] + c, BLOCK_COLUMNS * 4);
+    const __m512 v0 = _mm512_loadu_ps(V + offsets[t] + c), v1 = _mm512_loadu_ps(V + offsets[t] + c + 16);
+    for (int64_t r = 0; r < BLOCK_ROWS; ++r) {
+      const __m512 w = _mm512_set1_ps(p[t * width + r]);
+      acc[r][0] = _mm512_fmadd_ps(w, v0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w, v1, acc[r][1]);
+    }
+  }
+  for (int64_t r = 0; r < BLOCK_ROWS; ++r) {
+    _mm512_storeu_ps(sums + r * BLOCK_COLUMNS, acc[r][0]);
+    _mm512_storeu_ps(sums + r * BLOCK_COLUMNS + 16, acc[r][1]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16: BLOCK_ROWS query rows' weighted sums of the values' columns [c, c + 32) over key pairs [j0, j1), by pair
 // products; written to sums[row][32] in paired_column's order. (Four rows of 64 columns ran as fast.)
 inline void value_block(const uint32_t* weights, int64_t width, const __m512i* values, int64_t vectors, int64_t c,
                         int64_t j0, int64_t j1, float* sums) {
@@ -225,14 +294,16 @@ inline void value_block(const uint32_t* weights, int64_t width, const __m512i* v
     _mm512_storeu_ps(sums + r * BLOCK_COLUMNS + 16, acc[r][1]);
   }
 }
+#endif
 
 // One task. Returns false (writing nothing) where the row's block table names a block outside the pool.
-bool run_task(const Task& task, const uint16_t* Q, int64_t q_token, int64_t q_head, const uint16_t* K,
-              const uint16_t* V, const int32_t* table, int64_t num_blocks, int64_t block_size, int64_t kv_heads,
-              int64_t group, int64_t dim, int64_t length, int64_t n, int64_t token0, int64_t window, float scale,
-              Scratch& scratch, uint16_t* out, int64_t out_token) {
+template <typename T>
+bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, const T* K, const T* V,
+              const int32_t* table, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group,
+              int64_t dim, int64_t length, int64_t n, int64_t token0, int64_t window, float scale, Scratch& scratch,
+              T* out, int64_t out_token) {
+  constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   const int64_t queries = task.s1 - task.s0, rows = queries * group, groups = (rows + 15) / 16, width = groups * 16;
-  const int64_t pairs = dim / 2;
   // Query s sees positions [lo(s), hi(s)]: the task's keys run from its first query's lo to its last one's hi.
   const int64_t hi0 = length - n + task.s0, last = length - n + task.s1 - 1;
   const int64_t first = window > 0 ? std::max<int64_t>(0, hi0 - window + 1) : 0, keys = last - first + 1;
@@ -244,7 +315,9 @@ bool run_task(const Task& task, const uint16_t* Q, int64_t q_token, int64_t q_he
     offsets[t] = ((block * block_size + pos % block_size) * kv_heads + task.head) * dim;
   }
   // Row r = i * group + g: query s0 + i, query head head * group + g. Padding rows see every key with a zero query.
-  scratch.queries.assign(pairs * groups, _mm512_setzero_si512());
+  // Lane r of group g in step i: bf16, the pair (2i, 2i + 1) of the scaled query rounded to bf16; float32, value i.
+  const int64_t steps = bf16 ? dim / 2 : dim;
+  scratch.queries.assign(steps * groups, _mm512_setzero_si512());
   auto* lanes = reinterpret_cast<uint32_t*>(scratch.queries.data());
   alignas(64) int32_t lo[MAX_ROWS], hi[MAX_ROWS];
   for (int64_t r = 0; r < width; ++r) {
@@ -254,11 +327,17 @@ bool run_task(const Task& task, const uint16_t* Q, int64_t q_token, int64_t q_he
     const int64_t s = task.s0 + r / group, h = task.head * group + r % group;
     hi[r] = static_cast<int32_t>(length - n + s);
     lo[r] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0);
-    const uint16_t* q = Q + (token0 + s) * q_token + h * q_head;
-    for (int64_t i = 0; i < pairs; ++i) {
-      const uint32_t even = float_to_bf16(bf16_to_float(q[2 * i]) * scale);
-      const uint32_t odd = float_to_bf16(bf16_to_float(q[2 * i + 1]) * scale);
-      lanes[(i * groups + r / 16) * 16 + r % 16] = even | odd << 16;
+    const T* q = Q + (token0 + s) * q_token + h * q_head;
+    for (int64_t i = 0; i < steps; ++i) {
+      uint32_t lane;
+      if constexpr (bf16) {
+        const uint32_t even = float_to_bf16(bf16_to_float(q[2 * i]) * scale);
+        lane = even | static_cast<uint32_t>(float_to_bf16(bf16_to_float(q[2 * i + 1]) * scale)) << 16;
+      } else {
+        const float scaled = q[i] * scale;
+        std::memcpy(&lane, &scaled, sizeof(lane));
+      }
+      lanes[(i * groups + r / 16) * 16 + r % 16] = lane;
     }
   }
   __m512i lo16[4], hi16[4];
@@ -271,46 +350,101 @@ bool run_task(const Task& task, const uint16_t* Q, int64_t q_token, int64_t q_he
   }
   __m512 top[4];
   scratch.scores.resize(keys * width);
-  scratch.zeros.assign(pairs, 0u);
-  using Scores = void (*)(const uint16_t*, const int64_t*, int64_t, int64_t, int64_t, const __m512i*, const __m512i*,
-                          const __m512i*, const int64_t*, const uint32_t*, float*, __m512*);
-  constexpr Scores by_groups[4] = {task_scores<1>, task_scores<2>, task_scores<3>, task_scores<4>};
-  by_groups[groups - 1](K, offsets.data(), keys, first, pairs, scratch.queries.data(), lo16, hi16, seen_by_all,
-                        scratch.zeros.data(), scratch.scores.data(), top);
-  const int64_t key_pairs = (keys + 1) / 2;
-  task_softmax(scratch.scores.data(), keys, width, first, length, top);
-  const int64_t vectors = dim / 16;
-  scratch.values.resize(key_pairs * vectors);
-  task_values(V, offsets.data(), keys, dim, scratch.values.data());
-  // Each block of rows sums the key pairs its rows see at all (a row's weight is 0 past its own keys). The last block
-  // may take padding rows (their weights finite), whose sums are not written.
+  scratch.zeros.assign(dim, 0.f);
+  using Scores = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, const __m512i*, const __m512i*,
+                          const __m512i*, const int64_t*, const T*, float*, __m512*);
+  constexpr Scores by_groups[4] = {task_scores<T, 1>, task_scores<T, 2>, task_scores<T, 3>, task_scores<T, 4>};
+  by_groups[groups - 1](K, offsets.data(), keys, first, dim, scratch.queries.data(), lo16, hi16, seen_by_all,
+                        reinterpret_cast<const T*>(scratch.zeros.data()), scratch.scores.data(), top);
+  task_softmax<T>(scratch.scores.data(), keys, width, first, length, top);
+  [[maybe_unused]] const int64_t vectors = dim / 16;
+#if defined(__AVX512BF16__)
+  if constexpr (bf16) {
+    scratch.values.resize((keys + 1) / 2 * vectors);
+    task_values(V, offsets.data(), keys, dim, scratch.values.data());
+  }
+#endif
+  // Each block of rows sums the keys its rows see at all (a row's weight is 0 past its own keys). The last block may
+  // take padding rows (their weights finite), whose sums are not written.
   alignas(64) float sums[BLOCK_ROWS * BLOCK_COLUMNS];
-  const auto* weights = reinterpret_cast<const uint32_t*>(scratch.scores.data());
   for (int64_t r0 = 0; r0 < rows; r0 += BLOCK_ROWS) {
-    const int64_t r1 = std::min(rows, r0 + BLOCK_ROWS);
-    const int64_t j0 = (lo[r0] - first) / 2, j1 = (hi[r1 - 1] - first) / 2 + 1;
+    const int64_t r1 = std::min(rows, r0 + BLOCK_ROWS), t0 = lo[r0] - first, t1 = hi[r1 - 1] - first + 1;
     for (int64_t c = 0; c < dim; c += BLOCK_COLUMNS) {
-      value_block(weights + r0, width, scratch.values.data(), vectors, c, j0, j1, sums);
+      if constexpr (bf16) {
+#if defined(__AVX512BF16__)
+        value_block(reinterpret_cast<const uint32_t*>(scratch.scores.data()) + r0, width, scratch.values.data(),
+                    vectors, c, t0 / 2, (t1 + 1) / 2, sums);
+#endif
+      } else {
+        value_block(scratch.scores.data() + r0, width, V, offsets.data(), c, t0, t1, sums);
+      }
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t s = task.s0 + r / group, h = task.head * group + r % group;
-        uint16_t* o = out + (token0 + s) * out_token + h * dim + c;
+        T* o = out + (token0 + s) * out_token + h * dim + c;
         const float* row = sums + (r - r0) * BLOCK_COLUMNS;
-        for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) o[d] = float_to_bf16(row[paired_column(d)]);
+        for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) store_as(o + d, row[bf16 ? paired_column(d) : d]);
       }
     }
   }
   return true;
 }
 
-#endif  // __AVX512BF16__
+#endif  // __AVX512F__
+
+#if defined(__AVX512F__)
+// Every task of the step's rows of several queries, over the threads.
+template <typename T>
+void run_tasks(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& block_tables, const int64_t* lengths, const int64_t* cu, double scale,
+               int64_t window) {
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), batch = block_tables.size(0);
+  const int64_t group = heads / kv_heads, per_task = std::max<int64_t>(1, MAX_ROWS / group);
+  std::vector<Task> tasks;
+  // Head by head: rows sharing a cached prefix read the same keys and values one task after another, while they
+  // are in cache.
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t n = cu[b + 1] - cu[b];
+      for (int64_t s0 = 0; n > 1 && s0 < n; s0 += per_task) tasks.push_back({b, h, s0, std::min(n, s0 + per_task)});
+    }
+  }
+  const auto* Q = reinterpret_cast<const T*>(q.data_ptr());
+  const auto* K = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const auto* V = reinterpret_cast<const T*>(v_cache.data_ptr());
+  auto* O = reinterpret_cast<T*>(out.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  const int64_t task_count = static_cast<int64_t>(tasks.size());
+  if (task_count == 0) return;
+  bool bad_block = false;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const FlushDenormals flush;
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < task_count; ++i) {
+      const Task& task = tasks[i];
+      const int64_t b = task.b;
+      if (!run_task<T>(task, Q, q.stride(0), q.stride(1), K, V, tables + b * max_blocks, num_blocks, block_size,
+                       kv_heads, group, dim, lengths[b], cu[b + 1] - cu[b], cu[b], window, static_cast<float>(scale),
+                       scratch, O, heads * dim)) {
+#pragma omp atomic write
+        bad_block = true;
+      }
+    }
+  }
+  TORCH_CHECK(!bad_block, "paged_prefill_attention: a block table names a block outside the pool");
+}
+#endif
 
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             const at::Tensor& cu_seqlens_q, double scale, int64_t window) {
-  TORCH_CHECK(built(), "paged_prefill_attention: this build has no AVX512-BF16 products");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention: q, out and the caches must be bfloat16");
+                             const at::Tensor& cu_seqlens_q, [[maybe_unused]] double scale, int64_t window) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+              "paged_prefill_attention: out and the caches must have q's dtype");
+  TORCH_CHECK(built(dtype), "paged_prefill_attention: this build has no products for ", dtype,
+              " (float32 takes AVX-512, bfloat16 AVX512-BF16 too)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1,
               "paged_prefill_attention: q must be [T, H, D] with unit head_dim stride");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(),
@@ -339,42 +473,12 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
                 "paged_prefill_attention: every row needs a query, no more than its keys, within its block table");
   }
 #if defined(__AVX512BF16__)
-  const int64_t group = heads / kv_heads, per_task = std::max<int64_t>(1, MAX_ROWS / group);
-  std::vector<Task> tasks;
-  // Head by head: rows sharing a cached prefix read the same keys and values one task after another, while they
-  // are in cache.
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t n = cu[b + 1] - cu[b];
-      for (int64_t s0 = 0; n > 1 && s0 < n; s0 += per_task) tasks.push_back({b, h, s0, std::min(n, s0 + per_task)});
-    }
+  if (dtype == at::kBFloat16) {
+    return run_tasks<uint16_t>(out, q, k_cache, v_cache, block_tables, lengths, cu, scale, window);
   }
-  const auto* Q = reinterpret_cast<const uint16_t*>(q.data_ptr());
-  const auto* K = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const auto* V = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), max_blocks = block_tables.size(1);
-  const int64_t task_count = static_cast<int64_t>(tasks.size());
-  if (task_count == 0) return;
-  bool bad_block = false;
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    const FlushDenormals flush;
-    Scratch scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < task_count; ++i) {
-      const Task& task = tasks[i];
-      const int64_t b = task.b;
-      if (!run_task(task, Q, q.stride(0), q.stride(1), K, V, tables + b * max_blocks, num_blocks, block_size,
-                    kv_heads, group, dim, lengths[b], cu[b + 1] - cu[b], cu[b], window, static_cast<float>(scale),
-                    scratch, O, heads * dim)) {
-#pragma omp atomic write
-        bad_block = true;
-      }
-    }
-  }
-  TORCH_CHECK(!bad_block, "paged_prefill_attention: a block table names a block outside the pool");
+#endif
+#if defined(__AVX512F__)
+  run_tasks<float>(out, q, k_cache, v_cache, block_tables, lengths, cu, scale, window);
 #endif
 }
 
@@ -384,7 +488,7 @@ TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor cu_seqlens_q, float scale, int window) -> ()");
-  m.def("paged_prefill_attention_built() -> bool", &built);
+  m.def("paged_prefill_attention_built(ScalarType dtype) -> bool", &built);
 }
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }
