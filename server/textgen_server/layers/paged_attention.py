@@ -5,17 +5,17 @@ kv_heads, head_dim]` per layer; slot `s` = `block * block_size + offset`).
 Decode rows (one query token) in float32 and bfloat16 go to `textgen::paged_decode_attention`, the C++ op built
 with the padded decode op (decode_attention.cpp; built at first use, TEXTGEN_CPU_DECODE_KERNEL=0 turns both
 off): it reads each row's keys through its block table, once for all the query heads of a group, and nothing
-else. Rows of several query tokens (prefills, prefill chunks) and every row where the op is unavailable or the
-dtype is another (float16) take the torch path: keys gathered from the pool, then the shard's attention kernel
-(`attention_for`: SDPA in float32, `matmul_attention` in half precision) under an explicit bottom-right causal
-mask (`causal_attention`; in bfloat16 with the op built, the masked softmax is `textgen::causal_softmax_bf16`).
-In bfloat16 on a CPU with AVX512-BF16, every row of several queries goes to `textgen::paged_prefill_attention`
-(prefill_attention.cpp; `prefill_op`) in one call per layer, which reads keys and values in the pool where they
-lie and rounds where the torch path rounds (float32 sums in another order, as the decode op's). In bfloat16 on a
-CPU whose products the ops of attention_products.cpp give in torch's order (`reads_pool`: AVX2), a row of several
-queries reads its keys and values in the pool where they lie, with the same bits and no gather.
-Both paths round where transformers' eager attention rounds in bfloat16 (see attention_kernels.py), so the
-decode op differs from the torch path only where float32 sums taken in another order round to another bfloat16.
+else. On an AVX-512 CPU, every row of several query tokens (prefills, prefill chunks, prefix-cache hits) in
+float32, and in bfloat16 where the CPU has AVX512-BF16, goes to `textgen::paged_prefill_attention`
+(prefill_attention.cpp; `prefill_op`), all of a step's such rows in one call per layer, which also reads keys and
+values in the pool where they lie. Elsewhere (AVX2, float16, another head size) those rows take the torch path:
+keys gathered from the pool, then the shard's attention kernel (`attention_for`: SDPA in float32,
+`matmul_attention` in half precision) under an explicit bottom-right causal mask (`causal_attention`; in bfloat16
+with the ops built, the masked softmax is `textgen::causal_softmax_bf16`); in bfloat16 on a CPU whose products the
+ops of attention_products.cpp give in torch's order (`reads_pool`: AVX2), a row reads its keys and values in the
+pool where they lie, with the same bits and no gather. Every path rounds where transformers' eager attention rounds
+in bfloat16 (see attention_kernels.py), so the two ops differ from the torch path only where float32 sums taken in
+another order round to another bfloat16.
 On a GPU every decode row takes `decode_rows`, torch ops that read nothing on the host when their metadata is
 on the GPU, so a decode step can be captured in a CUDA graph (models/cuda_graphs.py); prefills take SDPA.
 """

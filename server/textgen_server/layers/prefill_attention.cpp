@@ -1,16 +1,16 @@
-// Prefill attention through the paged KV pool on an AVX-512 CPU: every row of several query tokens in a
-// step (prefills, prefill chunks, prefix-cache hits) in one call per layer, reading the keys and
-// values where they lie in the pool. The torch path it replaces there (paged_attention.py, `_row`) gathers each
-// row's keys and runs about ten small ops per row, whose copies and OpenMP waits took as long as the products
-// (benchmark/README.md, "W2 on AVX-512").
+// Prefill attention through the paged KV pool on an AVX-512 CPU: every row of several query tokens in a step
+// (prefills, prefill chunks, prefix-cache hits) in one call per layer, reading the keys and values where they lie
+// in the pool. The torch path it replaces there (paged_attention.py, `_row`) gathers each row's keys and runs about
+// ten small ops per row, whose copies and OpenMP waits took as long as the products (benchmark/README.md, "W2 on
+// AVX-512"; the op's figures: "Prefill attention in one C++ call per layer").
 //
 // textgen::paged_prefill_attention(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, window)
 //   writes out[cu[b]:cu[b + 1]] for every row b of at least two queries and leaves the other rows' tokens as they
 //   are (decode rows are paged_decode_attention's). Shapes as paged_decode_attention's (decode_attention.cpp): q /
-//   out [T, H, D] bfloat16 or float32 (q: any token and head strides; out contiguous), k_cache / v_cache [N, S, Hkv,
-//   D] of q's dtype,
-//   block_tables int32 [B, M], seq_lens int64 [B], cu_seqlens_q int64 [B + 1]. Query i of row b's n queries sits at
-//   position seq_lens[b] - n + i and sees the positions up to it (window > 0: the last `window` of them).
+//   out [T, H, D] bfloat16 or float32 (q: any token and head strides; out contiguous), k_cache / v_cache
+//   [N, S, Hkv, D] of q's dtype, block_tables int32 [B, M], seq_lens int64 [B], cu_seqlens_q int64 [B + 1]. Query i
+//   of row b's n queries sits at position seq_lens[b] - n + i and sees the positions up to it (window > 0: the last
+//   `window` of them). D a multiple of 32, at most 64 query heads a KV head.
 // textgen::paged_prefill_attention_built(dtype) -> bool: whether this build has the op's products for `dtype`:
 //   float32 with AVX-512, bfloat16 with AVX512-BF16 too; the op refuses the others.
 //
