@@ -136,3 +136,70 @@ def test_bad_inputs_are_refused(change: object, message: str) -> None:
     change(case)  # type: ignore[operator]
     with pytest.raises(RuntimeError, match=message):
         call(case, 0, out=torch.empty(case.q.shape, dtype=torch.bfloat16))
+
+
+def shared_case(own: list[int], prefix: int, dtype: torch.dtype, block_size: int, heads: tuple[int, int, int]) -> Case:
+    """Decode rows whose first prefix // block_size blocks are the same ones (a prefix-cache hit), each with `own`
+    more positions in blocks of its own; two more rows share nothing, one of them shorter than the shared part."""
+    n_heads, kv_heads, dim = heads
+    g = torch.Generator().manual_seed(9)
+    shared = prefix // block_size
+    lengths = [shared * block_size + n for n in own] + [prefix + 5, 30]
+    needed = [-(-length // block_size) for length in lengths]
+    num_blocks = shared + sum(n - shared for n in needed[: len(own)]) + sum(needed[len(own) :]) + 2
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    common = [order.pop() for _ in range(shared)]
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    tables = torch.full((len(lengths), max(needed)), num_blocks + 100, dtype=torch.int32)
+    prefix_k = torch.randn(shared * block_size, kv_heads, dim, generator=g).to(dtype)
+    prefix_v = torch.randn(shared * block_size, kv_heads, dim, generator=g).to(dtype)
+    keys, values = [], []
+    for b, length in enumerate(lengths):
+        first = common if b < len(own) else []
+        blocks = first + [order.pop() for _ in range(needed[b] - len(first))]
+        tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        k = torch.randn(length, kv_heads, dim, generator=g).to(dtype)
+        v = torch.randn(length, kv_heads, dim, generator=g).to(dtype)
+        if first:
+            k[: len(prefix_k)], v[: len(prefix_v)] = prefix_k, prefix_v
+        positions = torch.arange(length)
+        slots = tables[b, positions // block_size].long() * block_size + positions % block_size
+        k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k, v
+        keys.append(k)
+        values.append(v)
+    q = torch.randn(len(lengths), n_heads, dim, generator=g).to(dtype)
+    cu = torch.arange(len(lengths) + 1)
+    return Case(q, keys, values, k_cache, v_cache, cu, torch.tensor(lengths), tables)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(12, 12, 64), (32, 4, 64), (8, 1, 128)], ids=str)
+def test_decode_rows_sharing_a_prefix_agree_with_the_torch_path(
+    dtype: torch.dtype, block_size: int, heads: tuple[int, int, int]
+) -> None:
+    # 20 rows over one prefix (more than one task's 64 query rows with 4 query heads a KV head), one of them with no
+    # position of its own, one with a partial block.
+    own = [0, 1, 7, 16, 40, 3, 90, 25, 2, 5, 11, 64, 33, 8, 9, 10, 12, 13, 14, 15]
+    case = shared_case(own, 300, dtype, block_size, heads)
+    got = paged_attention(
+        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables, 0.125
+    )
+    expected = paged_attention(
+        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables, 0.125, kernel=False
+    )
+    wanted = reference(case, 0.125, None)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
+        return
+    torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-7)
+    assert (got == expected).float().mean() > 0.99
+    torch.testing.assert_close(got, wanted, rtol=1.6e-2, atol=2**-7)
+
+
+def test_a_shared_prefix_block_outside_the_pool_is_refused() -> None:
+    case = shared_case([4] * 6, 128, torch.bfloat16, 16, (4, 2, 64))
+    case.block_tables[:6, 2] = case.k_cache.shape[0]  # inside the shared blocks of all six rows
+    with pytest.raises(RuntimeError, match="a block table names a block outside the pool"):
+        paged_attention(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables, 0.1)

@@ -87,6 +87,31 @@ inline void store_as(float* out, float f) { *out = f; }
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// a[s]'s 16 lanes each summed as `fold_add` sums them (lanes 8 apart, then 4, 2, 1), so the same floats, but the
+// 16 trees folded into one another: a shuffle-and-add per pair of vectors instead of a horizontal reduction per
+// sum. Returns the 16 sums in slot order.
+inline __m512 fold16(const __m512 (&a)[16]) {
+  // Lanes i and i + 8: slot 2m's sums in the low half of b[m], slot 2m + 1's in the high half.
+  __m512 b[8];
+  for (int m = 0; m < 8; ++m) {
+    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  }
+  // Lanes j and j + 4 of each half: c[n]'s 128-bit chunks are slots 4n .. 4n + 3.
+  __m512 c[4];
+  for (int n = 0; n < 4; ++n) {
+    c[n] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * n], b[2 * n + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * n], b[2 * n + 1], 0xDD));
+  }
+  // Lanes k and k + 2 of each chunk, then k and k + 1.
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2], c[3], 0x44), _mm512_shuffle_ps(c[2], c[3], 0xEE));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
+  // e's lane 4k + j holds slot 4j + k.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
 #endif
 
 #if defined(__AVX512F__)

@@ -13,6 +13,10 @@
 // head strides), k_cache / v_cache [N, S, Hkv, D] (S slots per block), block_tables int32 [B, M], seq_lens int64
 // [B]. Row b's key at position p sits in slot block_tables[b, p / S] * S + p % S; the row attends to positions
 // [max(0, seq_lens[b] - window), seq_lens[b]) (window 0: from 0). Returns [B, H, D].
+// Without a window, rows whose block tables begin with the same blocks (at least 4 rows, 64 positions: a prefix-cache
+// hit's prompt) are computed a group at a time by prefill_attention.cpp (`shared_prefix_decode`): the group's queries
+// are the lanes of one task per KV head over the shared keys, so each shared key is read and multiplied once for up
+// to 64 query rows instead of once per row; each row's own keys after them are summed row by row. Same roundings.
 //
 // bfloat16 rounding follows the eager matmul attention both replace: the scaled query is rounded to bfloat16
 // (`q * scale` in bf16), scores accumulate in float32 and are rounded to bfloat16 (the bf16 matmul's output),
@@ -36,6 +40,15 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+namespace textgen_cpu {
+// prefill_attention.cpp: the decode rows of `q` [B, H, D] that share a prefix of their block tables with others, a
+// group of them at a time, into `out`; marks those it computed in `done`. False where a block table names a block
+// outside the pool.
+bool shared_prefix_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                          const at::Tensor& out, std::vector<uint8_t>& done);
+}  // namespace textgen_cpu
 
 namespace {
 
@@ -317,31 +330,6 @@ inline void accumulate(const float* p, const T* base, const int64_t* offsets, in
 }
 
 #if defined(__AVX512F__)
-// a[s]'s 16 lanes each summed as `fold_add` sums them (lanes 8 apart, then 4, 2, 1), so the same floats, but the
-// 16 trees folded into one another: a shuffle-and-add per pair of vectors instead of a horizontal reduction per
-// sum. Returns the 16 sums in slot order.
-inline __m512 fold16(const __m512 (&a)[16]) {
-  // Lanes i and i + 8: slot 2m's sums in the low half of b[m], slot 2m + 1's in the high half.
-  __m512 b[8];
-  for (int m = 0; m < 8; ++m) {
-    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
-  }
-  // Lanes j and j + 4 of each half: c[n]'s 128-bit chunks are slots 4n .. 4n + 3.
-  __m512 c[4];
-  for (int n = 0; n < 4; ++n) {
-    c[n] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * n], b[2 * n + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * n], b[2 * n + 1], 0xDD));
-  }
-  // Lanes k and k + 2 of each chunk, then k and k + 1.
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2], c[3], 0x44), _mm512_shuffle_ps(c[2], c[3], 0xEE));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
-  // e's lane 4k + j holds slot 4j + k.
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, e);
-}
-
 // The dots of one query (`dim` floats, a multiple of 16) with the keys of 16 slots (`keys[s]`), each summed as
 // `dot` sums it (16 lanes of fmadds over the columns, then `fold_add`, by fold16). Returns them in slot order.
 template <typename T>
@@ -565,13 +553,23 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* lengths = seq_lens.data_ptr<int64_t>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  // Rows sharing a cached prefix first, a group of them at a time (prefill_attention.cpp); the others below.
+  std::vector<uint8_t> done(batch, 0);
+  TORCH_CHECK(window > 0 || shared_prefix_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, done),
+              "paged_decode_attention: a block table names a block outside the pool");
+  std::vector<int64_t> rest;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (!done[b]) rest.push_back(b);
+  }
+  const int64_t remaining = static_cast<int64_t>(rest.size());
 
   // One task per (row, share of its KV heads). At a large batch a share is all of a row's heads, so each slot's
   // keys are read as one contiguous run; a small batch splits the heads so every thread gets work. Rows differ
   // in length, so tasks are handed out dynamically.
   const int threads = at::get_num_threads();  // torch.set_num_threads, as torch's own kernels use
-  const int64_t shares = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (4 * threads + batch - 1) / batch));
-  const int64_t tasks = batch * shares;
+  const int64_t per_row = (4 * threads + remaining - 1) / std::max<int64_t>(1, remaining);
+  const int64_t shares = std::min<int64_t>(kv_heads, std::max<int64_t>(1, per_row));
+  const int64_t tasks = remaining * shares;
   bool bad_block = false;
 #pragma omp parallel num_threads(threads)
   {
@@ -580,7 +578,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     std::vector<float> queries, scores, acc;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / shares, share = task % shares;
+      const int64_t b = rest[task / shares], share = task % shares;
       const int64_t h0 = share * kv_heads / shares, h1 = (share + 1) * kv_heads / shares;
       if (!paged_row(Q + b * q_row, q_head, K, V, tables + b * max_blocks, num_blocks, block_size, kv_heads,
                      group, dim, lengths[b], window, static_cast<float>(scale), h0, h1, slots, queries, scores, acc,

@@ -11,6 +11,8 @@
 //   [N, S, Hkv, D] of q's dtype, block_tables int32 [B, M], seq_lens int64 [B], cu_seqlens_q int64 [B + 1]. Query i
 //   of row b's n queries sits at position seq_lens[b] - n + i and sees the positions up to it (window > 0: the last
 //   `window` of them). D a multiple of 32, at most 64 query heads a KV head.
+// shared_prefix_decode (namespace textgen_cpu, called by decode_attention.cpp's paged_decode_attention): the decode
+//   rows of a step that share the first blocks of their tables, a group at a time, with the same tasks (below).
 // textgen::paged_prefill_attention_built(dtype) -> bool: whether this build has the op's products for `dtype`:
 //   float32 with AVX-512, bfloat16 with AVX512-BF16 too; the op refuses the others.
 //
@@ -296,6 +298,52 @@ inline void value_block(const uint32_t* weights, int64_t width, const __m512i* v
 }
 #endif
 
+// The values' side of a task before its blocks' sums: bf16 interleaves its keys' values once (task_values);
+// float32 reads them in the pool.
+template <typename T>
+void prepare_values([[maybe_unused]] Scratch& scratch, [[maybe_unused]] const T* V,
+                    [[maybe_unused]] const int64_t* offsets, [[maybe_unused]] int64_t keys,
+                    [[maybe_unused]] int64_t dim) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    scratch.values.resize((keys + 1) / 2 * (dim / 16));
+    task_values(V, offsets, keys, dim, scratch.values.data());
+  }
+#endif
+}
+
+// BLOCK_ROWS rows' weighted sums from row r0 of the task's weights, over keys [t0, t1) and the values' columns
+// [c, c + 32), to sums (value_block's; in bf16 in paired_column's order).
+template <typename T>
+void sum_block(const Scratch& scratch, [[maybe_unused]] const T* V, [[maybe_unused]] const int64_t* offsets,
+               int64_t width, [[maybe_unused]] int64_t dim, int64_t r0, int64_t c, int64_t t0, int64_t t1, float* sums) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+#if defined(__AVX512BF16__)
+    value_block(reinterpret_cast<const uint32_t*>(scratch.scores.data()) + r0, width, scratch.values.data(), dim / 16,
+                c, t0 / 2, (t1 + 1) / 2, sums);
+#endif
+  } else {
+    value_block(scratch.scores.data() + r0, width, V, offsets, c, t0, t1, sums);
+  }
+}
+
+// Lane r of the queries' layout ([steps][groups] of 16 lanes): q (one head) scaled; in bf16 rounded to bf16 and
+// paired (step i: values 2i, 2i + 1), in float32 value i.
+template <typename T>
+inline void set_lane(uint32_t* lanes, int64_t groups, int64_t r, const T* q, int64_t steps, float scale) {
+  for (int64_t i = 0; i < steps; ++i) {
+    uint32_t lane;
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      const uint32_t even = float_to_bf16(bf16_to_float(q[2 * i]) * scale);
+      lane = even | static_cast<uint32_t>(float_to_bf16(bf16_to_float(q[2 * i + 1]) * scale)) << 16;
+    } else {
+      const float scaled = q[i] * scale;
+      std::memcpy(&lane, &scaled, sizeof(lane));
+    }
+    lanes[(i * groups + r / 16) * 16 + r % 16] = lane;
+  }
+}
+
 // One task. Returns false (writing nothing) where the row's block table names a block outside the pool.
 template <typename T>
 bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, const T* K, const T* V,
@@ -327,18 +375,7 @@ bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, con
     const int64_t s = task.s0 + r / group, h = task.head * group + r % group;
     hi[r] = static_cast<int32_t>(length - n + s);
     lo[r] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0);
-    const T* q = Q + (token0 + s) * q_token + h * q_head;
-    for (int64_t i = 0; i < steps; ++i) {
-      uint32_t lane;
-      if constexpr (bf16) {
-        const uint32_t even = float_to_bf16(bf16_to_float(q[2 * i]) * scale);
-        lane = even | static_cast<uint32_t>(float_to_bf16(bf16_to_float(q[2 * i + 1]) * scale)) << 16;
-      } else {
-        const float scaled = q[i] * scale;
-        std::memcpy(&lane, &scaled, sizeof(lane));
-      }
-      lanes[(i * groups + r / 16) * 16 + r % 16] = lane;
-    }
+    set_lane(lanes, groups, r, Q + (token0 + s) * q_token + h * q_head, steps, scale);
   }
   __m512i lo16[4], hi16[4];
   int64_t seen_by_all[8];
@@ -357,27 +394,14 @@ bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, con
   by_groups[groups - 1](K, offsets.data(), keys, first, dim, scratch.queries.data(), lo16, hi16, seen_by_all,
                         reinterpret_cast<const T*>(scratch.zeros.data()), scratch.scores.data(), top);
   task_softmax<T>(scratch.scores.data(), keys, width, first, length, top);
-  [[maybe_unused]] const int64_t vectors = dim / 16;
-#if defined(__AVX512BF16__)
-  if constexpr (bf16) {
-    scratch.values.resize((keys + 1) / 2 * vectors);
-    task_values(V, offsets.data(), keys, dim, scratch.values.data());
-  }
-#endif
+  prepare_values(scratch, V, offsets.data(), keys, dim);
   // Each block of rows sums the keys its rows see at all (a row's weight is 0 past its own keys). The last block may
   // take padding rows (their weights finite), whose sums are not written.
   alignas(64) float sums[BLOCK_ROWS * BLOCK_COLUMNS];
   for (int64_t r0 = 0; r0 < rows; r0 += BLOCK_ROWS) {
     const int64_t r1 = std::min(rows, r0 + BLOCK_ROWS), t0 = lo[r0] - first, t1 = hi[r1 - 1] - first + 1;
     for (int64_t c = 0; c < dim; c += BLOCK_COLUMNS) {
-      if constexpr (bf16) {
-#if defined(__AVX512BF16__)
-        value_block(reinterpret_cast<const uint32_t*>(scratch.scores.data()) + r0, width, scratch.values.data(),
-                    vectors, c, t0 / 2, (t1 + 1) / 2, sums);
-#endif
-      } else {
-        value_block(scratch.scores.data() + r0, width, V, offsets.data(), c, t0, t1, sums);
-      }
+      sum_block(scratch, V, offsets.data(), width, dim, r0, c, t0, t1, sums);
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t s = task.s0 + r / group, h = task.head * group + r % group;
         T* o = out + (token0 + s) * out_token + h * dim + c;
@@ -389,6 +413,173 @@ bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, con
   return true;
 }
 
+
+// Decode rows that share the first blocks of their block tables (a prefix-cache hit's prompt): rows of a group are
+// the lanes of one task per KV head over the shared keys, as a prefill's queries are, so each shared key is read
+// and multiplied once for up to 64 query rows; each row's own keys after them are summed row by row.
+struct SharedGroup {
+  std::vector<int64_t> rows;  // the batch rows of this chunk of a group
+  int64_t prefix;             // positions [0, prefix) lie in the same slots for all of them
+};
+
+// The decode op's per-row work (decode_attention.cpp, paged_row) for a chunk of rows sharing `prefix` positions,
+// KV head `head`. Rounds as it does (query, scores and probabilities to bf16 in bf16; the sums in float32).
+template <typename T>
+bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row, int64_t q_head, const T* K,
+                 const T* V, const int32_t* tables, int64_t max_blocks, const int64_t* lengths, int64_t num_blocks,
+                 int64_t block_size, int64_t kv_heads, int64_t group, int64_t dim, float scale, Scratch& scratch,
+                 std::vector<float>& own, std::vector<int64_t>& own_offsets, T* out) {
+  constexpr bool bf16 = std::is_same_v<T, uint16_t>;
+  const int64_t count = static_cast<int64_t>(grp.rows.size()), rows = count * group;
+  const int64_t groups = (rows + 15) / 16, width = groups * 16, keys = grp.prefix;
+  auto slot_of = [&](int64_t b, int64_t pos) {
+    const int64_t block = tables[b * max_blocks + pos / block_size];
+    return block < 0 || block >= num_blocks ? int64_t{-1} : block * block_size + pos % block_size;
+  };
+  auto& offsets = scratch.offsets;
+  offsets.resize(keys);
+  for (int64_t t = 0; t < keys; ++t) {
+    const int64_t slot = slot_of(grp.rows[0], t);
+    if (slot < 0) return false;
+    offsets[t] = (slot * kv_heads + head) * dim;
+  }
+  // Each row's own keys, [prefix, length).
+  int64_t longest = 0;
+  for (int64_t i = 0; i < count; ++i) longest = std::max(longest, lengths[grp.rows[i]] - keys);
+  own_offsets.assign(count * longest, 0);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t b = grp.rows[i];
+    for (int64_t t = keys; t < lengths[b]; ++t) {
+      const int64_t slot = slot_of(b, t);
+      if (slot < 0) return false;
+      own_offsets[i * longest + t - keys] = (slot * kv_heads + head) * dim;
+    }
+  }
+  const int64_t steps = bf16 ? dim / 2 : dim;
+  scratch.queries.assign(steps * groups, _mm512_setzero_si512());
+  auto* lanes = reinterpret_cast<uint32_t*>(scratch.queries.data());
+  std::vector<float>& query = scratch.zeros;  // row r's scaled (bf16: rounded) query as floats, then zeros
+  query.assign(rows * dim + dim, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* q = Q + grp.rows[r / group] * q_row + (head * group + r % group) * q_head;
+    set_lane(lanes, groups, r, q, steps, scale);
+    for (int64_t d = 0; d < dim; ++d) query[r * dim + d] = round_as(T{}, to_float(q[d]) * scale);
+  }
+  const T* zeros = reinterpret_cast<const T*>(query.data() + rows * dim);
+  alignas(64) int32_t lo[MAX_ROWS] = {}, hi[MAX_ROWS];
+  std::fill(hi, hi + MAX_ROWS, static_cast<int32_t>(keys - 1));
+  __m512i lo16[4], hi16[4];
+  const int64_t seen_by_all[8] = {0, keys - 1, 0, keys - 1, 0, keys - 1, 0, keys - 1};
+  for (int64_t g = 0; g < groups; ++g) {
+    lo16[g] = _mm512_load_si512(lo + 16 * g);
+    hi16[g] = _mm512_load_si512(hi + 16 * g);
+  }
+  __m512 top[4];
+  scratch.scores.resize(keys * width);
+  using Scores = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, const __m512i*, const __m512i*,
+                          const __m512i*, const int64_t*, const T*, float*, __m512*);
+  constexpr Scores by_groups[4] = {task_scores<T, 1>, task_scores<T, 2>, task_scores<T, 3>, task_scores<T, 4>};
+  by_groups[groups - 1](K, offsets.data(), keys, 0, dim, scratch.queries.data(), lo16, hi16, seen_by_all, zeros,
+                        scratch.scores.data(), top);
+  // The own keys' scores, row by row, and each row's largest score of all.
+  own.assign(rows * longest, 0.f);
+  alignas(64) float largest[MAX_ROWS];
+  for (int64_t g = 0; g < groups; ++g) _mm512_store_ps(largest + 16 * g, top[g]);
+  const int64_t key_bytes = dim * static_cast<int64_t>(sizeof(T));
+  // The own keys lie in blocks of their own, scattered over the pool: each row asks for its next row's first ones
+  // and for its own AHEAD keys ahead.
+  auto ask = [&](const T* base, int64_t i, int64_t t0, int64_t t1) {
+    const int64_t mine = i < count ? lengths[grp.rows[i]] - keys : 0;
+    for (int64_t t = t0; t < std::min(t1, mine); ++t) prefetch_lines(base + own_offsets[i * longest + t], key_bytes);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / group, mine = lengths[grp.rows[i]] - keys;
+    if (r % group == 0) ask(K, i + 1, 0, AHEAD);
+    if (r == 0) ask(K, 0, 0, AHEAD);
+    const float* query_r = query.data() + r * dim;
+    for (int64_t t0 = 0; t0 < mine; t0 += 16) {  // 16 keys at a time, their sums folded together (fold16)
+      const int64_t n = std::min<int64_t>(16, mine - t0);
+      if (r % group == 0) ask(K, i, t0 + AHEAD, t0 + 16 + AHEAD);
+      __m512 acc[16];
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(query_r + d);
+        for (int64_t u = 0; u < 16; ++u) {
+          const T* key = u < n ? K + own_offsets[i * longest + t0 + u] : zeros;
+          acc[u] = _mm512_fmadd_ps(qd, load16(key + d), acc[u]);
+        }
+      }
+      const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1u);
+      const __m512 x = round_as(T{}, fold16(acc));
+      _mm512_mask_storeu_ps(own.data() + r * longest + t0, m, x);
+      largest[r] = std::max(largest[r], _mm512_mask_reduce_max_ps(m, x));
+    }
+  }
+  // exp(x - max) over both parts; the sums; the probabilities e * (1 / sum).
+  alignas(64) float inverse[MAX_ROWS];
+  for (int64_t g = 0; g < width; g += 16) {
+    const __m512 shift = _mm512_load_ps(largest + g);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < keys; ++t) {
+      float* at = scratch.scores.data() + t * width + g;
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(at), shift));
+      _mm512_storeu_ps(at, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_store_ps(inverse + g, sum);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t mine = lengths[grp.rows[r / group]] - keys;
+    float* e = own.data() + r * longest;
+    for (int64_t t = 0; t < mine; t += 16) {
+      const __mmask16 m = static_cast<__mmask16>(mine - t >= 16 ? 0xFFFF : (1u << (mine - t)) - 1u);
+      const __m512 x = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, e + t), _mm512_set1_ps(largest[r])));
+      _mm512_mask_storeu_ps(e + t, m, x);
+      inverse[r] += _mm512_mask_reduce_add_ps(m, x);
+    }
+    inverse[r] = 1.f / inverse[r];
+    for (int64_t t = 0; t < mine; ++t) e[t] = round_as(T{}, e[t] * inverse[r]);
+  }
+  for (int64_t g = 0; g < width; g += 16) {
+    const __m512 inv = _mm512_load_ps(inverse + g);
+    if constexpr (bf16) {
+      pack_pairs(scratch.scores.data(), keys, width, g, inv);
+    } else {
+      for (int64_t t = 0; t < keys; ++t) {
+        float* at = scratch.scores.data() + t * width + g;
+        _mm512_storeu_ps(at, _mm512_mul_ps(_mm512_loadu_ps(at), inv));
+      }
+    }
+  }
+  prepare_values(scratch, V, offsets.data(), keys, dim);
+  alignas(64) float sums[BLOCK_ROWS * BLOCK_COLUMNS];
+  for (int64_t r0 = 0; r0 < rows; r0 += BLOCK_ROWS) {
+    const int64_t r1 = std::min(rows, r0 + BLOCK_ROWS);
+    for (int64_t c = 0; c < dim; c += BLOCK_COLUMNS) {
+      sum_block(scratch, V, offsets.data(), width, dim, r0, c, 0, keys, sums);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r / group, mine = lengths[grp.rows[i]] - keys;
+        const float* row = sums + (r - r0) * BLOCK_COLUMNS;
+        alignas(64) float column[BLOCK_COLUMNS];
+        for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) column[d] = row[bf16 ? paired_column(d) : d];
+        __m512 a0 = _mm512_load_ps(column), a1 = _mm512_load_ps(column + 16);
+        if ((r + 1) % group == 0) ask(V + c, i + 1, 0, AHEAD);
+        for (int64_t t = 0; t < mine; ++t) {
+          if (r % group == 0) ask(V + c, i, t + AHEAD, t + AHEAD + 1);
+          const T* v = V + own_offsets[i * longest + t] + c;
+          const __m512 p = _mm512_set1_ps(own[r * longest + t]);
+          a0 = _mm512_fmadd_ps(p, load16(v), a0);
+          a1 = _mm512_fmadd_ps(p, load16(v + 16), a1);
+        }
+        _mm512_store_ps(column, a0);
+        _mm512_store_ps(column + 16, a1);
+        T* o = out + grp.rows[i] * group * kv_heads * dim + (head * group + r % group) * dim + c;
+        for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) store_as(o + d, column[d]);
+      }
+    }
+  }
+  return true;
+}
 #endif  // __AVX512F__
 
 #if defined(__AVX512F__)
@@ -483,6 +674,108 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
 }
 
 }  // namespace
+
+namespace textgen_cpu {
+
+// Decode rows sharing a prefix of at least this many positions, this many rows or more, go through shared_task.
+constexpr int64_t SHARED_MIN_PREFIX = 64;
+constexpr int64_t SHARED_MIN_ROWS = 4;
+
+bool shared_prefix_decode([[maybe_unused]] const at::Tensor& q, [[maybe_unused]] const at::Tensor& k_cache,
+                          [[maybe_unused]] const at::Tensor& v_cache, [[maybe_unused]] const at::Tensor& block_tables,
+                          [[maybe_unused]] const at::Tensor& seq_lens, [[maybe_unused]] double scale,
+                          [[maybe_unused]] const at::Tensor& out, [[maybe_unused]] std::vector<uint8_t>& done) {
+#if defined(__AVX512F__)
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  if (!built(q.scalar_type()) || dim % 32 != 0 || group > MAX_ROWS || batch < SHARED_MIN_ROWS) return true;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* lengths = seq_lens.data_ptr<int64_t>();
+  // Rows by their first block; each run of rows with the same one is a group, sharing the blocks all its rows have
+  // in common from the first on (and no more positions than its shortest row has).
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (lengths[b] >= SHARED_MIN_PREFIX) order.push_back(b);
+  }
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::make_pair(tables[a * max_blocks], a) < std::make_pair(tables[b * max_blocks], b);
+  });
+  const int64_t per_chunk = std::max<int64_t>(1, MAX_ROWS / group);
+  std::vector<SharedGroup> chunks;
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i + 1;
+    while (j < order.size() && tables[order[j] * max_blocks] == tables[order[i] * max_blocks]) ++j;
+    if (static_cast<int64_t>(j - i) >= SHARED_MIN_ROWS) {
+      int64_t shortest = lengths[order[i]];
+      for (size_t k = i; k < j; ++k) shortest = std::min(shortest, lengths[order[k]]);
+      const int32_t* first = tables + order[i] * max_blocks;
+      int64_t common = 0;
+      while (common * block_size < shortest) {
+        bool same = true;
+        for (size_t k = i + 1; k < j && same; ++k) same = tables[order[k] * max_blocks + common] == first[common];
+        if (!same) break;
+        ++common;
+      }
+      const int64_t prefix = std::min(common * block_size, shortest);
+      // Only where the shared keys are most of the rows' keys: the rows' own ones go row by row here, each head
+      // apart, which the per-row path reads faster (all of a slot's heads in one run).
+      int64_t own_keys = 0;
+      for (size_t k = i; k < j; ++k) own_keys += lengths[order[k]] - prefix;
+      if (prefix >= SHARED_MIN_PREFIX && own_keys <= static_cast<int64_t>(j - i) * prefix) {
+        for (size_t k = i; k < j; k += per_chunk) {
+          SharedGroup chunk{{}, prefix};
+          for (size_t u = k; u < std::min(j, k + per_chunk); ++u) chunk.rows.push_back(order[u]);
+          chunks.push_back(std::move(chunk));
+        }
+      }
+    }
+    i = j;
+  }
+  if (chunks.empty()) return true;
+  const int64_t tasks = static_cast<int64_t>(chunks.size()) * kv_heads;
+  bool bad_block = false;
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const FlushDenormals flush;
+    Scratch scratch;
+    std::vector<float> own;
+    std::vector<int64_t> own_offsets;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      // Head-major, as the prefill's tasks: one head's shared keys stay in cache for its chunks.
+      const SharedGroup& chunk = chunks[task % chunks.size()];
+      const int64_t head = task / static_cast<int64_t>(chunks.size());
+      bool ok = true;
+      if (bf16) {
+#if defined(__AVX512BF16__)
+        ok = shared_task<uint16_t>(chunk, head, reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0),
+                                   q.stride(1), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                                   reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables, max_blocks, lengths,
+                                   k_cache.size(0), block_size, kv_heads, group, dim, static_cast<float>(scale),
+                                   scratch, own, own_offsets, reinterpret_cast<uint16_t*>(out.data_ptr()));
+#endif
+      } else {
+        ok = shared_task<float>(chunk, head, q.data_ptr<float>(), q.stride(0), q.stride(1),
+                                k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, max_blocks, lengths,
+                                k_cache.size(0), block_size, kv_heads, group, dim, static_cast<float>(scale), scratch,
+                                own, own_offsets, out.data_ptr<float>());
+      }
+      if (!ok) {
+#pragma omp atomic write
+        bad_block = true;
+      }
+    }
+  }
+  if (bad_block) return false;
+  for (const auto& chunk : chunks) {
+    for (int64_t b : chunk.rows) done[b] = 1;
+  }
+#endif
+  return true;
+}
+
+}  // namespace textgen_cpu
 
 TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def(
