@@ -316,7 +316,8 @@ void prepare_values([[maybe_unused]] Scratch& scratch, [[maybe_unused]] const T*
 // [c, c + 32), to sums (value_block's; in bf16 in paired_column's order).
 template <typename T>
 void sum_block(const Scratch& scratch, [[maybe_unused]] const T* V, [[maybe_unused]] const int64_t* offsets,
-               int64_t width, [[maybe_unused]] int64_t dim, int64_t r0, int64_t c, int64_t t0, int64_t t1, float* sums) {
+               int64_t width, [[maybe_unused]] int64_t dim, int64_t r0, int64_t c, int64_t t0, int64_t t1,
+               float* sums) {
   if constexpr (std::is_same_v<T, uint16_t>) {
 #if defined(__AVX512BF16__)
     value_block(reinterpret_cast<const uint32_t*>(scratch.scores.data()) + r0, width, scratch.values.data(), dim / 16,
