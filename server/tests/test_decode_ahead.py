@@ -232,9 +232,8 @@ def test_the_servicer_decodes_ahead_only_what_the_next_decode_asks_for(
 
     async def scenario() -> None:
         async def settled() -> None:
-            await asyncio.wrap_future(
-                worker.submit(lambda: None)
-            )  # every call queued so far, the forward ahead included, has run
+            # every call queued so far, the forward ahead included, has run
+            await asyncio.wrap_future(worker.submit(lambda: None))
 
         first = make_batch(1, [make_request(0, "def foo(x):", 8), make_request(1, "class", 8)])
         cached = (await service.Prefill(pb.PrefillRequest(batch=first), None)).batch

@@ -39,6 +39,35 @@ def call(case: Case, window: int, out: torch.Tensor | None = None, q: torch.Tens
     return out
 
 
+def attend(case: Case, scale: float = 0.125, window: int | None = None, kernel: bool | None = None) -> torch.Tensor:
+    """`paged_attention` on `case`: with the ops where they are in use (kernel None), or the torch path (False)."""
+    return paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.cu_seqlens_q,
+        case.seq_lens,
+        case.block_tables,
+        scale,
+        window,
+        kernel=kernel,
+    )
+
+
+def assert_agrees(got: torch.Tensor, expected: torch.Tensor, wanted: torch.Tensor, equal_share: float) -> None:
+    """The op's `got` against the torch path's `expected` and the float64 reference's `wanted`. float32: within the
+    reference's tolerance, as SDPA over the gathered keys. bf16: the same roundings as the eager attention (scaled
+    query, scores, probabilities, output) and torch's softmax but for its exp, so only float32 sums in another order,
+    which move a rare score or output to the neighbouring bfloat16 (a score's probability moves by 2^-8 of itself, an
+    output by as much of a value: 2^-7 at most here); at least `equal_share` of the outputs the same bits."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
+        return
+    torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-7)
+    assert (got == expected).float().mean() > equal_share
+    torch.testing.assert_close(got, wanted, rtol=1.6e-2, atol=2**-7)
+
+
 def several(case: Case) -> torch.Tensor:
     """The tokens of rows of several queries (bool [T])."""
     counts = torch.diff(case.cu_seqlens_q)
@@ -58,38 +87,18 @@ def test_rows_of_several_queries_agree_with_the_torch_path(
     got = call(case, window or 0)
     mask = several(case)
     assert bool(got[~mask].isnan().all())  # decode rows are the decode op's: left as they were
-    expected = paged_attention(
-        case.q,
-        case.k_cache,
-        case.v_cache,
-        case.cu_seqlens_q,
-        case.seq_lens,
-        case.block_tables,
-        0.125,
-        window,
-        kernel=False,
-    )[mask]
-    got, wanted = got[mask], reference(case, 0.125, window)[mask]
-    if dtype == torch.float32:  # against the float64 reference, as SDPA over the gathered keys
-        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(expected, wanted, rtol=1e-4, atol=1e-5)
-        return
-    # The same roundings as the eager attention (scaled query, scores, probabilities, output) and torch's softmax
-    # but for its exp: only float32 sums in another order, which move a rare score or output to the neighbouring
-    # bfloat16 (a score's probability moves by 2^-8 of itself, an output by as much of a value: 2^-7 at most here).
-    torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-7)
-    assert (got == expected).float().mean() > 0.999
-    torch.testing.assert_close(got, wanted, rtol=1.6e-2, atol=2**-7)
+    expected = attend(case, window=window, kernel=False)[mask]
+    wanted = reference(case, 0.125, window)[mask]
+    if dtype == torch.float32:
+        torch.testing.assert_close(expected, wanted, rtol=1e-4, atol=1e-5)  # the path replaced, as the reference
+    assert_agrees(got[mask], expected, wanted, 0.999)
 
 
 def test_paged_attention_takes_the_op_for_every_row_of_several_queries() -> None:
     case = make_case(ROWS, torch.bfloat16, 16, 12, 4, 64, seed=4)
     assert prefill_op(case.q, case.k_cache)
-    got = paged_attention(
-        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables, 0.125
-    )
     mask = several(case)
-    assert torch.equal(got[mask], call(case, 0)[mask])
+    assert torch.equal(attend(case)[mask], call(case, 0)[mask])
 
 
 def test_what_the_op_does_not_take_keeps_the_torch_path() -> None:
@@ -183,23 +192,11 @@ def test_decode_rows_sharing_a_prefix_agree_with_the_torch_path(
     # position of its own, one with a partial block.
     own = [0, 1, 7, 16, 40, 3, 90, 25, 2, 5, 11, 64, 33, 8, 9, 10, 12, 13, 14, 15]
     case = shared_case(own, 300, dtype, block_size, heads)
-    got = paged_attention(
-        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables, 0.125
-    )
-    expected = paged_attention(
-        case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables, 0.125, kernel=False
-    )
-    wanted = reference(case, 0.125, None)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
-        return
-    torch.testing.assert_close(got, expected, rtol=2**-7, atol=2**-7)
-    assert (got == expected).float().mean() > 0.99
-    torch.testing.assert_close(got, wanted, rtol=1.6e-2, atol=2**-7)
+    assert_agrees(attend(case), attend(case, kernel=False), reference(case, 0.125, None), 0.99)
 
 
 def test_a_shared_prefix_block_outside_the_pool_is_refused() -> None:
     case = shared_case([4] * 6, 128, torch.bfloat16, 16, (4, 2, 64))
     case.block_tables[:6, 2] = case.k_cache.shape[0]  # inside the shared blocks of all six rows
     with pytest.raises(RuntimeError, match="a block table names a block outside the pool"):
-        paged_attention(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.seq_lens, case.block_tables, 0.1)
+        attend(case, scale=0.1)

@@ -70,6 +70,14 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
+// Where bf16 values of two keys interleaved column by column (vpunpck{l,h}wd, within 128-bit lanes) put column d
+// of each 32, as the pair products summing them keep it: columns 8k .. 8k + 3 of 128-bit lane k in the first 16,
+// 8k + 4 .. 8k + 7 in the second (decode_attention.cpp's accumulate_pairs, prefill_attention.cpp's task_values).
+inline int64_t paired_column(int64_t d) {
+  const int64_t r = d % 32, k = r / 8, j = r % 8;
+  return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
+}
+
 // Every cache line of `bytes` bytes from p, into all cache levels.
 inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);

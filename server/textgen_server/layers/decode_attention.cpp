@@ -414,12 +414,6 @@ constexpr bool use_pairs([[maybe_unused]] int64_t dim) {
 #endif
 }
 
-// Where accumulate_pairs keeps column d: each 32 columns as 16 from the unpacklo half (columns 8k .. 8k + 3 of
-// 128-bit lane k) then 16 from the unpackhi half (8k + 4 .. 8k + 7).
-inline int64_t paired_column(int64_t d) {
-  const int64_t r = d % 32, k = r / 8, j = r % 8;
-  return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
-}
 
 // dot, by pair products where `pairs`.
 template <typename T>

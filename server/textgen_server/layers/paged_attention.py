@@ -82,7 +82,8 @@ def paged_attention(
     - block_tables int32 [B, max_blocks]: row b's position p lives in block block_tables[b, p // block_size];
     - window: sliding window, a query at position p sees keys (p - window, p]; None: all keys up to p;
     - key_slots: per row of several queries, the pool slots (int64, on the pool's device) of its seq_lens[b]
-      positions, computed once per step for every layer (`row_key_slots`); None: from the table, per call;
+      positions, computed once per step for every layer (`row_key_slots`; not where the prefill op takes those
+      rows, which reads the table itself); None: from the table, per call;
     - kernel: whether decode rows go to the C++ op and rows of several queries to theirs (`prefill_op`) or
       gather their keys with the ops (`textgen::gather_kv`), as `use_paged_kernel(q.dtype, q.device)` says (a
       model decides once at load what every layer's call would otherwise look up again); None: looked up here.
@@ -140,16 +141,21 @@ def paged_attention(
 
 def prefill_op(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether rows of several queries go to `textgen::paged_prefill_attention` (prefill_attention.cpp), all in one
-    call: float32 or bfloat16 where the build has its products (AVX-512; AVX512-BF16 for bfloat16), a head size that
-    is a multiple of 32 and at most 64 query heads a KV head. The caller has checked that the ops are in use
-    (`kernel`)."""
-    dim, kv_heads = q.shape[2], k_cache.shape[2]
-    return dim % 32 == 0 and q.shape[1] // kv_heads <= 64 and _prefill_op_built(q.dtype)
+    call; the caller has checked that the ops are in use (`kernel`)."""
+    return prefill_op_takes(q.dtype, q.shape[1] // k_cache.shape[2], q.shape[2])
 
 
 @functools.cache
-def _prefill_op_built(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float32, torch.bfloat16) and bool(torch.ops.textgen.paged_prefill_attention_built(dtype))
+def prefill_op_takes(dtype: torch.dtype, group: int, dim: int) -> bool:
+    """Whether the prefill op takes heads of `dim` values, `group` query heads a KV head, in `dtype`: float32 or
+    bfloat16 where the build has its products (AVX-512; AVX512-BF16 for bfloat16), a head size that is a multiple of
+    32 and at most 64 query heads a KV head."""
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and dim % 32 == 0
+        and group <= 64
+        and bool(torch.ops.textgen.paged_prefill_attention_built(dtype))
+    )
 
 
 def decode_rows(

@@ -61,13 +61,6 @@ constexpr int64_t MAX_ROWS = 64;
 // Keys ahead whose lines are asked for: the pool's slots scatter them, where the hardware prefetcher cannot follow.
 constexpr int64_t AHEAD = 16;
 
-// Where the bf16 values' interleaving (task_values) puts column d of each 32: columns 8k .. 8k + 3 of 128-bit lane k
-// in the first 16, 8k + 4 .. 8k + 7 in the second.
-inline int64_t paired_column(int64_t d) {
-  const int64_t r = d % 32, k = r / 8, j = r % 8;
-  return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
-}
-
 #if defined(__AVX512F__)
 
 // One task: row b's KV head `head` and its queries [s0, s1).
@@ -154,6 +147,15 @@ void task_scores(const T* K, const int64_t* offsets, int64_t keys, int64_t first
   }
 }
 
+// task_scores for a task of `groups` lane groups (1 to 4).
+template <typename T>
+auto scores_for(int64_t groups) {
+  using Scores = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, const __m512i*, const __m512i*,
+                          const __m512i*, const int64_t*, const T*, float*, __m512*);
+  constexpr Scores by_groups[4] = {task_scores<T, 1>, task_scores<T, 2>, task_scores<T, 3>, task_scores<T, 4>};
+  return by_groups[groups - 1];
+}
+
 #if defined(__AVX512BF16__)
 // The probabilities e * inv of the lane group at column g, rounded to bf16, as pairs of consecutive keys (uint32),
 // in place: pair j lands on key j's row, which keys 2j and 2j + 1 (read first) are at or past.
@@ -174,6 +176,19 @@ inline void pack_pairs(float* scores, int64_t keys, int64_t width, int64_t g, __
 // Never called: bf16 tasks run only where AVX512-BF16 is built.
 inline void pack_pairs(float*, int64_t, int64_t, int64_t, __m512) {}
 #endif
+
+// The lane group at column g's probabilities e * inv, over the e's in place: in float32 as they are; in bf16 rounded,
+// as pairs of consecutive keys (pack_pairs).
+template <typename T>
+void normalize(float* scores, int64_t keys, int64_t width, int64_t g, __m512 inv) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t t = 0; t < keys; ++t) {
+      _mm512_storeu_ps(scores + t * width + g, _mm512_mul_ps(_mm512_loadu_ps(scores + t * width + g), inv));
+    }
+  } else {
+    pack_pairs(scores, keys, width, g, inv);
+  }
+}
 
 // The softmax of every query row over the task's keys (positions first, first + 1, ...), down the key-major scores,
 // 16 rows at a time, as torch's softmax of the row's `total` columns: exp(x - max), the sum as torch's (16 lane
@@ -217,14 +232,7 @@ void task_softmax(float* scores, int64_t keys, int64_t width, int64_t first, int
       for (int j = 0; j < 2; ++j) sums[j] = _mm512_add_ps(sums[j], sums[j + 2]);
       sum = _mm512_add_ps(sums[0], sums[1]);
     }
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
-    if constexpr (std::is_same_v<T, float>) {
-      for (int64_t t = 0; t < keys; ++t) {
-        _mm512_storeu_ps(scores + t * width + g, _mm512_mul_ps(_mm512_loadu_ps(scores + t * width + g), inv));
-      }
-    } else {
-      pack_pairs(scores, keys, width, g, inv);
-    }
+    normalize<T>(scores, keys, width, g, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
   }
 }
 
@@ -246,8 +254,6 @@ void task_values(const uint16_t* V, const int64_t* offsets, int64_t keys, int64_
     }
   }
 }
-
-
 #endif
 
 // Query rows a block of the values' sums takes, and the columns: 16 accumulators in registers.
@@ -389,10 +395,7 @@ bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, con
   __m512 top[4];
   scratch.scores.resize(keys * width);
   scratch.zeros.assign(dim, 0.f);
-  using Scores = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, const __m512i*, const __m512i*,
-                          const __m512i*, const int64_t*, const T*, float*, __m512*);
-  constexpr Scores by_groups[4] = {task_scores<T, 1>, task_scores<T, 2>, task_scores<T, 3>, task_scores<T, 4>};
-  by_groups[groups - 1](K, offsets.data(), keys, first, dim, scratch.queries.data(), lo16, hi16, seen_by_all,
+  scores_for<T>(groups)(K, offsets.data(), keys, first, dim, scratch.queries.data(), lo16, hi16, seen_by_all,
                         reinterpret_cast<const T*>(scratch.zeros.data()), scratch.scores.data(), top);
   task_softmax<T>(scratch.scores.data(), keys, width, first, length, top);
   prepare_values(scratch, V, offsets.data(), keys, dim);
@@ -413,7 +416,6 @@ bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, con
   }
   return true;
 }
-
 
 // Decode rows that share the first blocks of their block tables (a prefix-cache hit's prompt): rows of a group are
 // the lanes of one task per KV head over the shared keys, as a prefill's queries are, so each shared key is read
@@ -477,10 +479,7 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
   }
   __m512 top[4];
   scratch.scores.resize(keys * width);
-  using Scores = void (*)(const T*, const int64_t*, int64_t, int64_t, int64_t, const __m512i*, const __m512i*,
-                          const __m512i*, const int64_t*, const T*, float*, __m512*);
-  constexpr Scores by_groups[4] = {task_scores<T, 1>, task_scores<T, 2>, task_scores<T, 3>, task_scores<T, 4>};
-  by_groups[groups - 1](K, offsets.data(), keys, 0, dim, scratch.queries.data(), lo16, hi16, seen_by_all, zeros,
+  scores_for<T>(groups)(K, offsets.data(), keys, 0, dim, scratch.queries.data(), lo16, hi16, seen_by_all, zeros,
                         scratch.scores.data(), top);
   // The own keys' scores, row by row, and each row's largest score of all.
   own.assign(rows * longest, 0.f);
@@ -538,19 +537,15 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
       _mm512_mask_storeu_ps(e + t, m, x);
       inverse[r] += _mm512_mask_reduce_add_ps(m, x);
     }
-    inverse[r] = 1.f / inverse[r];
-    for (int64_t t = 0; t < mine; ++t) e[t] = round_as(T{}, e[t] * inverse[r]);
   }
-  for (int64_t g = 0; g < width; g += 16) {
-    const __m512 inv = _mm512_load_ps(inverse + g);
-    if constexpr (bf16) {
-      pack_pairs(scratch.scores.data(), keys, width, g, inv);
-    } else {
-      for (int64_t t = 0; t < keys; ++t) {
-        float* at = scratch.scores.data() + t * width + g;
-        _mm512_storeu_ps(at, _mm512_mul_ps(_mm512_loadu_ps(at), inv));
-      }
-    }
+  for (int64_t g = 0; g < width; g += 16) {  // every lane's sum to its inverse, padding lanes' too
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(inverse + g));
+    _mm512_store_ps(inverse + g, inv);
+    normalize<T>(scratch.scores.data(), keys, width, g, inv);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* e = own.data() + r * longest;
+    for (int64_t t = 0; t < lengths[grp.rows[r / group]] - keys; ++t) e[t] = round_as(T{}, e[t] * inverse[r]);
   }
   prepare_values(scratch, V, offsets.data(), keys, dim);
   alignas(64) float sums[BLOCK_ROWS * BLOCK_COLUMNS];

@@ -15,6 +15,7 @@ and values of refused guesses stay in the row's slots past its cache length, to 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -27,7 +28,7 @@ import torch
 from textgen_pb import generate_pb2
 from textgen_server.config import PagingConfig, ShardConfig
 from textgen_server.layers.lora import AdapterSegments
-from textgen_server.layers.paged_attention import row_key_slots
+from textgen_server.layers.paged_attention import prefill_op_takes, row_key_slots, use_paged_kernel
 from textgen_server.models.cuda_graphs import DecodeGraphs
 from textgen_server.models.generations import emit_generations, prompt_logprobs
 from textgen_server.models.kv_pool import KVPool, free_memory, pool_blocks
@@ -56,6 +57,12 @@ class PagedCausalLM(Model[PagedBatch]):
         self.max_prefill_tokens: int | None = None  # the step's token budget, from Warmup (chunk sizes)
         self._pool: KVPool | None = None
         self.graphs: DecodeGraphs | None = None  # captured at Warmup on a GPU when CUDA_GRAPHS names sizes
+
+    @functools.cached_property
+    def _prefill_op(self) -> bool:
+        """Whether every layer's rows of several tokens go to the prefill attention op (layers/paged_attention.py)."""
+        dtype, device = self.pool.shape.dtype, self.config.device
+        return use_paged_kernel(dtype, device) and prefill_op_takes(dtype, self.module.group, self.module.head_dim)
 
     @property
     def batch_type(self) -> type[PagedBatch]:
@@ -297,10 +304,11 @@ class PagedCausalLM(Model[PagedBatch]):
         return torch.tensor(ids, dtype=torch.long, device=device), rotary, step
 
     def _key_slots(self, batch: PagedBatch, table: torch.Tensor) -> list[torch.Tensor | None]:
-        """The keys' slots of each row feeding several tokens (None for the others), for every layer's attention."""
+        """The keys' slots of each row feeding several tokens (None for the others), for every layer's attention;
+        none where the prefill op takes those rows (it reads the block table itself)."""
         several = [i for i, n in enumerate(batch.chunk_lengths) if n > 1]
         out: list[torch.Tensor | None] = [None] * len(batch)
-        if several:
+        if several and not self._prefill_op:
             lengths = [batch.cache_lengths[i] + batch.chunk_lengths[i] for i in several]
             found = row_key_slots(table[several], lengths, self.paging.block_size, self.config.device)
             for i, slots in zip(several, found, strict=True):

@@ -533,6 +533,7 @@ class TPCausalLM(nn.Module):
         self.windows = _layer_windows(config)
         self.head_dim = head_size(config)
         self.kv_heads = config.num_key_value_heads // dist.world_size  # this shard's
+        self.group = config.num_attention_heads // config.num_key_value_heads  # query heads a KV head
         self.layers = nn.ModuleList(
             DecoderLayer(config, weights, i, dist, window) for i, window in enumerate(self.windows)
         )
