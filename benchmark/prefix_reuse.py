@@ -141,6 +141,7 @@ def add_projections(args: argparse.Namespace, ceiling: Ceiling, run: dict) -> No
     step = Step(
         min(round(run["prefill_tokens"] / calls), args.max_batch_prefill_tokens), round(run["requests"] / calls)
     )
+    ceiling.time_steps([step])
     seconds = calls * ceiling.step_seconds(step)
     run["prefill_projections_s"] = seconds
     run["prefill_forward_over_projections"] = run["prefill_forward_s"] / seconds

@@ -56,3 +56,22 @@ def test_a_given_model_directory_is_used_as_it_is(tiny_llama: Path, tmp_path: Pa
     stamp = (tiny_llama / ".textgen-build.json").read_text()
     assert engine.model_dir(argparse.Namespace(model_dir=tiny_llama)) == tiny_llama
     assert (tiny_llama / ".textgen-build.json").read_text() == stamp
+
+
+def test_time_steps_times_what_the_steps_need_and_keeps_each_least_time(tiny_llama: Path) -> None:
+    ceiling = Ceiling(tiny_llama, torch.float32, 1)
+    first, second = ceiling.layers[0], ceiling.layers[1]
+    ceiling.least[(first.out_features, first.in_features, 2)] = 1e3  # a stalled first pass
+    ceiling.least[(second.out_features, second.in_features, 2)] = 1e-12  # faster than any real product
+    ceiling.paths[(first.out_features, first.in_features, 2)] = ceiling.paths[
+        (second.out_features, second.in_features, 2)
+    ] = "stalled"
+    ceiling.time_steps([Step(3, 0)], passes=1)
+    assert {(o, i) for (o, i, _) in ceiling.least} == {(s.out_features, s.in_features) for s in ceiling.layers}
+    assert {rows for (_, _, rows) in ceiling.least} == {2, 4}
+    assert ceiling.least[(first.out_features, first.in_features, 2)] < 1e3
+    assert ceiling.paths[(first.out_features, first.in_features, 2)] != "stalled"
+    assert ceiling.least[(second.out_features, second.in_features, 2)] == 1e-12
+    assert ceiling.paths[(second.out_features, second.in_features, 2)] == "stalled"
+    ceiling.time_steps([Step(2, 1)], passes=1)
+    assert (ceiling.head.out_features, ceiling.head.in_features, 1) in ceiling.least

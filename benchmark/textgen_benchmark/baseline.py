@@ -196,6 +196,7 @@ def measure(
     finally:
         stop(proc)
     ceiling = Ceiling(model_dir, getattr(torch, dtype), threads)
+    ceiling.time_steps(report.steps)
     report.ceiling_s = ceiling.seconds(report.steps)
     report.ceiling_tok_s = report.generated_tokens / report.ceiling_s
     report.ceiling_fraction = report.ceiling_s / report.wall_s
