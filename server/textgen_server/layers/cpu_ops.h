@@ -84,6 +84,24 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
 }
 
+// Share `part` of `parts` of the cache lines of `count` runs of `bytes` bytes at base + offsets[r] (elements of T),
+// in order, asked into L2 (prefetcht2) only. A task that takes a tile's runs in several passes (head by head)
+// calls it once a pass for the next tile, so those lines arrive spread over the work. In a bare loop over a tile
+// read head by head, asking into L1 (prefetcht0) came at half the rate: a core holds only a few L1 misses in
+// flight, and strided demand loads do not start the hardware's streams (benchmark/README.md, "W1's decode steps:
+// reading the KV cache, and prefetches into L2").
+template <typename T>
+inline void prefetch_share(const T* base, const int64_t* offsets, int64_t count, int64_t bytes, int64_t part,
+                           int64_t parts) {
+  const int64_t lines = (bytes + 63) / 64, total = count * lines;
+  const int64_t first = part * total / parts, last = (part + 1) * total / parts;
+  int64_t run = first / lines, line = first % lines;
+  for (int64_t j = first; j < last; ++j) {
+    __builtin_prefetch(reinterpret_cast<const char*>(base + offsets[run]) + line * 64, 0, 1);
+    if (++line == lines) line = 0, ++run;
+  }
+}
+
 inline float to_float(uint16_t x) { return bf16_to_float(x); }
 inline float to_float(float x) { return x; }
 

@@ -447,20 +447,23 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
                std::vector<float>& queries, std::vector<float>& scores, std::vector<float>& acc, T* out) {
   const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0, rows = length - start;
   const int64_t heads = (h1 - h0) * group;
-  slots.resize(rows);
+  // A slot holds all KV heads side by side: the task's heads are one contiguous run of `span` bytes per slot.
+  const int64_t slot_stride = kv_heads * dim, span = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
+  slots.resize(rows);  // each key's offset in the pool, in elements
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t pos = start + t, block = table[pos / block_size];
     if (block < 0 || block >= num_blocks) return false;
-    slots[t] = block * block_size + pos % block_size;
+    slots[t] = (block * block_size + pos % block_size) * slot_stride;
   }
-  // A slot holds all KV heads side by side: the task's heads are one contiguous run of `span` bytes per slot.
-  const int64_t slot_stride = kv_heads * dim, span = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
+  const T* task_keys = K + h0 * dim;
+  const T* task_values = V + h0 * dim;
   queries.resize(heads * dim);
   for (int64_t i = 0; i < heads; ++i) {
     const T* q = Q + (h0 * group + i) * q_head_stride;
     for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = round_as(T{}, to_float(q[d]) * scale);
   }
-  // Prefetch as many bytes ahead as the padded op's AHEAD rows of 128 bytes, at least a few slots.
+  // Prefetch as many bytes ahead as the padded op's AHEAD rows of 128 bytes, at least a few slots (the AVX2 tiles
+  // and the last slots; AVX-512 tiles and the values' chunks ask for the next tile's lines head by head instead).
   const int64_t ahead = std::max<int64_t>(4, AHEAD * 128 / span);
   scores.resize(heads * rows);
   int64_t t = 0;
@@ -480,11 +483,10 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     };
     const T* keys[16];
     for (; t + 16 <= rows; t += 16) {
-      for (int64_t u = t + ahead; u < std::min(t + 16 + ahead, rows); ++u) {
-        prefetch_lines(K + slots[u] * slot_stride + h0 * dim, span);
-      }
+      const int64_t next = std::min<int64_t>(16, rows - t - 16);  // slots of the next tile
       for (int64_t i = 0; i < heads; ++i) {
-        for (int s = 0; s < 16; ++s) keys[s] = K + slots[t + s] * slot_stride + (h0 + i / group) * dim;
+        if (next > 0) prefetch_share(task_keys, slots.data() + t + 16, next, span, i, heads);
+        for (int s = 0; s < 16; ++s) keys[s] = task_keys + slots[t + s] + (i / group) * dim;
         _mm512_storeu_ps(scores.data() + i * rows + t, round_as(T{}, dots(i, keys)));
       }
     }
@@ -495,11 +497,9 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     const T* keys[4];
     float four[4];
     for (; t + 4 <= rows; t += 4) {
-      for (int64_t u = t + ahead; u < std::min(t + 4 + ahead, rows); ++u) {
-        prefetch_lines(K + slots[u] * slot_stride + h0 * dim, span);
-      }
+      for (int64_t u = t + ahead; u < std::min(t + 4 + ahead, rows); ++u) prefetch_lines(task_keys + slots[u], span);
       for (int64_t i = 0; i < heads; ++i) {
-        for (int s = 0; s < 4; ++s) keys[s] = K + slots[t + s] * slot_stride + (h0 + i / group) * dim;
+        for (int s = 0; s < 4; ++s) keys[s] = task_keys + slots[t + s] + (i / group) * dim;
         dot4(queries.data() + i * dim, keys, dim, four);
         for (int s = 0; s < 4; ++s) scores[i * rows + t + s] = round_as(T{}, four[s]);
       }
@@ -507,21 +507,20 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   }
 #endif
   for (; t < rows; ++t) {
-    if (t + ahead < rows) prefetch_lines(K + slots[t + ahead] * slot_stride + h0 * dim, span);
-    const T* key = K + slots[t] * slot_stride + h0 * dim;
+    if (t + ahead < rows) prefetch_lines(task_keys + slots[t + ahead], span);
+    const T* key = task_keys + slots[t];
     for (int64_t i = 0; i < heads; ++i) {
       scores[i * rows + t] = round_as(T{}, dot_as(pairs, queries.data() + i * dim, key + (i / group) * dim, dim));
     }
   }
   for (int64_t i = 0; i < heads; ++i) softmax<T>(scores.data() + i * rows, rows);
   // Values a chunk of slots at a time, head by head: each head's accumulators stay in registers for the chunk.
-  for (int64_t t = 0; t < rows; ++t) slots[t] *= slot_stride;
   acc.assign(heads * dim, 0.f);
   for (int64_t c = 0; c < rows; c += CHUNK) {
-    const int64_t n = std::min<int64_t>(CHUNK, rows - c);
-    for (int64_t t = c + ahead; t < std::min(c + n + ahead, rows); ++t) prefetch_lines(V + slots[t] + h0 * dim, span);
+    const int64_t n = std::min<int64_t>(CHUNK, rows - c), next = std::min<int64_t>(CHUNK, rows - c - n);
     for (int64_t i = 0; i < heads; ++i) {
-      accumulate_as(pairs, scores.data() + i * rows + c, V + (h0 + i / group) * dim, slots.data() + c, n, dim,
+      if (next > 0) prefetch_share(task_values, slots.data() + c + n, next, span, i, heads);
+      accumulate_as(pairs, scores.data() + i * rows + c, task_values + (i / group) * dim, slots.data() + c, n, dim,
                     acc.data() + i * dim);
     }
   }
