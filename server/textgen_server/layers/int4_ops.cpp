@@ -351,6 +351,19 @@ struct QuadIndex {
 };
 const QuadIndex QUAD_INDEX;
 
+// block_vnni's prefetches: into L2 only (prefetcht2) for one row of x, into L1 for more. On a Zen 4, a `1b` step's
+// int4 projections in sequence took 0.88x the time at one row with its weights' and scales' lines asked into L2
+// (0.93x with the weights' alone); at 4 and 16 rows, L2 took 1.25x and 1.15x (benchmark/README.md, "int4 at one
+// row: prefetches into L2").
+template <int R>
+inline void prefetch_for(const char* p) {
+  if constexpr (R == 1) {
+    _mm_prefetch(p, _MM_HINT_T2);
+  } else {
+    _mm_prefetch(p, _MM_HINT_T0);
+  }
+}
+
 template <int R>
 void block_vnni(const RowInts* const* x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0,
                 int64_t k, int64_t g, float* const* y) {
@@ -364,15 +377,15 @@ void block_vnni(const RowInts* const* x, const uint8_t* w, const uint32_t* so, i
     // The group's scales, read after its weights: 256 bytes N pairs after the last group's, where no prefetcher
     // looks; asked for now, they arrive while the group's weights are summed.
     const char* scales = reinterpret_cast<const char*>(so + gi * n_total + n0);
-    for (int line = 0; line < 4; ++line) _mm_prefetch(scales + 64 * line, _MM_HINT_T0);
+    for (int line = 0; line < 4; ++line) prefetch_for<R>(scales + 64 * line);
     for (int64_t c0 = k0; c0 < k0 + g; c0 += X_BLOCK) {
       __m512i acc[R][4];  // outputs 0..15, 16..31, 32..47, 48..63 of each row
       for (int r = 0; r < R; ++r)
         for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_setzero_si512();
       const uint8_t* row = w + c0 * 32;
       for (int64_t kk = c0; kk < c0 + X_BLOCK; kk += 4, row += 128) {
-        _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(row + PREFETCH_BYTES + 64), _MM_HINT_T0);
+        prefetch_for<R>(reinterpret_cast<const char*>(row + PREFETCH_BYTES));
+        prefetch_for<R>(reinterpret_cast<const char*>(row + PREFETCH_BYTES + 64));
         const __m512i a = _mm512_loadu_si512(row), b = _mm512_loadu_si512(row + 64);
         const __m512i a_lo = _mm512_and_si512(a, low4), b_lo = _mm512_and_si512(b, low4);
         const __m512i a_hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
