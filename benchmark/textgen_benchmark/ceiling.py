@@ -43,7 +43,7 @@ GRID = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048)
 # bf16 loops at 2,048 rows take seconds a call on an AVX2 CPU).
 DROP_SLOWER = 2.0
 # A shape's rounds at one row count last milliseconds, and a stall of the host over them once made the down projection
-# at 2,048 rows read 224 GFLOP/s beside 423-432 for the other shapes, a W1 ceiling 1.3 s too long (its 17,024-token
+# at 2,048 rows read 224 GFLOP/s beside 423-432 for the other shapes, a W1 ceiling about 0.7 s too long (its 9,239-token
 # prefill is scaled from that point). A second pass over every product, seconds later, keeps the lesser time.
 PASSES = 2
 
