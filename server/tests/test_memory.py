@@ -1,11 +1,16 @@
-"""keep_freed_memory: a freed large activation buffer stays in the process for the next step."""
+"""keep_freed_memory: a freed large activation buffer stays in the process for the next step. in_huge_pages: a
+weight's copy on 2 MiB-aligned memory advised for huge pages, its bytes and nothing past them."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from textgen_server.utils.memory import HUGE_PAGE, in_huge_pages
 
 # Allocates and touches a 64 MiB tensor, frees it, and prints how much of it the process still holds (MiB).
 PROBE = """
@@ -33,3 +38,43 @@ def kept_mib(mode: str) -> float:
 def test_freed_activation_memory_stays_in_the_process() -> None:
     assert kept_mib("default") < 8  # glibc unmapped it: the next step page-faults it in again
     assert kept_mib("keep") > 56
+
+
+def huge_pages_of(t: torch.Tensor) -> int:
+    """Bytes of `t`'s mapping that the kernel backs with huge pages (/proc/self/smaps, the VMA holding it)."""
+    start = t.data_ptr()
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= start < high
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mmap's MADV_HUGEPAGE, /proc")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_large_weight_is_copied_onto_memory_advised_for_huge_pages(dtype: torch.dtype) -> None:
+    weight = torch.randn(2 * HUGE_PAGE // 2 + 12_345, 2).to(dtype)  # two whole huge pages and a tail at least
+    copy = in_huge_pages(weight)
+    assert torch.equal(copy, weight) and copy.dtype == dtype and copy.shape == weight.shape and copy.is_contiguous()
+    assert copy.data_ptr() != weight.data_ptr() and copy.data_ptr() % HUGE_PAGE == 0
+    whole = copy.numel() * copy.element_size() // HUGE_PAGE * HUGE_PAGE
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+        thp = "[never]" not in mode.read()
+    # Only the whole 2 MiB runs are advised: the tail stays on 4 KiB pages, so nothing past the copy is touched.
+    assert huge_pages_of(copy) <= whole
+    if thp:
+        assert huge_pages_of(copy) > 0
+    expected = weight.float().sum()
+    del weight
+    gc.collect()
+    assert torch.equal(copy.float().sum(), expected)  # the copy outlives its source: it holds its own mapping
+
+
+def test_a_small_or_foreign_tensor_is_left_as_it_is() -> None:
+    small = torch.randn(100, 100)
+    assert in_huge_pages(small) is small

@@ -47,6 +47,7 @@ from textgen_server.config import DISABLE_CUSTOM_KERNELS, UnsupportedConfigError
 from textgen_server.layers import cpu_ops
 from textgen_server.layers.measurements import Measurements, measurements
 from textgen_server.utils import cgroup
+from textgen_server.utils.memory import in_huge_pages
 
 logger = logging.getLogger("textgen_server.layers.linear_choice")
 
@@ -232,6 +233,8 @@ class GemvKernel(Kernel):
         super().__init__(weight, bias)
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.textgen.gemv_pack(weight.contiguous())
+        if self.packed.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():  # not the weight itself
+            self.packed = in_huge_pages(self.packed)  # read whole at every one-row step: fewer TLB misses
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         if weight.dtype == torch.float32:
             self.k_chunk: int | None = self.FLOAT32_RUN

@@ -56,6 +56,7 @@ from textgen_server.layers.linear_choice import (
 )
 from textgen_server.layers.measurements import measurements
 from textgen_server.layers.quantized_weight import QuantizedWeight
+from textgen_server.utils.memory import in_huge_pages
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -248,6 +249,7 @@ class Int4Kernel(PackedKernel):
         self.order = None if bool((order == torch.arange(order.numel())).all()) else order
         q = weight.q if self.order is None else weight.q[:, order]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
+        packed = in_huge_pages(packed)  # read whole at every one-row step (utils/memory.py)
         super().__init__(packed, bias, weight.shape[1])
         self.packed = packed
         self.group_size = next(g for g in INT4_GROUP_SIZES if weight.group_size % g == 0)
@@ -320,7 +322,7 @@ class Int8Weights(PackedKernel):
         reason = self.why_not(weight)
         if reason is not None:
             raise ValueError(f"the {self.path} kernel cannot serve this weight: {reason}")
-        ints = (weight.q.to(torch.int16) - 128).to(torch.int8).contiguous()
+        ints = in_huge_pages((weight.q.to(torch.int16) - 128).to(torch.int8).contiguous())
         super().__init__(ints, bias, weight.shape[1])
         self.ints = ints
         self.scales = weight.scales[:, int(weight.g_idx[0])].contiguous()
