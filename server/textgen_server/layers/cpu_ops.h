@@ -78,6 +78,19 @@ inline int64_t paired_column(int64_t d) {
   return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
 }
 
+// The pool offsets (in elements) of a row's positions [first, first + count) at KV head `head`, for the paged pool
+// [N, S, Hkv, D]: position p sits in slot table[p / S] * S + p % S. False where the table names a block outside the
+// pool (out then partly written).
+inline bool pool_offsets(const int32_t* table, int64_t first, int64_t count, int64_t block_size, int64_t num_blocks,
+                         int64_t kv_heads, int64_t head, int64_t dim, int64_t* out) {
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t pos = first + t, block = table[pos / block_size];
+    if (block < 0 || block >= num_blocks) return false;
+    out[t] = ((block * block_size + pos % block_size) * kv_heads + head) * dim;
+  }
+  return true;
+}
+
 // Every cache line of `bytes` bytes from p, into all cache levels.
 inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);

@@ -448,15 +448,9 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0, rows = length - start;
   const int64_t heads = (h1 - h0) * group;
   // A slot holds all KV heads side by side: the task's heads are one contiguous run of `span` bytes per slot.
-  const int64_t slot_stride = kv_heads * dim, span = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
-  slots.resize(rows);  // each key's offset in the pool, in elements
-  for (int64_t t = 0; t < rows; ++t) {
-    const int64_t pos = start + t, block = table[pos / block_size];
-    if (block < 0 || block >= num_blocks) return false;
-    slots[t] = (block * block_size + pos % block_size) * slot_stride;
-  }
-  const T* task_keys = K + h0 * dim;
-  const T* task_values = V + h0 * dim;
+  const int64_t span = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
+  slots.resize(rows);  // each key's offset in the pool at the task's first KV head, in elements
+  if (!pool_offsets(table, start, rows, block_size, num_blocks, kv_heads, h0, dim, slots.data())) return false;
   queries.resize(heads * dim);
   for (int64_t i = 0; i < heads; ++i) {
     const T* q = Q + (h0 * group + i) * q_head_stride;
@@ -485,8 +479,8 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     for (; t + 16 <= rows; t += 16) {
       const int64_t next = std::min<int64_t>(16, rows - t - 16);  // slots of the next tile
       for (int64_t i = 0; i < heads; ++i) {
-        if (next > 0) prefetch_share(task_keys, slots.data() + t + 16, next, span, i, heads);
-        for (int s = 0; s < 16; ++s) keys[s] = task_keys + slots[t + s] + (i / group) * dim;
+        if (next > 0) prefetch_share(K, slots.data() + t + 16, next, span, i, heads);
+        for (int s = 0; s < 16; ++s) keys[s] = K + slots[t + s] + (i / group) * dim;
         _mm512_storeu_ps(scores.data() + i * rows + t, round_as(T{}, dots(i, keys)));
       }
     }
@@ -497,9 +491,9 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     const T* keys[4];
     float four[4];
     for (; t + 4 <= rows; t += 4) {
-      for (int64_t u = t + ahead; u < std::min(t + 4 + ahead, rows); ++u) prefetch_lines(task_keys + slots[u], span);
+      for (int64_t u = t + ahead; u < std::min(t + 4 + ahead, rows); ++u) prefetch_lines(K + slots[u], span);
       for (int64_t i = 0; i < heads; ++i) {
-        for (int s = 0; s < 4; ++s) keys[s] = task_keys + slots[t + s] + (i / group) * dim;
+        for (int s = 0; s < 4; ++s) keys[s] = K + slots[t + s] + (i / group) * dim;
         dot4(queries.data() + i * dim, keys, dim, four);
         for (int s = 0; s < 4; ++s) scores[i * rows + t + s] = round_as(T{}, four[s]);
       }
@@ -507,8 +501,8 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   }
 #endif
   for (; t < rows; ++t) {
-    if (t + ahead < rows) prefetch_lines(task_keys + slots[t + ahead], span);
-    const T* key = task_keys + slots[t];
+    if (t + ahead < rows) prefetch_lines(K + slots[t + ahead], span);
+    const T* key = K + slots[t];
     for (int64_t i = 0; i < heads; ++i) {
       scores[i * rows + t] = round_as(T{}, dot_as(pairs, queries.data() + i * dim, key + (i / group) * dim, dim));
     }
@@ -519,8 +513,8 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   for (int64_t c = 0; c < rows; c += CHUNK) {
     const int64_t n = std::min<int64_t>(CHUNK, rows - c), next = std::min<int64_t>(CHUNK, rows - c - n);
     for (int64_t i = 0; i < heads; ++i) {
-      if (next > 0) prefetch_share(task_values, slots.data() + c + n, next, span, i, heads);
-      accumulate_as(pairs, scores.data() + i * rows + c, task_values + (i / group) * dim, slots.data() + c, n, dim,
+      if (next > 0) prefetch_share(V, slots.data() + c + n, next, span, i, heads);
+      accumulate_as(pairs, scores.data() + i * rows + c, V + (i / group) * dim, slots.data() + c, n, dim,
                     acc.data() + i * dim);
     }
   }

@@ -364,11 +364,7 @@ bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, con
   const int64_t first = window > 0 ? std::max<int64_t>(0, hi0 - window + 1) : 0, keys = last - first + 1;
   auto& offsets = scratch.offsets;
   offsets.resize(keys);
-  for (int64_t t = 0; t < keys; ++t) {
-    const int64_t pos = first + t, block = table[pos / block_size];
-    if (block < 0 || block >= num_blocks) return false;
-    offsets[t] = ((block * block_size + pos % block_size) * kv_heads + task.head) * dim;
-  }
+  if (!pool_offsets(table, first, keys, block_size, num_blocks, kv_heads, task.head, dim, offsets.data())) return false;
   // Row r = i * group + g: query s0 + i, query head head * group + g. Padding rows see every key with a zero query.
   // Lane r of group g in step i: bf16, the pair (2i, 2i + 1) of the scaled query rounded to bf16; float32, value i.
   const int64_t steps = bf16 ? dim / 2 : dim;
@@ -435,16 +431,11 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
   constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   const int64_t count = static_cast<int64_t>(grp.rows.size()), rows = count * group;
   const int64_t groups = (rows + 15) / 16, width = groups * 16, keys = grp.prefix;
-  auto slot_of = [&](int64_t b, int64_t pos) {
-    const int64_t block = tables[b * max_blocks + pos / block_size];
-    return block < 0 || block >= num_blocks ? int64_t{-1} : block * block_size + pos % block_size;
-  };
   auto& offsets = scratch.offsets;
   offsets.resize(keys);
-  for (int64_t t = 0; t < keys; ++t) {
-    const int64_t slot = slot_of(grp.rows[0], t);
-    if (slot < 0) return false;
-    offsets[t] = (slot * kv_heads + head) * dim;
+  if (!pool_offsets(tables + grp.rows[0] * max_blocks, 0, keys, block_size, num_blocks, kv_heads, head, dim,
+                    offsets.data())) {
+    return false;
   }
   // Each row's own keys, [prefix, length).
   int64_t longest = 0;
@@ -452,10 +443,9 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
   own_offsets.assign(count * longest, 0);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t b = grp.rows[i];
-    for (int64_t t = keys; t < lengths[b]; ++t) {
-      const int64_t slot = slot_of(b, t);
-      if (slot < 0) return false;
-      own_offsets[i * longest + t - keys] = (slot * kv_heads + head) * dim;
+    if (!pool_offsets(tables + b * max_blocks, keys, lengths[b] - keys, block_size, num_blocks, kv_heads, head, dim,
+                      own_offsets.data() + i * longest)) {
+      return false;
     }
   }
   const int64_t steps = bf16 ? dim / 2 : dim;
