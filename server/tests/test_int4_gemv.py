@@ -84,10 +84,11 @@ def test_dequantize_gives_the_weight_the_formula_gives(n: int, k: int, group: in
         torch.ops.textgen.int4_dequantize(packed, scales_offsets, group, torch.float16)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 5, 7])
+@pytest.mark.parametrize("rows", [2, 3, 5, 7, 9, 37])
 def test_several_rows_give_each_row_s_own_bits(rows: int) -> None:
-    """Rows that share each read of the weight (four at a time on torch's AVX2 layout and on AVX-512 with VNNI; full
-    blocks and a short one here) sum as one row alone does."""
+    """Rows that share each read of the weight (all of a call's on AVX-512 with VNNI, the first four as a block is
+    gathered and the others four at a time over its kept quads; four at a time on torch's AVX2 layout; full blocks
+    and a short one here; 37 rows are quantized by more than one thread) sum as one row alone does."""
     packed, scales_offsets, w = packed_weight(80, 256, 64)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     got = torch.ops.textgen.int4_gemv(x, packed, scales_offsets, 64)
@@ -97,14 +98,14 @@ def test_several_rows_give_each_row_s_own_bits(rows: int) -> None:
 
 
 def test_a_row_the_integer_path_declines_leaves_its_neighbours_bits() -> None:
-    """A NaN in one of four rows sends that group of rows through the ops one row at a time: every other row keeps
-    the bits it has alone, and the NaN reaches only its own row."""
+    """A NaN in one row sends that row through the op's float path alone: every other row keeps the bits it has
+    alone, and the NaN reaches only its own row."""
     packed, scales_offsets, _ = packed_weight(96, 256, 64)
-    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     x[2, 10] = float("nan")
     got = torch.ops.textgen.int4_gemv(x, packed, scales_offsets, 64)
     assert bool(got[2].isnan().all())
-    for i in (0, 1, 3):
+    for i in (0, 1, 3, 4, 5, 6):
         assert torch.equal(got[i : i + 1], torch.ops.textgen.int4_gemv(x[i : i + 1], packed, scales_offsets, 64))
 
 

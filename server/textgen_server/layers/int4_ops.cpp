@@ -124,9 +124,14 @@ constexpr int64_t X_BLOCK = 32;
 // Up to this many rows share each read of the weight on the integer paths (block_ints, block_vnni): on layout 2
 // four rows' accumulators (16 registers) and the shared nibbles fill AVX-512's 32.
 constexpr int64_t ROWS_AT_ONCE = 4;
+// Rows of x a thread converts and quantizes, or whose outputs it rounds, at least (int4_gemv).
+constexpr int64_t ROW_GRAIN = 16;
+// A quantized row's values (k), steps (k / X_BLOCK) and group sums (k / g), in int4_gemv's buffers: all rows' values
+// side by side in one of them, whose 32-byte blocks each lie in one cache line (with a vector a row, 64 rows took 1.3x
+// the time in some processes and not in others).
 struct RowInts {
-  std::vector<int8_t> q;
-  std::vector<float> step, xsum;
+  int8_t* q;
+  float *step, *xsum;
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -135,9 +140,7 @@ struct RowInts {
 // rounded to the nearest integer, ties to even.
 bool quantize_row(const float* x, int64_t k, int64_t g, RowInts& out) {
   const int64_t blocks = k / X_BLOCK;
-  out.q.resize(k);
-  out.step.resize(blocks);
-  out.xsum.assign(k / g, 0.f);
+  std::fill_n(out.xsum, k / g, 0.f);
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256 infinity = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lanes back in order
@@ -162,7 +165,7 @@ bool quantize_row(const float* x, int64_t k, int64_t g, RowInts& out) {
       sums = _mm256_add_epi32(sums, q[i]);
     }
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + b * X_BLOCK),
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q + b * X_BLOCK),
                         _mm256_permutevar8x32_epi32(bytes, in_order));
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums);
@@ -295,7 +298,7 @@ void block_ints(const RowInts* const* x, const uint8_t* w, const uint32_t* so, i
                               _mm256_unpacklo_epi8(a_hi, b_hi), _mm256_unpackhi_epi8(a_hi, b_hi)};
         for (int r = 0; r < R; ++r) {
           int32_t four;
-          std::memcpy(&four, x[r]->q.data() + kk, 4);
+          std::memcpy(&four, x[r]->q + kk, 4);
           const __m256i xq = _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs_of);
           for (int o = 0; o < 4; ++o) q16[r][o] = _mm256_add_epi16(q16[r][o], _mm256_maddubs_epi16(q[o], xq));
         }
@@ -330,15 +333,14 @@ void block_ints(const RowInts* const* x, const uint8_t* w, const uint32_t* so, i
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-// A full block of layout 2 (64 outputs, rows of 32 bytes) on the integer path for R rows of x at once, with AVX-512's
-// byte permutes and VNNI's four-product sums: block_ints's arithmetic (exact integer sums over each block of 32
-// values of k, then one multiply-add a block by its step). Rows k .. k + 3 of the weight are two 64-byte loads; their
-// low nibbles are outputs 0..31 and the high ones 32..63, each 32-byte row in output order, and one two-source byte
-// permute gathers the four rows' values of 16 outputs into 16 lanes of 4 bytes (k, k + 1, k + 2, k + 3), which
-// vpdpbusd multiplies by the same four values of an x row's int8 values and adds into the lane (at most 4 * 15 *
-// 127 a step, 8 steps a block). 12 vector operations per 128 bytes gather the nibbles, then 4 per row (a
-// conversion and a multiply-add per weight on block_split<32>'s float path), and the weight is read once for R rows.
-// y[r]: row r's outputs of this block.
+// A full block of layout 2 (64 outputs, rows of 32 bytes) on the integer path, with AVX-512's byte permutes and VNNI's
+// four-product sums: block_ints's arithmetic (exact integer sums over each block of 32 values of k, then one
+// multiply-add a block by its step). Rows k .. k + 3 of the weight are two 64-byte loads; their low nibbles are
+// outputs 0..31 and the high ones 32..63, each 32-byte row in output order, and one two-source byte permute gathers
+// the four rows' values of 16 outputs into 16 lanes of 4 bytes (k, k + 1, k + 2, k + 3), which vpdpbusd multiplies by
+// the same four values of an x row's int8 values and adds into the lane (at most 4 * 15 * 127 a step, 8 steps a
+// block). 12 vector operations per 128 bytes gather the nibbles (gather_quads), then 4 per row (a conversion and a
+// multiply-add per weight on block_split<32>'s float path).
 // The permutes' byte indexes: lane o (of 16) of quad set h takes bytes (o, 32 + o, 64 + o, 96 + o) + 16 h of the two
 // registers side by side.
 struct QuadIndex {
@@ -351,76 +353,151 @@ struct QuadIndex {
 };
 const QuadIndex QUAD_INDEX;
 
-// block_vnni's prefetches: into L2 only (prefetcht2) for one row of x, into L1 for more. On a Zen 4, a `1b` step's
-// int4 projections in sequence took 0.88x the time at one row with its weights' and scales' lines asked into L2
-// (0.93x with the weights' alone); at 4 and 16 rows, L2 took 1.25x and 1.15x (benchmark/README.md, "int4 at one
-// row: prefetches into L2").
+// Rows k .. k + 3 of a full block of layout 2 (the 128 bytes at `row`) as four quads of 16 outputs each: outputs
+// 0..15, 16..31, 32..47 and 48..63, each lane their four values of k.
+inline void gather_quads(const uint8_t* row, __m512i (&quads)[4]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i first16 = _mm512_load_si512(QUAD_INDEX.bytes[0]), second16 = _mm512_load_si512(QUAD_INDEX.bytes[1]);
+  const __m512i a = _mm512_loadu_si512(row), b = _mm512_loadu_si512(row + 64);
+  const __m512i a_lo = _mm512_and_si512(a, low4), b_lo = _mm512_and_si512(b, low4);
+  const __m512i a_hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
+  const __m512i b_hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+  quads[0] = _mm512_permutex2var_epi8(a_lo, first16, b_lo);
+  quads[1] = _mm512_permutex2var_epi8(a_lo, second16, b_lo);
+  quads[2] = _mm512_permutex2var_epi8(a_hi, first16, b_hi);
+  quads[3] = _mm512_permutex2var_epi8(a_hi, second16, b_hi);
+}
+
+// One step (4 values of k, as quads) of R rows of x into their integer sums acc: q[r] + at, row r's 4 values. The
+// callers take each row's pointer once a block: read through x[r] at every step (after stores of vectors, which may
+// alias anything, the compiler loads it again each time), 64 rows took 1.16x the time.
 template <int R>
-inline void prefetch_for(const char* p) {
-  if constexpr (R == 1) {
-    _mm_prefetch(p, _MM_HINT_T2);
-  } else {
-    _mm_prefetch(p, _MM_HINT_T0);
+inline void add_step(const __m512i (&quads)[4], const int8_t* const (&q)[R], int64_t at, __m512i (&acc)[R][4]) {
+  for (int r = 0; r < R; ++r) {
+    int32_t four;
+    std::memcpy(&four, q[r] + at, 4);
+    const __m512i xq = _mm512_set1_epi32(four);
+    for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_dpbusd_epi32(acc[r][a], quads[a], xq);
   }
 }
 
+// R rows' integer sums of the block of 32 values of k from c0, times its step, added into their float sums
+// (sums: R rows of 64 outputs).
 template <int R>
-void block_vnni(const RowInts* const* x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0,
-                int64_t k, int64_t g, float* const* y) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i first16 = _mm512_load_si512(QUAD_INDEX.bytes[0]), second16 = _mm512_load_si512(QUAD_INDEX.bytes[1]);
-  const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  // Each row's float sums of the group so far and its totals, in memory: R rows' would not fit the registers.
-  alignas(64) float sums[R][64], total[R][64] = {};
-  for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
-    for (int r = 0; r < R; ++r) std::fill_n(sums[r], 64, 0.f);
-    // The group's scales, read after its weights: 256 bytes N pairs after the last group's, where no prefetcher
-    // looks; asked for now, they arrive while the group's weights are summed.
-    const char* scales = reinterpret_cast<const char*>(so + gi * n_total + n0);
-    for (int line = 0; line < 4; ++line) prefetch_for<R>(scales + 64 * line);
-    for (int64_t c0 = k0; c0 < k0 + g; c0 += X_BLOCK) {
-      __m512i acc[R][4];  // outputs 0..15, 16..31, 32..47, 48..63 of each row
-      for (int r = 0; r < R; ++r)
-        for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_setzero_si512();
-      const uint8_t* row = w + c0 * 32;
-      for (int64_t kk = c0; kk < c0 + X_BLOCK; kk += 4, row += 128) {
-        prefetch_for<R>(reinterpret_cast<const char*>(row + PREFETCH_BYTES));
-        prefetch_for<R>(reinterpret_cast<const char*>(row + PREFETCH_BYTES + 64));
-        const __m512i a = _mm512_loadu_si512(row), b = _mm512_loadu_si512(row + 64);
-        const __m512i a_lo = _mm512_and_si512(a, low4), b_lo = _mm512_and_si512(b, low4);
-        const __m512i a_hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low4);
-        const __m512i b_hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-        const __m512i quads[4] = {
-            _mm512_permutex2var_epi8(a_lo, first16, b_lo), _mm512_permutex2var_epi8(a_lo, second16, b_lo),
-            _mm512_permutex2var_epi8(a_hi, first16, b_hi), _mm512_permutex2var_epi8(a_hi, second16, b_hi)};
-        for (int r = 0; r < R; ++r) {
-          int32_t four;
-          std::memcpy(&four, x[r]->q.data() + kk, 4);
-          const __m512i xq = _mm512_set1_epi32(four);
-          for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_dpbusd_epi32(acc[r][a], quads[a], xq);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 step = _mm512_set1_ps(x[r]->step[c0 / X_BLOCK]);
-        for (int a = 0; a < 4; ++a)
-          _mm512_store_ps(sums[r] + 16 * a,
-                          _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][a]), step, _mm512_load_ps(sums[r] + 16 * a)));
-      }
-    }
-    const uint32_t* pairs = so + gi * n_total + n0;
+inline void add_block(const __m512i (&acc)[R][4], const RowInts* const* x, int64_t c0, float* sums) {
+  for (int r = 0; r < R; ++r) {
+    const __m512 step = _mm512_set1_ps(x[r]->step[c0 / X_BLOCK]);
+    float* row = sums + 64 * r;
     for (int a = 0; a < 4; ++a) {
-      const __m512i sov = _mm512_loadu_si512(pairs + 16 * a);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sov, 16));
-      const __m512 offset = _mm512_castsi512_ps(_mm512_and_si512(sov, high16));
-      for (int r = 0; r < R; ++r) {
-        const __m512 xsum = _mm512_set1_ps(x[r]->xsum[gi]), xsum8 = _mm512_set1_ps(8.f * x[r]->xsum[gi]);
-        __m512 t = _mm512_load_ps(total[r] + 16 * a);
-        t = _mm512_fmadd_ps(scale, _mm512_sub_ps(_mm512_load_ps(sums[r] + 16 * a), xsum8), t);
-        _mm512_store_ps(total[r] + 16 * a, _mm512_fmadd_ps(offset, xsum, t));
-      }
+      const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][a]), step, _mm512_loadu_ps(row + 16 * a));
+      _mm512_storeu_ps(row + 16 * a, sum);
     }
   }
-  for (int r = 0; r < R; ++r) std::copy_n(total[r], 64, y[r] + n0);
+}
+
+// total += scale * (sums - 8 xsum) + offset * xsum over a block's 64 outputs, for one group of one row.
+inline void add_group_sums(const uint32_t* pairs, const float* sums, float xsum, float* total) {
+  const __m512i high16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512 xs = _mm512_set1_ps(xsum), xs8 = _mm512_set1_ps(8.f * xsum);
+  for (int a = 0; a < 4; ++a) {
+    const __m512i sov = _mm512_loadu_si512(pairs + 16 * a);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sov, 16));
+    const __m512 offset = _mm512_castsi512_ps(_mm512_and_si512(sov, high16));
+    __m512 t = _mm512_loadu_ps(total + 16 * a);
+    t = _mm512_fmadd_ps(scale, _mm512_sub_ps(_mm512_loadu_ps(sums + 16 * a), xs8), t);
+    _mm512_storeu_ps(total + 16 * a, _mm512_fmadd_ps(offset, xs, t));
+  }
+}
+
+// The prefetches of the first rows' pass over a block: into L2 only (prefetcht2) for one row of x, into L1 for more.
+// On a Zen 4, a `1b` step's int4 projections in sequence took 0.88x the time at one row with its weights' and scales'
+// lines asked into L2 (0.93x with the weights' alone); at 4 and 16 rows, L2 took 1.25x and 1.15x (benchmark/README.md,
+// "int4 at one row: prefetches into L2").
+template <int R>
+inline void prefetch_for(const void* p) {
+  if constexpr (R == 1) {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T2);
+  } else {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  }
+}
+
+// R rows of x over one block of 32 values of k (from c0) of the weight at `row`, its quads gathered step by step as
+// the weight streams in: their sums (R rows of 64 outputs). KEEP: the quads are stored in `keep` for more rows. The
+// steps stay a loop: unrolled (GCC's choice), 2 and 3 rows took 1.04-1.08x the time.
+template <int R, bool KEEP>
+void gather_rows_block(const uint8_t* row, const RowInts* const* x, int64_t c0, float* sums, __m512i (*keep)[4]) {
+  __m512i acc[R][4] = {};
+  const int8_t* q[R];
+  for (int r = 0; r < R; ++r) q[r] = x[r]->q + c0;
+#pragma GCC unroll 1
+  for (int st = 0; st < 8; ++st, row += 128) {
+    prefetch_for<R>(row + PREFETCH_BYTES);
+    prefetch_for<R>(row + PREFETCH_BYTES + 64);
+    __m512i quads[4];
+    gather_quads(row, quads);
+    if constexpr (KEEP) {
+      for (int a = 0; a < 4; ++a) keep[st][a] = quads[a];
+    }
+    add_step<R>(quads, q, 4 * st, acc);
+  }
+  add_block<R>(acc, x, c0, sums);
+}
+
+// R more rows of x over the quads gather_rows_block kept: their sums.
+template <int R>
+void rows_block(const __m512i (&quads)[8][4], const RowInts* const* x, int64_t c0, float* sums) {
+  __m512i acc[R][4] = {};
+  const int8_t* q[R];
+  for (int r = 0; r < R; ++r) q[r] = x[r]->q + c0;
+  for (int st = 0; st < 8; ++st) add_step<R>(quads[st], q, 4 * st, acc);
+  add_block<R>(acc, x, c0, sums);
+}
+
+// m rows of x against a full block, y[r]: row r's outputs. Each block of 32 values of k is gathered once for all m
+// rows, which pass over it ROWS_AT_ONCE at a time (four rows' accumulators fill 16 of AVX-512's 32 registers): the
+// first FIRST (min(m, ROWS_AT_ONCE)) as it is gathered, the others over its quads kept in L1 (2 KiB). Gathered again
+// for every four rows, as before, 64 rows took 1.2x the time (benchmark/README.md, "int4 at many rows"). `sums` and
+// `total`: m x 64 floats of scratch, 64-byte aligned.
+template <int FIRST>
+void block_vnni(int64_t m, const RowInts* const* x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0,
+                int64_t k, int64_t g, float* sums, float* total, float* const* y) {
+  static_assert(ROWS_AT_ONCE == 4, "the switch takes 1 to 4 rows");
+  std::fill_n(total, m * 64, 0.f);
+  for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
+    std::fill_n(sums, m * 64, 0.f);
+    // The group's scales, read after its weights: 256 bytes N pairs after the last group's, where no prefetcher
+    // looks; asked for now, they arrive while the group's weights are summed.
+    const uint32_t* pairs = so + gi * n_total + n0;
+    for (int line = 0; line < 4; ++line) prefetch_for<FIRST>(pairs + 16 * line);
+    for (int64_t c0 = k0; c0 < k0 + g; c0 += X_BLOCK) {
+      const uint8_t* row = w + c0 * 32;
+      __m512i quads[8][4];
+      if (m > FIRST) {
+        gather_rows_block<FIRST, true>(row, x, c0, sums, quads);
+      } else {
+        gather_rows_block<FIRST, false>(row, x, c0, sums, nullptr);
+      }
+      for (int64_t r0 = FIRST; r0 < m; r0 += ROWS_AT_ONCE) {
+        switch (std::min(ROWS_AT_ONCE, m - r0)) {
+          case 1:
+            rows_block<1>(quads, x + r0, c0, sums + 64 * r0);
+            break;
+          case 2:
+            rows_block<2>(quads, x + r0, c0, sums + 64 * r0);
+            break;
+          case 3:
+            rows_block<3>(quads, x + r0, c0, sums + 64 * r0);
+            break;
+          default:
+            rows_block<4>(quads, x + r0, c0, sums + 64 * r0);
+            break;
+        }
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) add_group_sums(pairs, sums + 64 * r, x[r]->xsum[gi], total + 64 * r);
+  }
+  for (int64_t r = 0; r < m; ++r) std::copy_n(total + 64 * r, 64, y[r] + n0);
 }
 #endif
 
@@ -477,8 +554,8 @@ void one_block(const float* x, const float* xsum, const RowInts* ints, const uin
     case 64:
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
       if (split && ints != nullptr) {
-        float* const out[1] = {y};
-        return block_vnni<1>(&ints, wb, so, n, n0, k, g, out);
+        alignas(64) float sums[64], total[64];
+        return block_vnni<1>(1, &ints, wb, so, n, n0, k, g, sums, total, &y);
       }
 #endif
       if (split) return block_split<32>(x, xsum, wb, so, n, n0, k, g, y + n0);
@@ -510,22 +587,59 @@ bool shares_reads(int lay) {
 #endif
 }
 
-// R rows (2 to ROWS_AT_ONCE) of layout `lay` (shares_reads), every one quantized (ints[r]), against the whole packed
-// weight: each full block read once for all of them, a short last block row by row. x[r], xsum[r], y[r]: one_block's.
-template <int R>
-void rows_shared(const float* const* x, const float* const* xsum, const RowInts* const* ints, const uint8_t* w,
-                 const uint32_t* so, int64_t n, int64_t k, int64_t g, int lay, float* const* y) {
+// m rows of layout `lay` (shares_reads), every one quantized (ints[r]), against the whole packed weight: each full
+// block is read from memory once for all m rows (block_vnni on layout 2; on layout 1 four rows at a time pass
+// over it while it stays in L2, K / 2 x 32 bytes); a short last block row by row. A pass over the whole weight for
+// every four rows, as before, read it from L3 or memory 16 times at 64 rows (benchmark/README.md, "int4 at many
+// rows"). x[r], xsum[r], y[r]: one_block's.
+void rows_shared(int64_t m, const float* const* x, const float* const* xsum, const RowInts* const* ints,
+                 const uint8_t* w, const uint32_t* so, int64_t n, int64_t k, int64_t g, int lay, float* const* y) {
+  static_assert(ROWS_AT_ONCE == 4, "the switch takes 1 to 4 rows");
   const int64_t bn = block_outputs(lay), blocks = (n + bn - 1) / bn;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      if (bn * b + bn > n) {
-        for (int r = 0; r < R; ++r) one_block(x[r], xsum[r], ints[r], w, so, n, k, g, lay, b, y[r]);
-      } else if (lay == SPLIT32) {
-        block_ints<R>(ints, w + bn * b * k / 2, so, n, bn * b, k, g, y);
-      } else {  // SPLIT64, which shares_reads gives only to a build with VNNI and VBMI
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-        block_vnni<R>(ints, w + bn * b * k / 2, so, n, bn * b, k, g, y);
+    // block_vnni's scratch, on whole cache lines: with each row's sums split over two lines, 64 rows took 1.2x the time
+    std::vector<float> scratch(lay == SPLIT64 ? 2 * m * 64 + 16 : 0);
+    float* sums = scratch.data() + (-reinterpret_cast<uintptr_t>(scratch.data()) / sizeof(float) & 15);
 #endif
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = bn * b;
+      if (n0 + bn > n) {
+        for (int64_t r = 0; r < m; ++r) one_block(x[r], xsum[r], ints[r], w, so, n, k, g, lay, b, y[r]);
+        continue;
+      }
+      const uint8_t* wb = w + n0 * k / 2;
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)  // layout 2 shares reads only in such a build
+      if (lay == SPLIT64) {
+        switch (std::min(ROWS_AT_ONCE, m)) {  // m >= 2
+          case 2:
+            block_vnni<2>(m, ints, wb, so, n, n0, k, g, sums, sums + m * 64, y);
+            break;
+          case 3:
+            block_vnni<3>(m, ints, wb, so, n, n0, k, g, sums, sums + m * 64, y);
+            break;
+          default:
+            block_vnni<4>(m, ints, wb, so, n, n0, k, g, sums, sums + m * 64, y);
+            break;
+        }
+        continue;
+      }
+#endif
+      for (int64_t r0 = 0; r0 < m; r0 += ROWS_AT_ONCE) {
+        switch (std::min(ROWS_AT_ONCE, m - r0)) {
+          case 1:
+            block_ints<1>(ints + r0, wb, so, n, n0, k, g, y + r0);
+            break;
+          case 2:
+            block_ints<2>(ints + r0, wb, so, n, n0, k, g, y + r0);
+            break;
+          case 3:
+            block_ints<3>(ints + r0, wb, so, n, n0, k, g, y + r0);
+            break;
+          default:
+            block_ints<4>(ints + r0, wb, so, n, n0, k, g, y + r0);
+            break;
+        }
       }
     }
   });
@@ -562,65 +676,61 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const auto* so = reinterpret_cast<const uint32_t*>(scales_offsets.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t groups = k / group_size;
-#if defined(__AVX2__) && defined(__FMA__)
-  const bool shared = shares_reads(lay);
-#else
-  const bool shared = false;
-#endif
-  const int64_t at_once = shared ? ROWS_AT_ONCE : 1;  // rows that share each read of the weight
-  std::vector<std::vector<float>> xf(at_once, std::vector<float>(k)), xsum(at_once, std::vector<float>(groups)),
-      yf(at_once, std::vector<float>(n));
-  std::vector<RowInts> ints(at_once);
+  // Every row in float32, and quantized where the integer path takes it, before any product: each block of the
+  // weight then serves all the quantized rows at once. Rows are converted and quantized, and their outputs rounded,
+  // over threads only ROW_GRAIN at a time: a row takes microseconds, a parallel region about as long.
+  std::vector<float> xf(m * k), xsum(m * groups), yf(m * n);
+  // The quantized rows' values, steps and group sums, 64-byte aligned (a block of 32 values is half a cache line).
+  std::vector<int8_t> ints_q(m * k + 64);
+  std::vector<float> ints_step(m * (k / X_BLOCK)), ints_xsum(m * groups);
+  int8_t* q_base = ints_q.data() + (-reinterpret_cast<uintptr_t>(ints_q.data()) & 63);
+  std::vector<RowInts> ints(m);
+  for (int64_t i = 0; i < m; ++i) {
+    ints[i] = {q_base + i * k, ints_step.data() + i * (k / X_BLOCK), ints_xsum.data() + i * groups};
+  }
+  std::vector<uint8_t> integer(m);
   // Full blocks of the integer path read only `ints`: the group sums of x are for the float path's blocks.
   const bool short_block = n % block_outputs(lay) != 0;
-  const float* xs[ROWS_AT_ONCE];
-  const float* xsums[ROWS_AT_ONCE];
-  float* ys[ROWS_AT_ONCE];
-  for (int64_t i = 0; i < at_once; ++i) xs[i] = xf[i].data(), xsums[i] = xsum[i].data(), ys[i] = yf[i].data();
-  for (int64_t r0 = 0; r0 < m; r0 += at_once) {
-    const int64_t rows = std::min(at_once, m - r0);
-    bool all_integer = true;
-    const RowInts* quantized[ROWS_AT_ONCE];
-    for (int64_t i = 0; i < rows; ++i) {
-      float* row = xf[i].data();
-      for (int64_t kk = 0; kk < k; ++kk) row[kk] = bf16_to_float(xp[(r0 + i) * k + kk]);
+  at::parallel_for(0, m, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = xf.data() + i * k;
+      for (int64_t kk = 0; kk < k; ++kk) row[kk] = bf16_to_float(xp[i * k + kk]);
 #if defined(__AVX2__) && defined(__FMA__)
-      const bool integer = shared && quantize_row(row, k, group_size, ints[i]);
-#else
-      const bool integer = false;
+      integer[i] = shares_reads(lay) && quantize_row(row, k, group_size, ints[i]);
 #endif
-      if (!integer || short_block) {
+      if (!integer[i] || short_block) {
         for (int64_t gi = 0; gi < groups; ++gi) {
           float sum = 0.f;
           for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk) sum += row[kk];
-          xsum[i][gi] = sum;
+          xsum[i * groups + gi] = sum;
         }
       }
-      all_integer = all_integer && integer;
-      quantized[i] = integer ? &ints[i] : nullptr;
     }
-#if defined(__AVX2__) && defined(__FMA__)
-    if (rows > 1 && all_integer) {
-      static_assert(ROWS_AT_ONCE == 4, "the switch takes 2, 3 or 4 rows");
-      switch (rows) {
-        case 2:
-          rows_shared<2>(xs, xsums, quantized, w, so, n, k, group_size, lay, ys);
-          break;
-        case 3:
-          rows_shared<3>(xs, xsums, quantized, w, so, n, k, group_size, lay, ys);
-          break;
-        default:
-          rows_shared<4>(xs, xsums, quantized, w, so, n, k, group_size, lay, ys);
-          break;
-      }
-    } else
-#endif
-    {
-      for (int64_t i = 0; i < rows; ++i) row_gemv(xs[i], xsums[i], quantized[i], w, so, n, k, group_size, lay, ys[i]);
+  });
+  // The quantized rows share the weight's reads (more than one of them); the others, and a lone one, go row by row.
+  std::vector<const float*> xs, xsums;
+  std::vector<const RowInts*> quantized;
+  std::vector<float*> ys;
+  for (int64_t i = 0; i < m; ++i) {
+    const float* x_row = xf.data() + i * k;
+    const float* xsum_row = xsum.data() + i * groups;
+    if (integer[i]) {
+      xs.push_back(x_row), xsums.push_back(xsum_row), quantized.push_back(&ints[i]), ys.push_back(yf.data() + i * n);
+    } else {
+      row_gemv(x_row, xsum_row, nullptr, w, so, n, k, group_size, lay, yf.data() + i * n);
     }
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < n; ++j) yp[(r0 + i) * n + j] = float_to_bf16(yf[i][j]);
   }
+  const int64_t together = static_cast<int64_t>(quantized.size());
+  if (together == 1) row_gemv(xs[0], xsums[0], quantized[0], w, so, n, k, group_size, lay, ys[0]);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (together > 1) {
+    rows_shared(together, xs.data(), xsums.data(), quantized.data(), w, so, n, k, group_size, lay, ys.data());
+  }
+#endif
+  at::parallel_for(0, m, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t j = 0; j < n; ++j) yp[i * n + j] = float_to_bf16(yf[i * n + j]);
+  });
   return y;
 }
 
