@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from textgen_server.config import DISABLE_CUSTOM_KERNELS
-from textgen_server.layers import cpu_ops
-from textgen_server.layers.quant_kernels import Int4Kernel
+from textgen_server.layers import cpu_ops, quant_kernels
+from textgen_server.layers.quant_kernels import EVERY_COUNT, GEMV_ROWS, Int4Kernel
 from textgen_server.layers.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_ops.kernel_available(), reason="no C++ compiler: torch's kernel only")
@@ -264,3 +264,24 @@ def test_a_few_rows_go_to_the_op_row_by_row_up_to_the_measured_count(monkeypatch
     # a row's outputs are the same whichever rows share its call
     assert torch.equal(kernel(x[:4])[2], kernel(x[2:3])[0])
     assert torch.equal(kernel(x), kernel._int4(permuted))
+
+
+def test_measured_faster_at_every_count_the_op_serves_any_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Winning at every measured count (up to 2,048 rows) makes the op serve every count, prefills of more rows
+    included (its passes of 256 rows: 600 rows here, three of them, each row as alone); a loss keeps the last
+    count won."""
+    for outcomes, want in (((True,) * len(GEMV_ROWS), EVERY_COUNT), ((True, True, False, True, True), 64)):
+        wins = iter(zip(GEMV_ROWS, outcomes, strict=True))
+        monkeypatch.setattr(quant_kernels, "_wins", lambda *args, wins=wins: wins)
+        monkeypatch.setattr(quant_kernels, "kept_measurement", lambda key, field, measure, report: measure())
+        assert quant_kernels.gemv_until("test", torch.nn.Identity(), torch.nn.Identity(), 64, torch.bfloat16) == want
+    monkeypatch.undo()
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    kernel = Int4Kernel(int4_weight(64, 256, 128, act_order=False), None)
+    kernel.gemv_until = EVERY_COUNT
+    monkeypatch.setattr(kernel, "_without_op", lambda rows: pytest.fail("not the op"))
+    x = torch.randn(600, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    got = kernel(x)
+    for i in (0, 255, 256, 511, 599):
+        assert torch.equal(got[i], kernel(x[i : i + 1])[0])

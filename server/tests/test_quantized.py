@@ -24,7 +24,14 @@ from textgen_pb import generate_pb2 as pb
 from textgen_server.config import DISABLE_CUSTOM_KERNELS, ServeConfig, UnsupportedConfigError
 from textgen_server.layers import cpu_ops, quant_kernels
 from textgen_server.layers.linear_choice import KERNELS
-from textgen_server.layers.quant_kernels import DEQUANTIZE_ROWS, GEMV_ROWS, Int4Kernel, Int8Kernel, packed_kernel
+from textgen_server.layers.quant_kernels import (
+    DEQUANTIZE_ROWS,
+    EVERY_COUNT,
+    GEMV_ROWS,
+    Int4Kernel,
+    Int8Kernel,
+    packed_kernel,
+)
 from textgen_server.layers.quantization import REFUSED, read_quant_config
 from textgen_server.layers.quantized_weight import QuantizedWeight
 from textgen_server.layers.tensor_parallel import Linear
@@ -203,7 +210,7 @@ def test_the_many_row_switch_is_measured_once_per_shape(
     first = built.dequantize_from
     assert first in (*DEQUANTIZE_ROWS, None)
     few = built.gemv_until if isinstance(built, Int4Kernel) else None
-    assert few is None or few in (1, *GEMV_ROWS)
+    assert few is None or few in (1, *GEMV_ROWS, EVERY_COUNT)
     # A second kernel of the shape reads the kept figures (and so does the next start: layers/measurements.py).
     monkeypatch.setattr(quant_kernels, "least_seconds", lambda *args: pytest.fail("measured again"))
     again = kernel(weight, None)

@@ -126,6 +126,11 @@ constexpr int64_t X_BLOCK = 32;
 constexpr int64_t ROWS_AT_ONCE = 4;
 // Rows of x a thread converts and quantizes, or whose outputs it rounds, at least (int4_gemv).
 constexpr int64_t ROW_GRAIN = 16;
+// Rows of x that one pass over the weight serves (int4_gemv), so that their values and sums stay near the core while
+// the weight streams by: a prefill's 9,239 rows in one pass ran at 244 GOP/s where 64 rows ran at 500. On the Zen 4,
+// 2,048 rows of the small model's and the `1b` model's shapes ran fastest in passes of 256 (of 64-512; benchmark/
+// README.md, "int4 at many rows").
+constexpr int64_t ROWS_PER_PASS = 256;
 // A quantized row's values (k), steps (k / X_BLOCK) and group sums (k / g), in int4_gemv's buffers: all rows' values
 // side by side in one of them, whose 32-byte blocks each lie in one cache line (with a vector a row, 64 rows took 1.3x
 // the time in some processes and not in others).
@@ -676,61 +681,69 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const auto* so = reinterpret_cast<const uint32_t*>(scales_offsets.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t groups = k / group_size;
-  // Every row in float32, and quantized where the integer path takes it, before any product: each block of the
-  // weight then serves all the quantized rows at once. Rows are converted and quantized, and their outputs rounded,
-  // over threads only ROW_GRAIN at a time: a row takes microseconds, a parallel region about as long.
-  std::vector<float> xf(m * k), xsum(m * groups), yf(m * n);
+  // Rows pass by ROWS_PER_PASS at a time. In a pass every row is first in float32, and quantized where the integer
+  // path takes it: each block of the weight then serves all the pass's quantized rows at once. Rows are converted and
+  // quantized, and their outputs rounded, over threads only ROW_GRAIN at a time: a row takes microseconds, a
+  // parallel region about as long.
+  const int64_t most = std::min(m, ROWS_PER_PASS);
+  std::vector<float> xf(most * k), xsum(most * groups), yf(most * n);
   // The quantized rows' values, steps and group sums, 64-byte aligned (a block of 32 values is half a cache line).
-  std::vector<int8_t> ints_q(m * k + 64);
-  std::vector<float> ints_step(m * (k / X_BLOCK)), ints_xsum(m * groups);
+  std::vector<int8_t> ints_q(most * k + 64);
+  std::vector<float> ints_step(most * (k / X_BLOCK)), ints_xsum(most * groups);
   int8_t* q_base = ints_q.data() + (-reinterpret_cast<uintptr_t>(ints_q.data()) & 63);
-  std::vector<RowInts> ints(m);
-  for (int64_t i = 0; i < m; ++i) {
+  std::vector<RowInts> ints(most);
+  for (int64_t i = 0; i < most; ++i) {
     ints[i] = {q_base + i * k, ints_step.data() + i * (k / X_BLOCK), ints_xsum.data() + i * groups};
   }
-  std::vector<uint8_t> integer(m);
+  std::vector<uint8_t> integer(most);
   // Full blocks of the integer path read only `ints`: the group sums of x are for the float path's blocks.
   const bool short_block = n % block_outputs(lay) != 0;
-  at::parallel_for(0, m, ROW_GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float* row = xf.data() + i * k;
-      for (int64_t kk = 0; kk < k; ++kk) row[kk] = bf16_to_float(xp[i * k + kk]);
-#if defined(__AVX2__) && defined(__FMA__)
-      integer[i] = shares_reads(lay) && quantize_row(row, k, group_size, ints[i]);
-#endif
-      if (!integer[i] || short_block) {
-        for (int64_t gi = 0; gi < groups; ++gi) {
-          float sum = 0.f;
-          for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk) sum += row[kk];
-          xsum[i * groups + gi] = sum;
-        }
-      }
-    }
-  });
-  // The quantized rows share the weight's reads (more than one of them); the others, and a lone one, go row by row.
   std::vector<const float*> xs, xsums;
   std::vector<const RowInts*> quantized;
   std::vector<float*> ys;
-  for (int64_t i = 0; i < m; ++i) {
-    const float* x_row = xf.data() + i * k;
-    const float* xsum_row = xsum.data() + i * groups;
-    if (integer[i]) {
-      xs.push_back(x_row), xsums.push_back(xsum_row), quantized.push_back(&ints[i]), ys.push_back(yf.data() + i * n);
-    } else {
-      row_gemv(x_row, xsum_row, nullptr, w, so, n, k, group_size, lay, yf.data() + i * n);
-    }
-  }
-  const int64_t together = static_cast<int64_t>(quantized.size());
-  if (together == 1) row_gemv(xs[0], xsums[0], quantized[0], w, so, n, k, group_size, lay, ys[0]);
+  for (int64_t p0 = 0; p0 < m; p0 += ROWS_PER_PASS) {
+    const int64_t rows = std::min(ROWS_PER_PASS, m - p0);
+    const uint16_t* xpass = xp + p0 * k;
+    at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float* row = xf.data() + i * k;
+        for (int64_t kk = 0; kk < k; ++kk) row[kk] = bf16_to_float(xpass[i * k + kk]);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (together > 1) {
-    rows_shared(together, xs.data(), xsums.data(), quantized.data(), w, so, n, k, group_size, lay, ys.data());
-  }
+        integer[i] = shares_reads(lay) && quantize_row(row, k, group_size, ints[i]);
 #endif
-  at::parallel_for(0, m, ROW_GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t j = 0; j < n; ++j) yp[i * n + j] = float_to_bf16(yf[i * n + j]);
-  });
+        if (!integer[i] || short_block) {
+          for (int64_t gi = 0; gi < groups; ++gi) {
+            float sum = 0.f;
+            for (int64_t kk = gi * group_size; kk < (gi + 1) * group_size; ++kk) sum += row[kk];
+            xsum[i * groups + gi] = sum;
+          }
+        }
+      }
+    });
+    // The quantized rows share the weight's reads (more than one of them); the others, and a lone one, go row by row.
+    xs.clear(), xsums.clear(), quantized.clear(), ys.clear();
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* x_row = xf.data() + i * k;
+      const float* xsum_row = xsum.data() + i * groups;
+      if (integer[i]) {
+        xs.push_back(x_row), xsums.push_back(xsum_row), quantized.push_back(&ints[i]), ys.push_back(yf.data() + i * n);
+      } else {
+        row_gemv(x_row, xsum_row, nullptr, w, so, n, k, group_size, lay, yf.data() + i * n);
+      }
+    }
+    const int64_t together = static_cast<int64_t>(quantized.size());
+    if (together == 1) row_gemv(xs[0], xsums[0], quantized[0], w, so, n, k, group_size, lay, ys[0]);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (together > 1) {
+      rows_shared(together, xs.data(), xsums.data(), quantized.data(), w, so, n, k, group_size, lay, ys.data());
+    }
+#endif
+    uint16_t* ypass = yp + p0 * n;
+    at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        for (int64_t j = 0; j < n; ++j) ypass[i * n + j] = float_to_bf16(yf[i * n + j]);
+    });
+  }
   return y;
 }
 

@@ -10,11 +10,11 @@
   (benchmark/README.md, "Quantized models"). One row (a batch-1 decode step) goes to textgen's own
   `textgen::int4_gemv` (int4_ops.cpp) on the same packed weight and scales where the CPU ops are on (cpu_ops.py):
   torch's kernel streams the weight well below the memory's bandwidth there. So do a few rows (a batched decode
-  step: four rows a read of the weight on torch's AVX2 layout and on its AVX-512 one where the CPU has VNNI, else
-  row by row), up to the count where that measured faster at load (`gemv_until`). Many rows (a prefill) run
-  as a GEMM on the weight dequantized for the call (`textgen::int4_dequantize`; in bfloat16 where the CPU
-  multiplies it natively, else float32: `gemm_dtype`) from the row count where that measured faster at load, if
-  any.
+  step: four rows a read of the weight on torch's AVX2 layout, all of them on its AVX-512 one where the CPU has
+  VNNI, else row by row), up to the count where that measured faster at load (`gemv_until`; on a Zen 4 with VNNI,
+  every count, prefills included). More rows run as a GEMM on the weight dequantized for the call
+  (`textgen::int4_dequantize`; in bfloat16 where the CPU multiplies it natively, else float32: `gemm_dtype`) from
+  the row count where that measured faster at load, if any.
 - `Int8Kernel`: int8 weights with one scale per output feature (symmetric, per-channel: eetq, and 8-bit
   checkpoints quantized that way): one row by `textgen::int8_gemv` (int8_ops.cpp) where the CPU ops are on, more
   by torch's `_weight_int8pack_mm`, and from the row count where it measured faster at load as a GEMM on the
@@ -66,7 +66,11 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest fir
 # Row counts at which a many-row int4 or int8 product is timed both ways at load (`dequantize_from`).
 DEQUANTIZE_ROWS = (32, 64, 128, 512)
 # Row counts at which textgen's int4 op is timed against the path the kernel takes without it (`gemv_until`).
-GEMV_ROWS = (8, 64, 256, 512)
+GEMV_ROWS = (8, 64, 256, 512, 2048)
+# `gemv_until` where the op won at every count: it then serves every count. Past 2,048 rows both ways cost about the
+# same per row (the op passes over the weight for every 256 rows; the dequantized GEMM's one dequantize is spread
+# over more rows: 2-5% of its time at 2,048 on the Zen 4).
+EVERY_COUNT = 1 << 62
 # The rounds of each timing at load (the least counts).
 TIMING_ROUNDS = 3
 # The int4 kernel's K tiling, as torch's int4 weight-only quantization (torchao) packs for CPUs.
@@ -156,23 +160,25 @@ def dequantize_from(label: str, kernel: Product, gemm: Product, in_features: int
 
 
 def gemv_until(label: str, gemv: Product, kernel: Product, in_features: int, dtype: torch.dtype) -> int:
-    """The most rows (1, or one of GEMV_ROWS) up to which `gemv` (textgen's op: row by row, each row streaming the
-    whole weight, or four rows a read on AVX2 and on AVX-512 with VNNI) ran faster than `kernel` (what runs without
-    it: torch's packed kernel, or the GEMM on the weight dequantized for the call) at every measured count: measured
-    once per CPU, torch, shape and thread count. On the 2-core Zen 3 the int4 op, row by row, took 0.5-0.7x torch's
-    int4 kernel's time from 2 to 64 rows (benchmark/README.md, "Quantized models"); on a Zen 4 with VNNI, 0.7-0.9x
-    the dequantized GEMM's at 128-512 rows on the `1b` model's shapes ("int4 and int8 prefills")."""
+    """The most rows (1, one of GEMV_ROWS, or EVERY_COUNT where it won at all of them) up to which `gemv` (textgen's
+    op: row by row, each row streaming the whole weight, or many rows a read on AVX2 and on AVX-512 with VNNI) ran
+    faster than `kernel` (what runs without it: torch's packed kernel, or the GEMM on the weight dequantized for the
+    call) at every measured count: measured once per CPU, torch, shape and thread count. On the 2-core Zen 3 the
+    int4 op, row by row, took 0.5-0.7x torch's int4 kernel's time from 2 to 64 rows (benchmark/README.md, "Quantized
+    models"); on a Zen 4 with VNNI, 0.65-0.85x the dequantized GEMM's at 512 and 2,048 rows on the small and the
+    `1b` model's shapes ("int4 at many rows")."""
 
     def measure() -> int:
         until = 1
         for rows, won in _wins(gemv, kernel, GEMV_ROWS, in_features, dtype):
             if not won:
-                break
+                return until
             until = rows
-        return until
+        return EVERY_COUNT
 
     def report(rows: int) -> None:
-        logger.info("CPU %s: textgen's one-row op up to %d rows (measured)", label, rows)
+        most = "every count of rows" if rows == EVERY_COUNT else f"up to {rows} rows"
+        logger.info("CPU %s: textgen's op %s (measured)", label, most)
 
     key = f"{label} gemv threads {torch.get_num_threads()}"
     return kept_measurement(key, "rows", measure, report)
