@@ -4,9 +4,11 @@
 // bandwidth there on AVX2 CPUs (about 5 GB/s of packed weight on a 2-core Zen 3 that copies 19 GB/s).
 //
 // textgen::int4_gemv(x [M, K] bf16, packed uint8 [N, K/2], scales_offsets bf16 [K/G, N, 2], group_size G) -> y
-//   bf16 [M, N], row by row: each row streams the whole weight, and yet up to 64 rows ran faster so than through
-//   torch's int4 kernel on the 2-core Zen 3 (quant_kernels.gemv_until measures where they do); on the integer paths
-//   of layouts 1 and 2 (below) four rows at a time share each read of the weight. With
+//   bf16 [M, N]. On the integer paths of layouts 1 and 2 (below) rows share each read of the weight: four at a time
+//   on layout 1, all of a pass's (up to ROWS_PER_PASS) on layout 2, where each block of the weight is gathered once
+//   for them; elsewhere row by row, each row streaming the whole weight. quant_kernels.gemv_until measures up to
+//   which row count that runs faster than torch's int4 kernel or a GEMM on the weight dequantized for the call (up
+//   to 64 rows row by row on the 2-core Zen 3; every count on layout 2 on a Zen 4 with VNNI). With
 //   w[n, k] = (q[n, k] - 8) * scale[g, n] + offset[g, n], g = k / G, as torch's kernel defines it. Computed as
 //   y[n] = sum_g ( scale[g, n] * (sum_{k in g} q[n, k] x[k] - 8 X[g]) + offset[g, n] * X[g] ), X[g] = sum_{k in g}
 //   x[k], the result rounded once to bf16. On the vector paths of layout 1 (AVX2's) and of layout 2 (AVX-512's,
@@ -121,8 +123,9 @@ void block_scalar(const float* x, const float* xsum, const uint8_t* w, const uin
 // largest |x|, where bf16 itself rounds x by up to 2^-9 of x). `xsum[g]`: group g's sum over its blocks of step[b]
 // times the block's sum of q (the x the offsets and the centring multiply).
 constexpr int64_t X_BLOCK = 32;
-// Up to this many rows share each read of the weight on the integer paths (block_ints, block_vnni): on layout 2
-// four rows' accumulators (16 registers) and the shared nibbles fill AVX-512's 32.
+// Rows summed at once over a block's weights on the integer paths (block_ints: each read of the weight; block_vnni:
+// each pass over a block's gathered quads): on layout 2 four rows' accumulators (16 registers) and the shared nibbles
+// fill AVX-512's 32.
 constexpr int64_t ROWS_AT_ONCE = 4;
 // Rows of x a thread converts and quantizes, or whose outputs it rounds, at least (int4_gemv).
 constexpr int64_t ROW_GRAIN = 16;
@@ -537,8 +540,8 @@ void block_avx2(const float* x, const float* xsum, const uint8_t* w, const uint3
 
 // Block b of the weight (outputs [b B, b B + B), B = block_outputs(lay)) for one row x (float32 [k]) into y float32
 // [n]. `ints`: the row quantized for the integer path (full blocks of layouts 1 and 2), or null.
-void one_block(const float* x, const float* xsum, const RowInts* ints, const uint8_t* w, const uint32_t* so,
-               int64_t n, int64_t k, int64_t g, int lay, int64_t b, float* y) {
+void one_block(const float* x, const float* xsum, [[maybe_unused]] const RowInts* ints, const uint8_t* w,
+               const uint32_t* so, int64_t n, int64_t k, int64_t g, int lay, int64_t b, float* y) {
   const int64_t bn = block_outputs(lay), n0 = b * bn, nb = std::min(bn, n - n0);
   const bool full = nb == bn;
   const uint8_t* wb = w + n0 * k / 2;

@@ -165,7 +165,7 @@ def gemv_until(label: str, gemv: Product, kernel: Product, in_features: int, dty
     faster than `kernel` (what runs without it: torch's packed kernel, or the GEMM on the weight dequantized for the
     call) at every measured count: measured once per CPU, torch, shape and thread count. On the 2-core Zen 3 the
     int4 op, row by row, took 0.5-0.7x torch's int4 kernel's time from 2 to 64 rows (benchmark/README.md, "Quantized
-    models"); on a Zen 4 with VNNI, 0.65-0.85x the dequantized GEMM's at 512 and 2,048 rows on the small and the
+    models"); on a Zen 4 with VNNI, 0.65-0.92x the dequantized GEMM's at 512 and 2,048 rows on the small and the
     `1b` model's shapes ("int4 at many rows")."""
 
     def measure() -> int:
