@@ -1,6 +1,7 @@
 """textgen::int8_gemv (layers/int8_ops.cpp): one row of an 8-bit projection with one scale per output feature,
 against the float64 product of the row and the weight, and Int8Kernel's use of it for one-row calls only while the
-CPU ops are switched on (test_cpu_targets.py reruns this file on the AVX2 build); and textgen::int8_rescale, W8A8's
+CPU ops are switched on (test_cpu_targets.py reruns this file on the AVX2 build); textgen::int8_rows, many rows in
+bf16 pairs where the CPU has AVX512-BF16, and the row counts Int8Kernel gives it; and textgen::int8_rescale, W8A8's
 sums back to floats, against torch's expression."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from textgen_server.config import DISABLE_CUSTOM_KERNELS
-from textgen_server.layers import cpu_ops
-from textgen_server.layers.quant_kernels import Int8Kernel
+from textgen_server.layers import cpu_ops, quant_kernels
+from textgen_server.layers.quant_kernels import BAND_ROWS, EVERY_COUNT, Int8Kernel
 from textgen_server.layers.quantized_weight import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_ops.kernel_available(), reason="no C++ compiler: torch's kernel only")
@@ -129,7 +130,7 @@ def test_many_rows_run_as_a_gemm_from_the_measured_row_count(
     floats = torch.randn(96, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
     weight = QuantizedWeight.per_channel_int8(floats)
     kernel = Int8Kernel(weight, None)
-    kernel.dequantize_from = 8  # as if measured (test_quantized.py checks the measurement)
+    kernel.dequantize_from, kernel.rows_band = 8, None  # as if measured (test_quantized.py checks the measurement)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     held = kernel.ints.float() * kernel.scales.float()[:, None]
     dtype = torch.bfloat16 if native_bf16 else torch.float32
@@ -185,3 +186,58 @@ def test_quantize_rows_gives_torch_s_bits(dtype: torch.dtype) -> None:
     for bad in (float("nan"), float("inf")):
         x[7, 3] = bad
         assert [t.numel() for t in torch.ops.textgen.int8_quantize_rows(x)] == [0, 0]
+
+
+@pytest.mark.parametrize(("n", "k", "rows"), [(16, 32, 2), (48, 96, 9), (2304, 768, 37), (768, 2048, 130)])
+def test_many_rows_are_the_product_each_row_as_alone(n: int, k: int, rows: int) -> None:
+    """Blocks of 16 outputs, 8 rows at a time, passes of 128 rows (130: two): each row within the bounds of its
+    float sums, and with the bits it has alone. A build without AVX512-BF16 refuses the op."""
+    ints, scales = int8_weight(n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    if not torch.ops.textgen.int8_rows_supported():
+        with pytest.raises(RuntimeError, match="without AVX512-BF16"):
+            torch.ops.textgen.int8_rows(x, ints, scales)
+        return
+    got = torch.ops.textgen.int8_rows(x, ints, scales)
+    assert_near(got, x, ints, scales)
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(got[i], torch.ops.textgen.int8_rows(x[i : i + 1], ints, scales)[0])
+
+
+def test_many_rows_refuse_a_shape_they_do_not_take() -> None:
+    ints, scales = int8_weight(16, 48)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.textgen.int8_rows(torch.randn(2, 48).to(torch.bfloat16), ints, scales)
+    ints, scales = int8_weight(24, 64)
+    with pytest.raises(RuntimeError, match="N of 16"):
+        torch.ops.textgen.int8_rows(torch.randn(2, 64).to(torch.bfloat16), ints, scales)
+
+
+def test_the_band_is_the_first_run_of_counts_won(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the first count won to the last before a loss; through the last measured count: every count beyond."""
+    cases = [
+        ((False, False, True, True, True, False, True, False), (16, 64)),
+        ((True,) * len(BAND_ROWS), (4, EVERY_COUNT)),
+        ((False,) * len(BAND_ROWS), None),
+    ]
+    monkeypatch.setattr(quant_kernels, "kept_measurement", lambda key, field, measure, report: measure())
+    for outcomes, want in cases:
+        wins = iter(zip(BAND_ROWS, outcomes, strict=True))
+        monkeypatch.setattr(quant_kernels, "_wins", lambda *args, wins=wins: wins)
+        assert quant_kernels.rows_band("test", torch.nn.Identity(), torch.nn.Identity(), 64, torch.bfloat16) == want
+
+
+def test_int8_kernel_gives_the_band_s_rows_to_the_many_row_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows within the measured band go to int8_rows, the others as before; a build without the op measures none."""
+    monkeypatch.delenv(DISABLE_CUSTOM_KERNELS, raising=False)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "1")
+    kernel = Int8Kernel(per_channel_weight(), None)
+    if not torch.ops.textgen.int8_rows_supported():
+        assert kernel.rows_band is None
+        return
+    kernel.rows_band, kernel.dequantize_from = (4, 16), None  # as if measured
+    x = torch.randn(20, 128, dtype=torch.bfloat16)
+    for rows in (4, 9, 16):
+        assert torch.equal(kernel(x[:rows]), torch.ops.textgen.int8_rows(x[:rows], kernel.ints, kernel.scales))
+    for rows in (3, 17):
+        assert torch.equal(kernel(x[:rows]), torch._weight_int8pack_mm(x[:rows], kernel.ints, kernel.scales))

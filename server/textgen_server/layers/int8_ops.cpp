@@ -9,6 +9,14 @@
 //   sum's order is not torch's kernel's (8 lanes, k mod 8, each summed in order of k, then folded):
 //   tests/test_int8_gemv.py checks the op against the float64 product within the rounding of its sums.
 //
+// textgen::int8_rows(x [M, K] bf16, weight int8 [N, K], scales bf16 [N]) -> y bf16 [M, N]: the same product for many
+//   rows where the CPU multiplies bf16 pairs (AVX512-BF16; textgen::int8_rows_supported() says whether this build
+//   does; K a multiple of 32, N of 16). Threads split the weight's blocks of 16 outputs; each block's int8 values are
+//   turned once, for all the rows of a pass, into bf16 (exact: an int8 has at most 8 significant bits), and the rows
+//   sum them against their own bf16 values with vdpbf16ps: each product exact in float32, the sums in float32 in
+//   pairs of k (its own order: a row's bits are the same in any batch, but not int8_gemv's), times the scale, rounded
+//   once to bf16. torch's _weight_int8pack_mm ran 120-150 GOP/s at 4-512 rows on a Zen 4 where this runs 88-380
+//   (benchmark/README.md, "int8 at many rows"); quant_kernels.rows_band measures where it is faster.
 // textgen::int8_quantize_rows(x [M, K] bf16 or float32) -> (q int8 [M, K], scale float32 [M, 1]): W8A8's
 //   activations to integers as the compressed-tensors package quantizes them, torch's expression's bits in one pass
 //   (below); empty tensors where a row holds an infinity or a NaN.
@@ -122,6 +130,148 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
     row_sums(xf.data(), w, n, k, yf.data());
     for (int64_t j = 0; j < n; ++j) yp[r * n + j] = float_to_bf16(yf[j] * bf16_to_float(s[j]));
   }
+  return y;
+}
+
+#if defined(__AVX512BF16__)
+// int8_rows: the outputs of a block (one float32 vector), the rows of x one pass over the weight serves (their bf16
+// values stay in L2 while the weight streams by), the rows summed at once over a block's pairs (their accumulators
+// and the pair vector: 9 of AVX-512's 32 registers), and how far ahead a block's rows are asked for (256 bytes gave
+// 0.92-0.97x the time of none at 4-64 rows; 512 and 1,024 no better).
+constexpr int64_t PAIR_OUTPUTS = 16;
+constexpr int64_t PAIR_PASS = 128;
+constexpr int PAIR_ROWS = 8;
+constexpr int64_t PAIR_AHEAD = 256;
+
+// Eight rows of 32 bytes (k bytes apart from `base`) as eight columns of their 4-byte quads: cols[q] lane i holds row
+// i's bytes 4q .. 4q + 3 (an 8 x 8 transpose of 32-bit values).
+inline void quad_columns(const int8_t* base, int64_t k, __m256i (&cols)[8]) {
+  __m256i r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + i * k));
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
+    u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    cols[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+    cols[q + 4] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+  }
+}
+
+// The block of 16 outputs from n0 (rows of w, k bytes apart), values k0 .. k0 + 31, as 16 bf16 pair vectors from
+// `pairs`: lane o of vector p holds w[n0 + o, k0 + 2p] (low half) and w[n0 + o, k0 + 2p + 1], exact (|w| <= 128 has
+// at most 8 significant bits: a float32's upper half). The rows' bytes are read in lines and transposed (gathering
+// four bytes of 16 rows at a time took 1.4-1.7x as long at 4-16 rows); their next lines are asked for PAIR_AHEAD
+// bytes ahead, 16 streams too many for the prefetchers to follow.
+inline void block_pairs(const int8_t* w, int64_t k, int64_t n0, int64_t k0, __m512i* pairs) {
+  const int8_t* base = w + n0 * k + k0;
+  if (k0 % 64 == 0) {
+    for (int o = 0; o < 16; ++o) _mm_prefetch(reinterpret_cast<const char*>(base + o * k + PAIR_AHEAD), _MM_HINT_T0);
+  }
+  __m256i low[8], high[8];
+  quad_columns(base, k, low);
+  quad_columns(base + 8 * k, k, high);
+  for (int q = 0; q < 8; ++q) {
+    const __m512i four = _mm512_inserti64x4(_mm512_castsi256_si512(low[q]), high[q], 1);
+    __m512i bits[4];
+    for (int b = 0; b < 4; ++b) {
+      const __m512i value = _mm512_srai_epi32(_mm512_slli_epi32(four, 24 - 8 * b), 24);
+      bits[b] = _mm512_castps_si512(_mm512_cvtepi32_ps(value));
+    }
+    pairs[2 * q] = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(bits[0], 16), bits[1]);
+    pairs[2 * q + 1] = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(bits[2], 16), bits[3]);
+  }
+}
+
+// R rows of x (bf16, k values each, read as k / 2 pairs) over a block's k / 2 pair vectors: acc[r] lane o, row r's
+// sum for the block's output o, before the scale.
+template <int R>
+inline void rows_over_pairs(const uint32_t* const* x, const __m512i* pairs, int64_t half_k, __m512 (&acc)[R]) {
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < half_k; ++p) {
+    const __m512bh wp = reinterpret_cast<__m512bh>(_mm512_load_si512(pairs + p));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_dpbf16_ps(acc[r], wp, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r][p]))));
+    }
+  }
+}
+
+// Rows [r0, r0 + R) of x against one block: y = bf16(sum * scale).
+template <int R>
+void block_rows(const uint32_t* x, int64_t k, int64_t r0, const __m512i* pairs, const float* scale, int64_t n,
+                int64_t n0, uint16_t* y) {
+  const uint32_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = x + (r0 + r) * (k / 2);
+  __m512 acc[R];
+  rows_over_pairs<R>(rows, pairs, k / 2, acc);
+  const __m512 s = _mm512_loadu_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, _mm512_mul_ps(acc[r], s));
+    for (int o = 0; o < 16; ++o) y[(r0 + r) * n + n0 + o] = float_to_bf16(out[o]);
+  }
+}
+#endif
+
+bool int8_rows_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int8_rows: x bf16 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_rows: a contiguous int8 [N, K] weight");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k && k % 32 == 0 && n % 16 == 0, "int8_rows: K a multiple of 32, N of 16");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.numel() == n,
+              "int8_rows: contiguous bf16 scales [N]");
+  TORCH_CHECK(int8_rows_supported(), "int8_rows: the library was built without AVX512-BF16");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+#if defined(__AVX512BF16__)
+  if (m == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  std::vector<float> scale(n);
+  for (int64_t j = 0; j < n; ++j) scale[j] = bf16_to_float(sp[j]);
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  for (int64_t p0 = 0; p0 < m; p0 += PAIR_PASS) {
+    const int64_t rows = std::min(PAIR_PASS, m - p0);
+    at::parallel_for(0, n / PAIR_OUTPUTS, 1, [&](int64_t begin, int64_t end) {
+      // The block's k / 2 pair vectors, on whole cache lines (64-byte loads).
+      std::vector<int32_t> scratch(k / 2 * 16 + 16);
+      const uintptr_t misaligned = -reinterpret_cast<uintptr_t>(scratch.data()) / 4 & 15;
+      auto* pairs = reinterpret_cast<__m512i*>(scratch.data() + misaligned);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * PAIR_OUTPUTS;
+        for (int64_t k0 = 0; k0 < k; k0 += 32) block_pairs(w, k, n0, k0, pairs + k0 / 2);
+        for (int64_t r0 = p0; r0 < p0 + rows; r0 += PAIR_ROWS) {
+          switch (std::min<int64_t>(PAIR_ROWS, p0 + rows - r0)) {
+            case 1: block_rows<1>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
+            case 2: block_rows<2>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
+            case 3: block_rows<3>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
+            case 4: block_rows<4>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
+            case 5: block_rows<5>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
+            case 6: block_rows<6>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
+            case 7: block_rows<7>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
+            default: block_rows<8>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
+          }
+        }
+      }
+    });
+  }
+#endif
   return y;
 }
 
@@ -252,6 +402,8 @@ at::Tensor int8_dequantize(const at::Tensor& weight, const at::Tensor& scales, a
 
 TORCH_LIBRARY_FRAGMENT(textgen, m) {
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_rows(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_rows_supported() -> bool", &int8_rows_supported);
   m.def("int8_rescale(Tensor sums, Tensor row_scale, Tensor col_scale, ScalarType dtype) -> Tensor");
   m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("int8_dequantize(Tensor weight, Tensor scales, ScalarType dtype) -> Tensor");
@@ -259,6 +411,7 @@ TORCH_LIBRARY_FRAGMENT(textgen, m) {
 
 TORCH_LIBRARY_IMPL(textgen, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("int8_rows", &int8_rows);
   m.impl("int8_rescale", &int8_rescale);
   m.impl("int8_quantize_rows", &int8_quantize_rows);
   m.impl("int8_dequantize", &int8_dequantize);

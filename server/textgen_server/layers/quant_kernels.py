@@ -16,11 +16,12 @@
   (`textgen::int4_dequantize`; in bfloat16 where the CPU multiplies it natively, else float32: `gemm_dtype`) from
   the row count where that measured faster at load, if any.
 - `Int8Kernel`: int8 weights with one scale per output feature (symmetric, per-channel: eetq, and 8-bit
-  checkpoints quantized that way): one row by `textgen::int8_gemv` (int8_ops.cpp) where the CPU ops are on, more
-  by torch's `_weight_int8pack_mm`, and from the row count where it measured faster at load as a GEMM on the
-  weight dequantized for the call, as the int4 kernel (`dequantize_from`); bfloat16 activations (torch's
-  float32 path, like its int4 kernel's, is a scalar fallback: float32 shards dequantize at load). Both share
-  `PackedKernel`.
+  checkpoints quantized that way): one row by `textgen::int8_gemv` (int8_ops.cpp) where the CPU ops are on; more
+  by `textgen::int8_rows` (bf16 pair products, where the CPU has AVX512-BF16) over the row counts where that
+  measured faster at load (`rows_band`), else by torch's `_weight_int8pack_mm`, and from the row count where it
+  measured faster at load as a GEMM on the weight dequantized for the call, as the int4 kernel
+  (`dequantize_from`); bfloat16 activations (torch's float32 path, like its int4 kernel's, is a scalar fallback:
+  float32 shards dequantize at load). Both share `PackedKernel`.
 - `Int8DynamicKernel`: the same weights (both int8 kernels hold them as `Int8Weights`) with the activations
   quantized to int8 per row at each call (compressed-tensors W8A8), the integers multiplied by the path timed
   fastest at load (`torch._int_mm` where the CPU has an int8 dot product).
@@ -67,6 +68,8 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes, largest fir
 DEQUANTIZE_ROWS = (32, 64, 128, 512)
 # Row counts at which textgen's int4 op is timed against the path the kernel takes without it (`gemv_until`).
 GEMV_ROWS = (8, 64, 256, 512, 2048)
+# Row counts at which textgen's many-row int8 op is timed against the path the kernel takes without it (`rows_band`).
+BAND_ROWS = (4, 8, 16, 32, 64, 256, 512, 2048)
 # `gemv_until` where the op won at every count: it then serves every count. Past 2,048 rows both ways cost about the
 # same per row (the op passes over the weight for every 256 rows; the dequantized GEMM's one dequantize is spread
 # over more rows: 2-5% of its time at 2,048 on the Zen 4).
@@ -182,6 +185,33 @@ def gemv_until(label: str, gemv: Product, kernel: Product, in_features: int, dty
 
     key = f"{label} gemv threads {torch.get_num_threads()}"
     return kept_measurement(key, "rows", measure, report)
+
+
+def rows_band(label: str, op: Product, kernel: Product, in_features: int, dtype: torch.dtype) -> tuple[int, int] | None:
+    """The row counts (first, last: of BAND_ROWS, the last EVERY_COUNT where it won through all of them) over which
+    `op` ran faster than `kernel` at load, the first measured count it won and every one after it up to a loss; None
+    where it won at none. For textgen::int8_rows, whose conversion of each block of the weight to bf16 pairs loses
+    to torch's int8 kernel at a few rows, and whose bf16 sums can lose to a GEMM on the dequantized weight at many
+    (benchmark/README.md, "int8 at many rows"). Measured once per CPU, torch, shape and thread count."""
+
+    def measure() -> list[int] | None:
+        band: list[int] = []
+        for rows, won in _wins(op, kernel, BAND_ROWS, in_features, dtype):
+            if won:
+                band = [band[0] if band else rows, rows]
+            elif band:
+                return band
+        return [band[0], EVERY_COUNT] if band else None
+
+    def report(band: list[int] | None) -> None:
+        if band is None:
+            logger.info("CPU %s: textgen's many-row op at no row count (measured)", label)
+        else:
+            last = "every count" if band[1] == EVERY_COUNT else str(band[1])
+            logger.info("CPU %s: textgen's many-row op from %d rows to %s (measured)", label, band[0], last)
+
+    band = kept_measurement(f"{label} rows threads {torch.get_num_threads()}", "band", measure, report)
+    return None if band is None else (band[0], band[1])
 
 
 def _consecutive_groups(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -342,9 +372,13 @@ class Int8Kernel(Int8Weights):
         # One row by textgen::int8_gemv (int8_ops.cpp), on the same weight and scales: 1.4-2x torch's kernel there.
         self.gemv = cpu_ops.ops_for(self.scales.dtype, weight.q.device)
         n, k = self.ints.shape
+        label = f"int8 {n}x{k}"
         self.dequantize_from = (
-            dequantize_from(f"int8 {n}x{k}", self._int8, self._gemm, k, self.scales.dtype) if self.gemv else None
+            dequantize_from(label, self._int8, self._gemm, k, self.scales.dtype) if self.gemv else None
         )
+        # More rows by textgen::int8_rows where the CPU multiplies bf16 pairs, over the counts measured faster.
+        shares = self.gemv and n % 16 == 0 and k % 32 == 0 and torch.ops.textgen.int8_rows_supported()
+        self.rows_band = rows_band(label, self._rows, self._without_rows, k, self.scales.dtype) if shares else None
 
     def direct(self, bucket_index: int) -> Direct | None:
         if not self.gemv or bucket_max_rows(bucket_index) != 1:
@@ -359,13 +393,22 @@ class Int8Kernel(Int8Weights):
         weight = torch.ops.textgen.int8_dequantize(self.ints, self.scales, dtype)  # only measured with the ops on
         return F.linear(rows.to(dtype), weight).to(rows.dtype)
 
+    def _rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.textgen.int8_rows(rows, self.ints, self.scales)
+
+    def _without_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Past `rows_until`: the GEMM on the dequantized weight from `dequantize_from` rows, else torch's kernel."""
+        if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
+            return self._gemm(rows)
+        return self._int8(rows)
+
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
         if self.gemv and rows.shape[0] == 1:
             return torch.ops.textgen.int8_gemv(rows, self.ints, self.scales)
-        if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
-            return self._gemm(rows)
-        return self._int8(rows)
+        if self.rows_band is not None and self.rows_band[0] <= rows.shape[0] <= self.rows_band[1]:
+            return self._rows(rows)
+        return self._without_rows(rows)
 
 
 class Int8DynamicKernel(Int8Weights):
