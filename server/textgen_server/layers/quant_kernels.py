@@ -70,9 +70,9 @@ DEQUANTIZE_ROWS = (32, 64, 128, 512)
 GEMV_ROWS = (8, 64, 256, 512, 2048)
 # Row counts at which textgen's many-row int8 op is timed against the path the kernel takes without it (`rows_band`).
 BAND_ROWS = (4, 8, 16, 32, 64, 256, 512, 2048)
-# `gemv_until` where the op won at every count: it then serves every count. Past 2,048 rows both ways cost about the
-# same per row (the op passes over the weight for every 256 rows; the dequantized GEMM's one dequantize is spread
-# over more rows: 2-5% of its time at 2,048 on the Zen 4).
+# `gemv_until` (and `rows_band`'s last count) where the op won at every count: it then serves every count. Past
+# 2,048 rows both ways cost about the same per row (the int4 op passes over the weight for every 256 rows; the
+# dequantized GEMM's one dequantize is spread over more rows: 2-5% of its time at 2,048 on the Zen 4).
 EVERY_COUNT = 1 << 62
 # The rounds of each timing at load (the least counts).
 TIMING_ROUNDS = 3
@@ -397,7 +397,7 @@ class Int8Kernel(Int8Weights):
         return torch.ops.textgen.int8_rows(rows, self.ints, self.scales)
 
     def _without_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Past `rows_until`: the GEMM on the dequantized weight from `dequantize_from` rows, else torch's kernel."""
+        """Outside `rows_band`: the GEMM on the dequantized weight from `dequantize_from` rows, else torch's kernel."""
         if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
             return self._gemm(rows)
         return self._int8(rows)
