@@ -1,5 +1,6 @@
-// One row of an 8-bit projection with one scale per output feature (eetq, 8-bit GPTQ/compressed-tensors quantized
-// per channel: layers/quant_kernels.py, Int8Kernel), for batch-1 decode steps. At one row the weight streams from
+// 8-bit projections with one scale per output feature (eetq, 8-bit GPTQ/compressed-tensors quantized per channel:
+// layers/quant_kernels.py, Int8Kernel): one row for batch-1 decode steps, many rows where the CPU multiplies bf16
+// pairs (int8_rows, below), and W8A8's helpers. At one row the weight streams from
 // memory once for two flops a byte; torch's _weight_int8pack_mm read it at 4.4-11.3 GB/s on a 2-core Zen 3 whose
 // 2 threads read 14-18 GB/s, this op at 8.2-16.2 (benchmark/README.md, "Quantized models").
 //
@@ -25,9 +26,9 @@
 // textgen::int8_dequantize(weight int8 [N, K], scales bf16 [N], dtype) -> [N, K]: the weight-only int8 weight for a
 //   many-row GEMM, `(weight.float() * scales.float()[:, None]).to(dtype)`'s bits in one pass (below).
 //
-// Vector path: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs), four outputs at a time, each reading its
-// own contiguous row of the weight, a quarter of the thread's outputs apart; elsewhere a scalar loop sums the same
-// products in order of k. Threads split the outputs (at::parallel_for).
+// int8_gemv's vector path: AVX2 + FMA (x86-64-v3, also what an AVX-512 build runs), four outputs at a time, each
+// reading its own contiguous row of the weight, a quarter of the thread's outputs apart; elsewhere a scalar loop sums
+// the same products in order of k. Threads split the outputs (at::parallel_for).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
