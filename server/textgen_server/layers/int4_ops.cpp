@@ -606,9 +606,8 @@ void rows_shared(int64_t m, const float* const* x, const float* const* xsum, con
   const int64_t bn = block_outputs(lay), blocks = (n + bn - 1) / bn;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-    // block_vnni's scratch, on whole cache lines: with each row's sums split over two lines, 64 rows took 1.2x the time
-    std::vector<float> scratch(lay == SPLIT64 ? 2 * m * 64 + 16 : 0);
-    float* sums = scratch.data() + (-reinterpret_cast<uintptr_t>(scratch.data()) / sizeof(float) & 15);
+    std::vector<float> scratch;
+    float* sums = on_cache_line(scratch, lay == SPLIT64 ? 2 * m * 64 : 0);  // block_vnni's sums and totals
 #endif
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = bn * b;
@@ -690,10 +689,10 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   // parallel region about as long.
   const int64_t most = std::min(m, ROWS_PER_PASS);
   std::vector<float> xf(most * k), xsum(most * groups), yf(most * n);
-  // The quantized rows' values, steps and group sums, 64-byte aligned (a block of 32 values is half a cache line).
-  std::vector<int8_t> ints_q(most * k + 64);
+  // The quantized rows' values (each block of 32 in one cache line), steps and group sums.
+  std::vector<int8_t> ints_q;
+  int8_t* q_base = on_cache_line(ints_q, most * k);
   std::vector<float> ints_step(most * (k / X_BLOCK)), ints_xsum(most * groups);
-  int8_t* q_base = ints_q.data() + (-reinterpret_cast<uintptr_t>(ints_q.data()) & 63);
   std::vector<RowInts> ints(most);
   for (int64_t i = 0; i < most; ++i) {
     ints[i] = {q_base + i * k, ints_step.data() + i * (k / X_BLOCK), ints_xsum.data() + i * groups};

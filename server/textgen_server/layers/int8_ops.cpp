@@ -212,11 +212,7 @@ void block_rows(const uint32_t* x, int64_t k, int64_t r0, const __m512i* pairs, 
   __m512 acc[R];
   rows_over_pairs<R>(rows, pairs, k / 2, acc);
   const __m512 s = _mm512_loadu_ps(scale);
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float out[16];
-    _mm512_store_ps(out, _mm512_mul_ps(acc[r], s));
-    for (int o = 0; o < 16; ++o) y[(r0 + r) * n + n0 + o] = float_to_bf16(out[o]);
-  }
+  for (int r = 0; r < R; ++r) store16(y + (r0 + r) * n + n0, _mm512_mul_ps(acc[r], s), first_lanes(16));
 }
 #endif
 
@@ -250,10 +246,8 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& weight, const at::Te
   for (int64_t p0 = 0; p0 < m; p0 += PAIR_PASS) {
     const int64_t rows = std::min(PAIR_PASS, m - p0);
     at::parallel_for(0, n / PAIR_OUTPUTS, 1, [&](int64_t begin, int64_t end) {
-      // The block's k / 2 pair vectors, on whole cache lines (64-byte loads).
-      std::vector<int32_t> scratch(k / 2 * 16 + 16);
-      const uintptr_t misaligned = -reinterpret_cast<uintptr_t>(scratch.data()) / 4 & 15;
-      auto* pairs = reinterpret_cast<__m512i*>(scratch.data() + misaligned);
+      std::vector<int32_t> scratch;  // the block's k / 2 pair vectors (64-byte loads)
+      auto* pairs = reinterpret_cast<__m512i*>(on_cache_line(scratch, k / 2 * 16));
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * PAIR_OUTPUTS;
         for (int64_t k0 = 0; k0 < k; k0 += 32) block_pairs(w, k, n0, k0, pairs + k0 / 2);

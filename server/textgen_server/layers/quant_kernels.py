@@ -214,6 +214,14 @@ def rows_band(label: str, op: Product, kernel: Product, in_features: int, dtype:
     return None if band is None else (band[0], band[1])
 
 
+def without_op(rows: torch.Tensor, dequantize_from: int | None, gemm: Product, packed: Product) -> torch.Tensor:
+    """The rows a packed kernel does not give textgen's own op: from `dequantize_from` rows (where measured faster)
+    `gemm`, the GEMM on the weight dequantized for the call, else `packed`, torch's kernel on the packed weight."""
+    if dequantize_from is not None and rows.shape[0] >= dequantize_from:
+        return gemm(rows)
+    return packed(rows)
+
+
 def _consecutive_groups(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the input-feature order that makes every group G consecutive features, each block's group id), or None."""
     order = torch.argsort(weight.g_idx, stable=True)
@@ -330,10 +338,8 @@ class Int4Kernel(PackedKernel):
         return self._without_op(rows)
 
     def _without_op(self, rows: torch.Tensor) -> torch.Tensor:
-        """Past `gemv_until`: the GEMM on the dequantized weight from `dequantize_from` rows, else torch's kernel."""
-        if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
-            return self._gemm(rows)
-        return self._int4(rows)
+        """Past `gemv_until`."""
+        return without_op(rows, self.dequantize_from, self._gemm, self._int4)
 
 
 class Int8Weights(PackedKernel):
@@ -378,7 +384,7 @@ class Int8Kernel(Int8Weights):
         )
         # More rows by textgen::int8_rows where the CPU multiplies bf16 pairs, over the counts measured faster.
         shares = self.gemv and n % 16 == 0 and k % 32 == 0 and torch.ops.textgen.int8_rows_supported()
-        self.rows_band = rows_band(label, self._rows, self._without_rows, k, self.scales.dtype) if shares else None
+        self.rows_band = rows_band(label, self._rows, self._without_op, k, self.scales.dtype) if shares else None
 
     def direct(self, bucket_index: int) -> Direct | None:
         if not self.gemv or bucket_max_rows(bucket_index) != 1:
@@ -396,11 +402,9 @@ class Int8Kernel(Int8Weights):
     def _rows(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.textgen.int8_rows(rows, self.ints, self.scales)
 
-    def _without_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Outside `rows_band`: the GEMM on the dequantized weight from `dequantize_from` rows, else torch's kernel."""
-        if self.dequantize_from is not None and rows.shape[0] >= self.dequantize_from:
-            return self._gemm(rows)
-        return self._int8(rows)
+    def _without_op(self, rows: torch.Tensor) -> torch.Tensor:
+        """Outside `rows_band` (and past one row)."""
+        return without_op(rows, self.dequantize_from, self._gemm, self._int8)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
@@ -408,7 +412,7 @@ class Int8Kernel(Int8Weights):
             return torch.ops.textgen.int8_gemv(rows, self.ints, self.scales)
         if self.rows_band is not None and self.rows_band[0] <= rows.shape[0] <= self.rows_band[1]:
             return self._rows(rows)
-        return self._without_rows(rows)
+        return self._without_op(rows)
 
 
 class Int8DynamicKernel(Int8Weights):
