@@ -51,8 +51,12 @@ lint: proto
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
 
+# `make bench QUANTIZE=gptq` (or gptq-8, awq, eetq) times quantized weights against the float model; BENCH_ARGS
+# passes benchmark/shard_decode.py's other flags, e.g. BENCH_ARGS="--model-dir models/llama-1b-v1 --batch 1".
+QUANTIZE ?=
+BENCH_ARGS ?=
 bench: proto
-	$(PYTHON) benchmark/shard_decode.py
+	$(PYTHON) benchmark/shard_decode.py $(if $(QUANTIZE),--quantize $(QUANTIZE)) $(BENCH_ARGS)
 
 # The container image (deploy/image.py: docker or podman, a local Debian base where no registry answers); IMAGE_BASE
 # and TORCH_INDEX make the CUDA variant (README).
