@@ -147,9 +147,18 @@ def test_bad_inputs_are_refused(change: object, message: str) -> None:
         call(case, 0, out=torch.empty(case.q.shape, dtype=torch.bfloat16))
 
 
-def shared_case(own: list[int], prefix: int, dtype: torch.dtype, block_size: int, heads: tuple[int, int, int]) -> Case:
-    """Decode rows whose first prefix // block_size blocks are the same ones (a prefix-cache hit), each with `own`
-    more positions in blocks of its own; two more rows share nothing, one of them shorter than the shared part."""
+def shared_case(
+    own: list[int],
+    prefix: int,
+    dtype: torch.dtype,
+    block_size: int,
+    heads: tuple[int, int, int],
+    queries: list[int] | None = None,
+) -> Case:
+    """Rows whose first prefix // block_size blocks are the same ones (a prefix-cache hit), each with `own` more
+    positions in blocks of its own and `queries` queries (default: decode rows, one each; then a row's last queries
+    are its last positions); two more rows share nothing, one of them shorter than the shared part (with 3 and 2
+    queries where `queries` is given)."""
     n_heads, kv_heads, dim = heads
     g = torch.Generator().manual_seed(9)
     shared = prefix // block_size
@@ -177,8 +186,9 @@ def shared_case(own: list[int], prefix: int, dtype: torch.dtype, block_size: int
         k_cache.view(-1, kv_heads, dim)[slots], v_cache.view(-1, kv_heads, dim)[slots] = k, v
         keys.append(k)
         values.append(v)
-    q = torch.randn(len(lengths), n_heads, dim, generator=g).to(dtype)
-    cu = torch.arange(len(lengths) + 1)
+    counts = [1] * len(lengths) if queries is None else [*queries, 3, 2]
+    q = torch.randn(sum(counts), n_heads, dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *counts]).cumsum(0)
     return Case(q, keys, values, k_cache, v_cache, cu, torch.tensor(lengths), tables)
 
 
@@ -200,3 +210,21 @@ def test_a_shared_prefix_block_outside_the_pool_is_refused() -> None:
     case.block_tables[:6, 2] = case.k_cache.shape[0]  # inside the shared blocks of all six rows
     with pytest.raises(RuntimeError, match="a block table names a block outside the pool"):
         attend(case, scale=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(12, 12, 64), (32, 4, 64), (8, 1, 128)], ids=str)
+def test_prefill_rows_sharing_a_prefix_agree_with_the_torch_path(
+    dtype: torch.dtype, block_size: int, heads: tuple[int, int, int]
+) -> None:
+    # Prefill rows over one prefix (a prefix-cache hit's questions), their queries a group's lanes: one row's 70 past
+    # a task's 64 query rows, rows whose first query is the first position after the prefix, a row of two queries
+    # after own positions computed earlier; and a decode row among them, left to the decode op.
+    queries = [2, 70, 20, 33, 1, 5, 17, 40]
+    own = [2, 70, 29, 33, 1, 12, 17, 60]
+    case = shared_case(own, 300, dtype, block_size, heads, queries)
+    got = call(case, 0)
+    mask = several(case)
+    assert bool(got[~mask].isnan().all())
+    assert_agrees(got[mask], attend(case, kernel=False)[mask], reference(case, 0.125, None)[mask], 0.99)

@@ -24,7 +24,10 @@
 // float32 rounds nowhere in between, as SDPA, whose flash kernel sums in yet another order.
 //
 // A task is one row's KV head and a block of its queries: up to 64 query rows (its queries times the query heads
-// of the group), 16 to a vector lane group. Scores are computed key by key for all of them at once, a key's values
+// of the group), 16 to a vector lane group. Rows that begin with the same blocks (a prefix-cache hit's questions)
+// share tasks where that fills lanes one row's queries would leave empty: the shared keys then come once, followed
+// by each row's own, and each query sees the shared keys and its own row's (W2's questions of 23-62 tokens over
+// 1,501 shared ones: 0.93x the time apart; questions of 8 tokens 0.5x). Scores are computed key by key for all of them at once, a key's values
 // (bf16: pairs) broadcast against the queries' laid out lane by lane (no transposition of the keys), into a
 // key-major buffer, so that the softmax runs down the keys vertically, 16 queries at a time. Each block of query
 // rows then sums the values with its accumulators in registers: in bf16 by pair products over keys interleaved two
@@ -63,9 +66,20 @@ constexpr int64_t AHEAD = 16;
 
 #if defined(__AVX512F__)
 
-// One task: row b's KV head `head` and its queries [s0, s1).
+// Queries [s0, s1) of row b.
+struct Segment {
+  int64_t b, s0, s1;
+};
+
+// One task: a KV head and up to MAX_ROWS query rows: some of one row's queries (prefix 0), or the queries of rows
+// whose block tables begin with the same blocks (a prefix-cache hit's questions), positions [0, prefix) shared. A
+// shared task's keys are the shared ones once, then each segment's own positions (from prefix to its last query's)
+// in turn: each query sees the shared keys and its own row's up to its position. Its lanes are filled with the
+// queries of several rows where one row's would leave some empty, and each shared key is read once for them all.
 struct Task {
-  int64_t b, head, s0, s1;
+  int64_t head;
+  std::vector<Segment> segments;
+  int64_t prefix;
 };
 
 // A thread's scratch, reused from task to task.
@@ -112,8 +126,8 @@ inline void score_tile(const __m512i* queries, const uint16_t* const* key, int64
 #endif
 
 // The task's scores: scores[t][r] = q_r . k_t (bf16: rounded to bf16) where query row r sees key t (lo[r] <= first
-// + t <= hi[r]), else -inf; top[g] = each row's largest. Keys [seen_by_all[2g], seen_by_all[2g + 1]], which every
-// row of group g sees, are stored without a mask.
+// + t <= hi[r], or first + t within seen_by_all's range below), else -inf; top[g] = each row's largest. Keys
+// [seen_by_all[2g], seen_by_all[2g + 1]], which every row of group g sees, are stored without a mask.
 template <typename T, int NG>
 void task_scores(const T* K, const int64_t* offsets, int64_t keys, int64_t first, int64_t dim, const __m512i* queries,
                  const __m512i* lo, const __m512i* hi, const int64_t* seen_by_all, const T* zeros, float* scores,
@@ -132,10 +146,9 @@ void task_scores(const T* K, const int64_t* offsets, int64_t keys, int64_t first
     for (int k = 0; k < KT; ++k) key[k] = k < n ? K + offsets[t + k] : zeros;
     score_tile<NG, KT>(queries, key, dim, acc);
     for (int g = 0; g < NG; ++g) {
-      const bool whole = first + t >= seen_by_all[2 * g] && first + t + n - 1 <= seen_by_all[2 * g + 1];
       for (int k = 0; k < n; ++k) {
         __m512 x = round_as(T{}, acc[k * NG + g]);
-        if (!whole) {
+        if (first + t + k < seen_by_all[2 * g] || first + t + k > seen_by_all[2 * g + 1]) {
           const __m512i position = _mm512_set1_epi32(static_cast<int>(first + t + k));
           const __mmask16 seen = _mm512_cmple_epi32_mask(lo[g], position) & _mm512_cmple_epi32_mask(position, hi[g]);
           x = _mm512_mask_blend_ps(seen, none, x);
@@ -351,61 +364,115 @@ inline void set_lane(uint32_t* lanes, int64_t groups, int64_t r, const T* q, int
   }
 }
 
-// One task. Returns false (writing nothing) where the row's block table names a block outside the pool.
+// The batch's rows: their block tables, lengths (positions seen by each row's last query) and queries (cu: row b's
+// from token cu[b]).
+struct Rows {
+  const int32_t* tables;
+  int64_t max_blocks;
+  const int64_t* lengths;
+  const int64_t* cu;
+  int64_t queries(int64_t b) const { return cu[b + 1] - cu[b]; }
+  int64_t position(int64_t b, int64_t s) const { return lengths[b] - queries(b) + s; }  // of query s
+  const int32_t* table(int64_t b) const { return tables + b * max_blocks; }
+};
+
+// One task. Returns false (writing nothing) where a row's block table names a block outside the pool.
 template <typename T>
-bool run_task(const Task& task, const T* Q, int64_t q_token, int64_t q_head, const T* K, const T* V,
-              const int32_t* table, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group,
-              int64_t dim, int64_t length, int64_t n, int64_t token0, int64_t window, float scale, Scratch& scratch,
-              T* out, int64_t out_token) {
+bool run_task(const Task& task, const Rows& batch, const T* Q, int64_t q_token, int64_t q_head, const T* K,
+              const T* V, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group, int64_t dim,
+              int64_t window, float scale, Scratch& scratch, T* out, int64_t out_token) {
   constexpr bool bf16 = std::is_same_v<T, uint16_t>;
-  const int64_t queries = task.s1 - task.s0, rows = queries * group, groups = (rows + 15) / 16, width = groups * 16;
-  // Query s sees positions [lo(s), hi(s)]: the task's keys run from its first query's lo to its last one's hi.
-  const int64_t hi0 = length - n + task.s0, last = length - n + task.s1 - 1;
-  const int64_t first = window > 0 ? std::max<int64_t>(0, hi0 - window + 1) : 0, keys = last - first + 1;
+  int64_t queries = 0;
+  for (const Segment& seg : task.segments) queries += seg.s1 - seg.s0;
+  const int64_t rows = queries * group, groups = (rows + 15) / 16, width = groups * 16, prefix = task.prefix;
+  // The keys: one row's from its first query's first position seen (lo) to its last query's (hi); or the shared
+  // ones, then each segment's own positions (from prefix to its last query's), `first` 0.
+  const Segment& one = task.segments[0];
+  int64_t first = 0, keys = 0, total = 0;
   auto& offsets = scratch.offsets;
-  offsets.resize(keys);
-  if (!pool_offsets(table, first, keys, block_size, num_blocks, kv_heads, task.head, dim, offsets.data())) return false;
-  // Row r = i * group + g: query s0 + i, query head head * group + g. Padding rows see every key with a zero query.
+  if (prefix == 0) {
+    const int64_t hi0 = batch.position(one.b, one.s0), last = batch.position(one.b, one.s1 - 1);
+    first = window > 0 ? std::max<int64_t>(0, hi0 - window + 1) : 0;
+    keys = last - first + 1;
+    total = batch.lengths[one.b];
+    offsets.resize(keys);
+    if (!pool_offsets(batch.table(one.b), first, keys, block_size, num_blocks, kv_heads, task.head, dim,
+                      offsets.data())) {
+      return false;
+    }
+  } else {
+    keys = prefix;
+    for (const Segment& seg : task.segments) keys += batch.position(seg.b, seg.s1 - 1) + 1 - prefix;
+    total = keys;
+    offsets.resize(keys);
+    if (!pool_offsets(batch.table(one.b), 0, prefix, block_size, num_blocks, kv_heads, task.head, dim,
+                      offsets.data())) {
+      return false;
+    }
+    int64_t at = prefix;
+    for (const Segment& seg : task.segments) {
+      const int64_t own = batch.position(seg.b, seg.s1 - 1) + 1 - prefix;
+      if (!pool_offsets(batch.table(seg.b), prefix, own, block_size, num_blocks, kv_heads, task.head, dim,
+                        offsets.data() + at)) {
+        return false;
+      }
+      at += own;
+    }
+  }
+  // Row r = i * group + g: the task's query i (segment by segment), query head head * group + g; it sees keys
+  // [lo[r], hi[r]] (positions less `first`; in a shared task its own row's, besides the shared ones), and its output
+  // is token[r]'s. Padding rows see every key with a zero query.
   // Lane r of group g in step i: bf16, the pair (2i, 2i + 1) of the scaled query rounded to bf16; float32, value i.
   const int64_t steps = bf16 ? dim / 2 : dim;
   scratch.queries.assign(steps * groups, _mm512_setzero_si512());
   auto* lanes = reinterpret_cast<uint32_t*>(scratch.queries.data());
   alignas(64) int32_t lo[MAX_ROWS], hi[MAX_ROWS];
-  for (int64_t r = 0; r < width; ++r) {
-    lo[r] = 0;
-    hi[r] = static_cast<int32_t>(last);
-    if (r >= rows) continue;
-    const int64_t s = task.s0 + r / group, h = task.head * group + r % group;
-    hi[r] = static_cast<int32_t>(length - n + s);
-    lo[r] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0);
-    set_lane(lanes, groups, r, Q + (token0 + s) * q_token + h * q_head, steps, scale);
+  int64_t token[MAX_ROWS];
+  int64_t r = 0, own_keys = prefix;  // a shared task's segment's own keys start at own_keys
+  for (const Segment& seg : task.segments) {
+    for (int64_t s = seg.s0; s < seg.s1; ++s) {
+      const int64_t position = batch.position(seg.b, s);
+      for (int64_t g = 0; g < group; ++g, ++r) {
+        const int64_t from = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+        hi[r] = static_cast<int32_t>(prefix == 0 ? position : own_keys + position - prefix);
+        lo[r] = static_cast<int32_t>(prefix == 0 ? from : own_keys);
+        token[r] = batch.cu[seg.b] + s;
+        set_lane(lanes, groups, r, Q + token[r] * q_token + (task.head * group + g) * q_head, steps, scale);
+      }
+    }
+    own_keys += batch.position(seg.b, seg.s1 - 1) + 1 - prefix;
+  }
+  for (; r < width; ++r) {
+    lo[r] = static_cast<int32_t>(first);
+    hi[r] = static_cast<int32_t>(first + keys - 1);
   }
   __m512i lo16[4], hi16[4];
   int64_t seen_by_all[8];
   for (int64_t g = 0; g < groups; ++g) {
     lo16[g] = _mm512_load_si512(lo + 16 * g);
     hi16[g] = _mm512_load_si512(hi + 16 * g);
-    seen_by_all[2 * g] = *std::max_element(lo + 16 * g, lo + 16 * g + 16);
-    seen_by_all[2 * g + 1] = *std::min_element(hi + 16 * g, hi + 16 * g + 16);
+    // A shared task's rows all see the shared keys; one row's see what all of its queries see.
+    seen_by_all[2 * g] = prefix > 0 ? 0 : *std::max_element(lo + 16 * g, lo + 16 * g + 16);
+    seen_by_all[2 * g + 1] = prefix > 0 ? prefix - 1 : *std::min_element(hi + 16 * g, hi + 16 * g + 16);
   }
   __m512 top[4];
   scratch.scores.resize(keys * width);
   scratch.zeros.assign(dim, 0.f);
   scores_for<T>(groups)(K, offsets.data(), keys, first, dim, scratch.queries.data(), lo16, hi16, seen_by_all,
                         reinterpret_cast<const T*>(scratch.zeros.data()), scratch.scores.data(), top);
-  task_softmax<T>(scratch.scores.data(), keys, width, first, length, top);
+  task_softmax<T>(scratch.scores.data(), keys, width, first, total, top);
   prepare_values(scratch, V, offsets.data(), keys, dim);
   // Each block of rows sums the keys its rows see at all (a row's weight is 0 past its own keys). The last block may
   // take padding rows (their weights finite), whose sums are not written.
   alignas(64) float sums[BLOCK_ROWS * BLOCK_COLUMNS];
   for (int64_t r0 = 0; r0 < rows; r0 += BLOCK_ROWS) {
-    const int64_t r1 = std::min(rows, r0 + BLOCK_ROWS), t0 = lo[r0] - first, t1 = hi[r1 - 1] - first + 1;
+    const int64_t r1 = std::min(rows, r0 + BLOCK_ROWS);
+    const int64_t t0 = prefix > 0 ? 0 : lo[r0] - first, t1 = *std::max_element(hi + r0, hi + r1) - first + 1;
     for (int64_t c = 0; c < dim; c += BLOCK_COLUMNS) {
       sum_block(scratch, V, offsets.data(), width, dim, r0, c, t0, t1, sums);
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t s = task.s0 + r / group, h = task.head * group + r % group;
-        T* o = out + (token0 + s) * out_token + h * dim + c;
-        const float* row = sums + (r - r0) * BLOCK_COLUMNS;
+      for (int64_t i = r0; i < r1; ++i) {
+        T* o = out + token[i] * out_token + (task.head * group + i % group) * dim + c;
+        const float* row = sums + (i - r0) * BLOCK_COLUMNS;
         for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) store_as(o + d, row[bf16 ? paired_column(d) : d]);
       }
     }
@@ -569,28 +636,106 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
 #endif  // __AVX512F__
 
 #if defined(__AVX512F__)
+// Rows of several queries share tasks where at least this many share at least this many positions (whole blocks
+// from their first).
+constexpr int64_t SHARING_ROWS = 2;
+constexpr int64_t SHARING_PREFIX = 64;
+
+// The tasks (head 0) of the rows of several queries that begin with the same blocks, a run of them at a time (rows
+// sorted by their first block), their queries in chunks of `per_task`: one shared task a chunk where that is
+// estimated cheaper (lane groups times keys) than the chunk's segments apart, else a task a segment. The rows
+// whose tasks these are are marked in `taken`.
+void shared_tasks(const Rows& batch, int64_t rows, int64_t block_size, int64_t per_task, int64_t group,
+                  std::vector<Task>& tasks, std::vector<uint8_t>& taken) {
+  // Row b's first query sees its positions [0, seen_by_all(b)): what every query of it sees.
+  auto seen_by_all = [&](int64_t b) { return batch.position(b, 0) + 1; };
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < rows; ++b) {
+    if (batch.queries(b) > 1 && seen_by_all(b) >= SHARING_PREFIX) order.push_back(b);
+  }
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::make_pair(batch.table(a)[0], a) < std::make_pair(batch.table(b)[0], b);
+  });
+  auto groups_of = [&](int64_t queries) { return (queries * group + 15) / 16; };
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i + 1;
+    while (j < order.size() && batch.table(order[j])[0] == batch.table(order[i])[0]) ++j;
+    int64_t shortest = seen_by_all(order[i]), common = 0;
+    for (size_t k = i; k < j; ++k) shortest = std::min(shortest, seen_by_all(order[k]));
+    while (common * block_size < shortest) {
+      bool same = true;
+      for (size_t k = i + 1; k < j && same; ++k) same = batch.table(order[k])[common] == batch.table(order[i])[common];
+      if (!same) break;
+      ++common;
+    }
+    const int64_t prefix = std::min(common * block_size, shortest);
+    if (static_cast<int64_t>(j - i) >= SHARING_ROWS && prefix >= SHARING_PREFIX) {
+      // Chunks of the run's queries, row after row; each chunk's cost both ways.
+      std::vector<Segment> chunk;
+      int64_t filled = 0;
+      auto close = [&]() {
+        int64_t own = 0, apart = 0;
+        for (const Segment& seg : chunk) {
+          const int64_t keys = batch.position(seg.b, seg.s1 - 1) + 1;  // of the segment's task apart
+          own += keys - prefix;
+          apart += groups_of(seg.s1 - seg.s0) * keys;
+        }
+        if (groups_of(filled) * (prefix + own) < apart) {
+          tasks.push_back({0, chunk, prefix});
+        } else {
+          for (const Segment& seg : chunk) tasks.push_back({0, {seg}, 0});
+        }
+        for (const Segment& seg : chunk) taken[seg.b] = 1;
+        chunk.clear();
+        filled = 0;
+      };
+      for (size_t k = i; k < j; ++k) {
+        const int64_t b = order[k], n = batch.queries(b);
+        for (int64_t s0 = 0; s0 < n;) {
+          const int64_t s1 = std::min(n, s0 + per_task - filled);
+          chunk.push_back({b, s0, s1});
+          filled += s1 - s0;
+          s0 = s1;
+          if (filled == per_task) close();
+        }
+      }
+      if (filled > 0) close();
+    }
+    i = j;
+  }
+}
+
 // Every task of the step's rows of several queries, over the threads.
 template <typename T>
 void run_tasks(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const at::Tensor& block_tables, const int64_t* lengths, const int64_t* cu, double scale,
                int64_t window) {
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), batch = block_tables.size(0);
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), rows = block_tables.size(0);
   const int64_t group = heads / kv_heads, per_task = std::max<int64_t>(1, MAX_ROWS / group);
-  std::vector<Task> tasks;
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const Rows batch{block_tables.data_ptr<int32_t>(), block_tables.size(1), lengths, cu};
+  // Head 0's tasks: rows sharing a cached prefix together where that pays (not under a window, whose rows do not
+  // all see the shared keys), the others a row at a time.
+  std::vector<Task> plan;
+  std::vector<uint8_t> taken(rows, 0);
+  if (window == 0) shared_tasks(batch, rows, block_size, per_task, group, plan, taken);
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t n = batch.queries(b);
+    for (int64_t s0 = 0; n > 1 && !taken[b] && s0 < n; s0 += per_task) {
+      plan.push_back({0, {{b, s0, std::min(n, s0 + per_task)}}, 0});
+    }
+  }
   // Head by head: rows sharing a cached prefix read the same keys and values one task after another, while they
   // are in cache.
+  std::vector<Task> tasks;
+  tasks.reserve(plan.size() * kv_heads);
   for (int64_t h = 0; h < kv_heads; ++h) {
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t n = cu[b + 1] - cu[b];
-      for (int64_t s0 = 0; n > 1 && s0 < n; s0 += per_task) tasks.push_back({b, h, s0, std::min(n, s0 + per_task)});
-    }
+    for (const Task& task : plan) tasks.push_back({h, task.segments, task.prefix});
   }
   const auto* Q = reinterpret_cast<const T*>(q.data_ptr());
   const auto* K = reinterpret_cast<const T*>(k_cache.data_ptr());
   const auto* V = reinterpret_cast<const T*>(v_cache.data_ptr());
   auto* O = reinterpret_cast<T*>(out.data_ptr());
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), max_blocks = block_tables.size(1);
   const int64_t task_count = static_cast<int64_t>(tasks.size());
   if (task_count == 0) return;
   bool bad_block = false;
@@ -600,11 +745,8 @@ void run_tasks(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < task_count; ++i) {
-      const Task& task = tasks[i];
-      const int64_t b = task.b;
-      if (!run_task<T>(task, Q, q.stride(0), q.stride(1), K, V, tables + b * max_blocks, num_blocks, block_size,
-                       kv_heads, group, dim, lengths[b], cu[b + 1] - cu[b], cu[b], window, static_cast<float>(scale),
-                       scratch, O, heads * dim)) {
+      if (!run_task<T>(tasks[i], batch, Q, q.stride(0), q.stride(1), K, V, num_blocks, block_size, kv_heads, group,
+                       dim, window, static_cast<float>(scale), scratch, O, heads * dim)) {
 #pragma omp atomic write
         bad_block = true;
       }
