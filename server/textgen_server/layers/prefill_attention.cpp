@@ -17,17 +17,17 @@
 //   float32 with AVX-512, bfloat16 with AVX512-BF16 too; the op refuses the others.
 //
 // bfloat16 rounds where transformers' eager attention rounds: the scaled query (`q * scale`) and the scores are
-// rounded to bf16, the softmax takes torch's max, sum order and e * (1 / sum) over those scores with the decode op's
-// exp (`exp_nonpositive`, within about a float32 ulp of torch's vector exp, which made the softmax 1.7x slower
-// here), the probabilities are rounded to bf16 and the values' weighted sum is rounded once. The two products are
+// rounded to bf16, the softmax takes torch's max, sum order (a shared task's, below: in the order of its keys) and
+// e * (1 / sum) over those scores with the decode op's exp (`exp_nonpositive`, within about a float32 ulp of torch's
+// vector exp, which made the softmax 1.7x slower here), the probabilities are rounded to bf16 and the values' weighted sum is rounded once. The two products are
 // float32 sums of exact bf16 pair products (vdpbf16ps) in another order than oneDNN's, as the decode op's are.
 // float32 rounds nowhere in between, as SDPA, whose flash kernel sums in yet another order.
 //
 // A task is one row's KV head and a block of its queries: up to 64 query rows (its queries times the query heads
 // of the group), 16 to a vector lane group. Rows that begin with the same blocks (a prefix-cache hit's questions)
 // share tasks where that fills lanes one row's queries would leave empty: the shared keys then come once, followed
-// by each row's own, and each query sees the shared keys and its own row's (W2's questions of 23-62 tokens over
-// 1,501 shared ones: 0.93x the time apart; questions of 8 tokens 0.5x). Scores are computed key by key for all of them at once, a key's values
+// by each row's own, and each query sees the shared keys and its own row's (benchmark/README.md, "Prefill rows
+// sharing a cached prefix"). Scores are computed key by key for all of them at once, a key's values
 // (bf16: pairs) broadcast against the queries' laid out lane by lane (no transposition of the keys), into a
 // key-major buffer, so that the softmax runs down the keys vertically, 16 queries at a time. Each block of query
 // rows then sums the values with its accumulators in registers: in bf16 by pair products over keys interleaved two
@@ -419,9 +419,9 @@ bool run_task(const Task& task, const Rows& batch, const T* Q, int64_t q_token, 
       at += own;
     }
   }
-  // Row r = i * group + g: the task's query i (segment by segment), query head head * group + g; it sees keys
-  // [lo[r], hi[r]] (positions less `first`; in a shared task its own row's, besides the shared ones), and its output
-  // is token[r]'s. Padding rows see every key with a zero query.
+  // Row r = i * group + g: the task's query i (segment by segment), query head head * group + g; it sees positions
+  // [lo[r], hi[r]] (in a shared task, indices of its keys: its own row's, besides the shared ones [0, prefix)), and
+  // its output is token[r]'s. Padding rows see every key with a zero query.
   // Lane r of group g in step i: bf16, the pair (2i, 2i + 1) of the scaled query rounded to bf16; float32, value i.
   const int64_t steps = bf16 ? dim / 2 : dim;
   scratch.queries.assign(steps * groups, _mm512_setzero_si512());
