@@ -19,8 +19,9 @@
 // bfloat16 rounds where transformers' eager attention rounds: the scaled query (`q * scale`) and the scores are
 // rounded to bf16, the softmax takes torch's max, sum order (a shared task's, below: in the order of its keys) and
 // e * (1 / sum) over those scores with the decode op's exp (`exp_nonpositive`, within about a float32 ulp of torch's
-// vector exp, which made the softmax 1.7x slower here), the probabilities are rounded to bf16 and the values' weighted sum is rounded once. The two products are
-// float32 sums of exact bf16 pair products (vdpbf16ps) in another order than oneDNN's, as the decode op's are.
+// vector exp, which made the softmax 1.7x slower here), the probabilities are rounded to bf16 and the values'
+// weighted sum is rounded once. The two products are float32 sums of exact bf16 pair products (vdpbf16ps) in another
+// order than oneDNN's, as the decode op's are.
 // float32 rounds nowhere in between, as SDPA, whose flash kernel sums in yet another order.
 //
 // A task is one row's KV head and a block of its queries: up to 64 query rows (its queries times the query heads
