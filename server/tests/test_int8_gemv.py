@@ -204,6 +204,18 @@ def test_many_rows_are_the_product_each_row_as_alone(n: int, k: int, rows: int) 
         assert torch.equal(got[i], torch.ops.textgen.int8_rows(x[i : i + 1], ints, scales)[0])
 
 
+def test_many_rows_turn_every_int8_value_into_its_own_bf16() -> None:
+    """Every value from -128 to 127 at every position of a block (16 outputs x 32 values), read out exactly: row r
+    of x picks value r of each output (1 there, 0 elsewhere), with scales of 1."""
+    if not torch.ops.textgen.int8_rows_supported():
+        pytest.skip("int8_rows is built where the CPU multiplies bf16 pairs")
+    n, k = 32, 256
+    ints = ((torch.arange(n)[:, None] * 37 + torch.arange(k)[None, :]) % 256 - 128).to(torch.int8)
+    x = torch.eye(k).to(torch.bfloat16)
+    got = torch.ops.textgen.int8_rows(x, ints, torch.ones(n, dtype=torch.bfloat16))
+    assert torch.equal(got, ints.t().to(torch.bfloat16))
+
+
 def test_many_rows_refuse_a_shape_they_do_not_take() -> None:
     ints, scales = int8_weight(16, 48)
     with pytest.raises(RuntimeError, match="multiple of 32"):

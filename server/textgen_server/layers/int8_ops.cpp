@@ -165,11 +165,41 @@ inline void quad_columns(const int8_t* base, int64_t k, __m256i (&cols)[8]) {
   }
 }
 
+#if defined(__AVX512VBMI__)
+// Every int8 value's bf16, as bytes for vpermi2b's 128-byte tables: low[|w|] (w's low byte: bf16(-w) differs from
+// bf16(w) in the sign bit only, and |-128|, read as entry 0, has bf16(128)'s low byte, 0), high[w & 127] for w >= 0
+// and high[128 + (w & 127)] for w < 0; and the byte orders that interleave a lane's low and high bytes into the bf16
+// pairs of its bytes 0, 1 (`first`) and 2, 3 (`second`).
+struct Bf16Bytes {
+  alignas(64) uint8_t low[128];
+  alignas(64) uint8_t high[256];
+  alignas(64) uint8_t first[64];
+  alignas(64) uint8_t second[64];
+  Bf16Bytes() {
+    for (int v = -128; v < 128; ++v) {
+      const uint16_t bits = float_to_bf16(static_cast<float>(v));
+      if (v >= 0) low[v] = static_cast<uint8_t>(bits & 0xFF);
+      high[v >= 0 ? v : 256 + v] = static_cast<uint8_t>(bits >> 8);
+    }
+    for (int lane = 0; lane < 16; ++lane) {
+      for (int j = 0; j < 2; ++j) {  // the pair's word j: its low byte from the low bytes, its high from the high (+64)
+        first[4 * lane + 2 * j] = static_cast<uint8_t>(4 * lane + j);
+        first[4 * lane + 2 * j + 1] = static_cast<uint8_t>(64 + 4 * lane + j);
+        second[4 * lane + 2 * j] = static_cast<uint8_t>(4 * lane + 2 + j);
+        second[4 * lane + 2 * j + 1] = static_cast<uint8_t>(64 + 4 * lane + 2 + j);
+      }
+    }
+  }
+};
+#endif
+
 // The block of 16 outputs from n0 (rows of w, k bytes apart), values k0 .. k0 + 31, as 16 bf16 pair vectors from
 // `pairs`: lane o of vector p holds w[n0 + o, k0 + 2p] (low half) and w[n0 + o, k0 + 2p + 1], exact (|w| <= 128 has
 // at most 8 significant bits: a float32's upper half). The rows' bytes are read in lines and transposed (gathering
 // four bytes of 16 rows at a time took 1.4-1.7x as long at 4-16 rows); their next lines are asked for PAIR_AHEAD
-// bytes ahead, 16 streams too many for the prefetchers to follow.
+// bytes ahead, 16 streams too many for the prefetchers to follow. With AVX512-VBMI each byte's bf16 is read from
+// tables (Bf16Bytes), in half the operations of converting through float32 (benchmark/README.md, "int8 at many rows:
+// each int8 value's bf16 read from tables"); the same bits either way.
 inline void block_pairs(const int8_t* w, int64_t k, int64_t n0, int64_t k0, __m512i* pairs) {
   const int8_t* base = w + n0 * k + k0;
   if (k0 % 64 == 0) {
@@ -178,6 +208,21 @@ inline void block_pairs(const int8_t* w, int64_t k, int64_t n0, int64_t k0, __m5
   __m256i low[8], high[8];
   quad_columns(base, k, low);
   quad_columns(base + 8 * k, k, high);
+#if defined(__AVX512VBMI__)
+  static const Bf16Bytes bytes;
+  const __m512i low0 = _mm512_load_si512(bytes.low), low1 = _mm512_load_si512(bytes.low + 64);
+  const __m512i plus0 = _mm512_load_si512(bytes.high), plus1 = _mm512_load_si512(bytes.high + 64);
+  const __m512i minus0 = _mm512_load_si512(bytes.high + 128), minus1 = _mm512_load_si512(bytes.high + 192);
+  const __m512i first = _mm512_load_si512(bytes.first), second = _mm512_load_si512(bytes.second);
+  for (int q = 0; q < 8; ++q) {
+    const __m512i four = _mm512_inserti64x4(_mm512_castsi256_si512(low[q]), high[q], 1);
+    const __m512i lo = _mm512_permutex2var_epi8(low0, _mm512_abs_epi8(four), low1);
+    const __m512i hi = _mm512_mask_blend_epi8(_mm512_movepi8_mask(four), _mm512_permutex2var_epi8(plus0, four, plus1),
+                                              _mm512_permutex2var_epi8(minus0, four, minus1));
+    pairs[2 * q] = _mm512_permutex2var_epi8(lo, first, hi);
+    pairs[2 * q + 1] = _mm512_permutex2var_epi8(lo, second, hi);
+  }
+#else
   for (int q = 0; q < 8; ++q) {
     const __m512i four = _mm512_inserti64x4(_mm512_castsi256_si512(low[q]), high[q], 1);
     __m512i bits[4];
@@ -188,6 +233,7 @@ inline void block_pairs(const int8_t* w, int64_t k, int64_t n0, int64_t k0, __m5
     pairs[2 * q] = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(bits[0], 16), bits[1]);
     pairs[2 * q + 1] = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(bits[2], 16), bits[3]);
   }
+#endif
 }
 
 // R rows of x (bf16, k values each, read as k / 2 pairs) over a block's k / 2 pair vectors: acc[r] lane o, row r's
