@@ -188,17 +188,24 @@ def test_quantize_rows_gives_torch_s_bits(dtype: torch.dtype) -> None:
         assert [t.numel() for t in torch.ops.textgen.int8_quantize_rows(x)] == [0, 0]
 
 
+def many_rows(x: torch.Tensor, ints: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """textgen::int8_rows' product; None on a build without AVX512-BF16, once it has refused the op there."""
+    if not torch.ops.textgen.int8_rows_supported():
+        with pytest.raises(RuntimeError, match="without AVX512-BF16"):
+            torch.ops.textgen.int8_rows(x, ints, scales)
+        return None
+    return torch.ops.textgen.int8_rows(x, ints, scales)
+
+
 @pytest.mark.parametrize(("n", "k", "rows"), [(16, 32, 2), (48, 96, 9), (2304, 768, 37), (768, 2048, 130)])
 def test_many_rows_are_the_product_each_row_as_alone(n: int, k: int, rows: int) -> None:
     """Blocks of 16 outputs, 8 rows at a time, passes of 128 rows (130: two): each row within the bounds of its
     float sums, and with the bits it has alone. A build without AVX512-BF16 refuses the op."""
     ints, scales = int8_weight(n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-    if not torch.ops.textgen.int8_rows_supported():
-        with pytest.raises(RuntimeError, match="without AVX512-BF16"):
-            torch.ops.textgen.int8_rows(x, ints, scales)
+    got = many_rows(x, ints, scales)
+    if got is None:
         return
-    got = torch.ops.textgen.int8_rows(x, ints, scales)
     assert_near(got, x, ints, scales)
     for i in (0, rows // 2, rows - 1):
         assert torch.equal(got[i], torch.ops.textgen.int8_rows(x[i : i + 1], ints, scales)[0])
@@ -210,13 +217,9 @@ def test_many_rows_turn_every_int8_value_into_its_own_bf16() -> None:
     the op."""
     n, k = 32, 256
     ints = ((torch.arange(n)[:, None] * 37 + torch.arange(k)[None, :]) % 256 - 128).to(torch.int8)
-    x = torch.eye(k).to(torch.bfloat16)
-    if not torch.ops.textgen.int8_rows_supported():
-        with pytest.raises(RuntimeError, match="without AVX512-BF16"):
-            torch.ops.textgen.int8_rows(x, ints, torch.ones(n, dtype=torch.bfloat16))
-        return
-    got = torch.ops.textgen.int8_rows(x, ints, torch.ones(n, dtype=torch.bfloat16))
-    assert torch.equal(got, ints.t().to(torch.bfloat16))
+    got = many_rows(torch.eye(k).to(torch.bfloat16), ints, torch.ones(n, dtype=torch.bfloat16))
+    if got is not None:
+        assert torch.equal(got, ints.t().to(torch.bfloat16))
 
 
 def test_many_rows_refuse_a_shape_they_do_not_take() -> None:

@@ -4,6 +4,8 @@ attention, float32 SDPA) and the per-row reference of test_paged_attention.py.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from test_paged_attention import Case, make_case, reference
@@ -192,9 +194,15 @@ def shared_case(
     return Case(q, keys, values, k_cache, v_cache, cu, torch.tensor(lengths), tables)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("heads", [(12, 12, 64), (32, 4, 64), (8, 1, 128)], ids=str)
+def over_shared_prefixes(test: Callable[..., None]) -> Callable[..., None]:
+    """The shared-prefix tests' cases: both dtypes, blocks of 1 and 16, a KV head for 1, 8 and 8 query heads (the
+    last of 128 values)."""
+    test = pytest.mark.parametrize("heads", [(12, 12, 64), (32, 4, 64), (8, 1, 128)], ids=str)(test)
+    test = pytest.mark.parametrize("block_size", [1, 16])(test)
+    return pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])(test)
+
+
+@over_shared_prefixes
 def test_decode_rows_sharing_a_prefix_agree_with_the_torch_path(
     dtype: torch.dtype, block_size: int, heads: tuple[int, int, int]
 ) -> None:
@@ -212,9 +220,7 @@ def test_a_shared_prefix_block_outside_the_pool_is_refused() -> None:
         attend(case, scale=0.1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("heads", [(12, 12, 64), (32, 4, 64), (8, 1, 128)], ids=str)
+@over_shared_prefixes
 def test_prefill_rows_sharing_a_prefix_agree_with_the_torch_path(
     dtype: torch.dtype, block_size: int, heads: tuple[int, int, int]
 ) -> None:

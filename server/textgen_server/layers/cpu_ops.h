@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -77,6 +79,16 @@ inline __m512 load16(const uint16_t* p) {
 inline int64_t paired_column(int64_t d) {
   const int64_t r = d % 32, k = r / 8, j = r % 8;
   return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
+}
+
+// f(std::integral_constant<int, R>{}) with R = count, 1 <= count <= MAX: a run-time count of rows to the template
+// argument of a kernel for that many (whose accumulators then stay in registers).
+template <int MAX, typename F>
+inline void with_count(int64_t count, F&& f) {
+  if constexpr (MAX > 1) {
+    if (count < MAX) return with_count<MAX - 1>(count, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, MAX>{});
 }
 
 // `count` values of T in `storage` (resized), the first on a 64-byte cache line: for vector loads and stores of whole

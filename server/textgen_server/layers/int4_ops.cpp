@@ -470,7 +470,6 @@ void rows_block(const __m512i (&quads)[8][4], const RowInts* const* x, int64_t c
 template <int FIRST>
 void block_vnni(int64_t m, const RowInts* const* x, const uint8_t* w, const uint32_t* so, int64_t n_total, int64_t n0,
                 int64_t k, int64_t g, float* sums, float* total, float* const* y) {
-  static_assert(ROWS_AT_ONCE == 4, "the switch takes 1 to 4 rows");
   std::fill_n(total, m * 64, 0.f);
   for (int64_t k0 = 0, gi = 0; k0 < k; k0 += g, ++gi) {
     std::fill_n(sums, m * 64, 0.f);
@@ -487,20 +486,9 @@ void block_vnni(int64_t m, const RowInts* const* x, const uint8_t* w, const uint
         gather_rows_block<FIRST, false>(row, x, c0, sums, nullptr);
       }
       for (int64_t r0 = FIRST; r0 < m; r0 += ROWS_AT_ONCE) {
-        switch (std::min(ROWS_AT_ONCE, m - r0)) {
-          case 1:
-            rows_block<1>(quads, x + r0, c0, sums + 64 * r0);
-            break;
-          case 2:
-            rows_block<2>(quads, x + r0, c0, sums + 64 * r0);
-            break;
-          case 3:
-            rows_block<3>(quads, x + r0, c0, sums + 64 * r0);
-            break;
-          default:
-            rows_block<4>(quads, x + r0, c0, sums + 64 * r0);
-            break;
-        }
+        with_count<ROWS_AT_ONCE>(std::min(ROWS_AT_ONCE, m - r0), [&](auto rows) {
+          rows_block<decltype(rows)::value>(quads, x + r0, c0, sums + 64 * r0);
+        });
       }
     }
     for (int64_t r = 0; r < m; ++r) add_group_sums(pairs, sums + 64 * r, x[r]->xsum[gi], total + 64 * r);
@@ -602,7 +590,6 @@ bool shares_reads(int lay) {
 // rows"). x[r], xsum[r], y[r]: one_block's.
 void rows_shared(int64_t m, const float* const* x, const float* const* xsum, const RowInts* const* ints,
                  const uint8_t* w, const uint32_t* so, int64_t n, int64_t k, int64_t g, int lay, float* const* y) {
-  static_assert(ROWS_AT_ONCE == 4, "the switch takes 1 to 4 rows");
   const int64_t bn = block_outputs(lay), blocks = (n + bn - 1) / bn;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -618,35 +605,16 @@ void rows_shared(int64_t m, const float* const* x, const float* const* xsum, con
       const uint8_t* wb = w + n0 * k / 2;
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)  // layout 2 shares reads only in such a build
       if (lay == SPLIT64) {
-        switch (std::min(ROWS_AT_ONCE, m)) {  // m >= 2
-          case 2:
-            block_vnni<2>(m, ints, wb, so, n, n0, k, g, sums, sums + m * 64, y);
-            break;
-          case 3:
-            block_vnni<3>(m, ints, wb, so, n, n0, k, g, sums, sums + m * 64, y);
-            break;
-          default:
-            block_vnni<4>(m, ints, wb, so, n, n0, k, g, sums, sums + m * 64, y);
-            break;
-        }
+        with_count<ROWS_AT_ONCE>(std::min(ROWS_AT_ONCE, m), [&](auto first) {
+          block_vnni<decltype(first)::value>(m, ints, wb, so, n, n0, k, g, sums, sums + m * 64, y);
+        });
         continue;
       }
 #endif
       for (int64_t r0 = 0; r0 < m; r0 += ROWS_AT_ONCE) {
-        switch (std::min(ROWS_AT_ONCE, m - r0)) {
-          case 1:
-            block_ints<1>(ints + r0, wb, so, n, n0, k, g, y + r0);
-            break;
-          case 2:
-            block_ints<2>(ints + r0, wb, so, n, n0, k, g, y + r0);
-            break;
-          case 3:
-            block_ints<3>(ints + r0, wb, so, n, n0, k, g, y + r0);
-            break;
-          default:
-            block_ints<4>(ints + r0, wb, so, n, n0, k, g, y + r0);
-            break;
-        }
+        with_count<ROWS_AT_ONCE>(std::min(ROWS_AT_ONCE, m - r0), [&](auto rows) {
+          block_ints<decltype(rows)::value>(ints + r0, wb, so, n, n0, k, g, y + r0);
+        });
       }
     }
   });

@@ -16,8 +16,8 @@
 //   turned once, for all the rows of a pass, into bf16 (exact: an int8 has at most 8 significant bits), and the rows
 //   sum them against their own bf16 values with vdpbf16ps: each product exact in float32, the sums in float32 in
 //   pairs of k (its own order: a row's bits are the same in any batch, but not int8_gemv's), times the scale, rounded
-//   once to bf16. torch's _weight_int8pack_mm ran 120-150 GOP/s at 4-512 rows on a Zen 4 where this runs 88-380
-//   (benchmark/README.md, "int8 at many rows"); quant_kernels.rows_band measures where it is faster.
+//   once to bf16. Where it beats torch's _weight_int8pack_mm (a few rows lose: the conversion) is measured at load
+//   by quant_kernels.rows_band (figures: benchmark/README.md, "int8 at many rows").
 // textgen::int8_quantize_rows(x [M, K] bf16 or float32) -> (q int8 [M, K], scale float32 [M, 1]): W8A8's
 //   activations to integers as the compressed-tensors package quantizes them, torch's expression's bits in one pass
 //   (below); empty tensors where a row holds an infinity or a NaN.
@@ -298,16 +298,9 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& weight, const at::Te
         const int64_t n0 = b * PAIR_OUTPUTS;
         for (int64_t k0 = 0; k0 < k; k0 += 32) block_pairs(w, k, n0, k0, pairs + k0 / 2);
         for (int64_t r0 = p0; r0 < p0 + rows; r0 += PAIR_ROWS) {
-          switch (std::min<int64_t>(PAIR_ROWS, p0 + rows - r0)) {
-            case 1: block_rows<1>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
-            case 2: block_rows<2>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
-            case 3: block_rows<3>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
-            case 4: block_rows<4>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
-            case 5: block_rows<5>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
-            case 6: block_rows<6>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
-            case 7: block_rows<7>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
-            default: block_rows<8>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp); break;
-          }
+          with_count<PAIR_ROWS>(std::min<int64_t>(PAIR_ROWS, p0 + rows - r0), [&](auto count) {
+            block_rows<decltype(count)::value>(xp, k, r0, pairs, scale.data() + n0, n, n0, yp);
+          });
         }
       }
     });

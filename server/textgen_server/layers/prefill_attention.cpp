@@ -637,72 +637,93 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
 #endif  // __AVX512F__
 
 #if defined(__AVX512F__)
-// Rows of several queries share tasks where at least this many share at least this many positions (whole blocks
-// from their first).
-constexpr int64_t SHARING_ROWS = 2;
-constexpr int64_t SHARING_PREFIX = 64;
+// Rows share tasks over a cached prefix (shared_tasks, shared_prefix_decode) where they share at least this many
+// positions, whole blocks from their first: prefill rows two or more, decode rows four or more.
+constexpr int64_t SHARED_MIN_PREFIX = 64;
+constexpr int64_t SHARED_PREFILL_ROWS = 2;
+constexpr int64_t SHARED_DECODE_ROWS = 4;
 
-// The tasks (head 0) of the rows of several queries that begin with the same blocks, a run of them at a time (rows
-// sorted by their first block), their queries in chunks of `per_task`: one shared task a chunk where that is
-// estimated cheaper (lane groups times keys) than the chunk's segments apart, else a task a segment. The rows
-// whose tasks these are are marked in `taken`.
+// Rows order[begin, end), whose block tables begin with the same block, and the positions [0, prefix) they all hold
+// in the same slots: the blocks they have in common from the first on, and no more than any of them sees.
+struct SharedRun {
+  size_t begin, end;
+  int64_t prefix;
+};
+
+// `order` (the rows that may share) sorted by their first block, and its runs of at least `min_rows` rows sharing at
+// least SHARED_MIN_PREFIX positions. seen(b): the positions every query of row b sees, [0, seen(b)).
+template <typename Seen>
+std::vector<SharedRun> shared_runs(std::vector<int64_t>& order, const int32_t* tables, int64_t max_blocks,
+                                   int64_t block_size, int64_t min_rows, const Seen& seen) {
+  auto table = [&](int64_t b) { return tables + b * max_blocks; };
+  std::sort(order.begin(), order.end(),
+            [&](int64_t a, int64_t b) { return std::make_pair(table(a)[0], a) < std::make_pair(table(b)[0], b); });
+  std::vector<SharedRun> runs;
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i + 1;
+    while (j < order.size() && table(order[j])[0] == table(order[i])[0]) ++j;
+    if (static_cast<int64_t>(j - i) >= min_rows) {
+      int64_t shortest = seen(order[i]), common = 0;
+      for (size_t k = i; k < j; ++k) shortest = std::min(shortest, seen(order[k]));
+      while (common * block_size < shortest) {
+        bool same = true;
+        for (size_t k = i + 1; k < j && same; ++k) same = table(order[k])[common] == table(order[i])[common];
+        if (!same) break;
+        ++common;
+      }
+      const int64_t prefix = std::min(common * block_size, shortest);
+      if (prefix >= SHARED_MIN_PREFIX) runs.push_back({i, j, prefix});
+    }
+    i = j;
+  }
+  return runs;
+}
+
+// The tasks (head 0) of the rows of several queries that begin with the same blocks, a run of them at a time, their
+// queries in chunks of `per_task`: one shared task a chunk where that is estimated cheaper (lane groups times keys)
+// than the chunk's segments apart, else a task a segment. The rows whose tasks these are are marked in `taken`.
 void shared_tasks(const Rows& batch, int64_t rows, int64_t block_size, int64_t per_task, int64_t group,
                   std::vector<Task>& tasks, std::vector<uint8_t>& taken) {
   // Row b's first query sees its positions [0, seen_by_all(b)): what every query of it sees.
   auto seen_by_all = [&](int64_t b) { return batch.position(b, 0) + 1; };
   std::vector<int64_t> order;
   for (int64_t b = 0; b < rows; ++b) {
-    if (batch.queries(b) > 1 && seen_by_all(b) >= SHARING_PREFIX) order.push_back(b);
+    if (batch.queries(b) > 1 && seen_by_all(b) >= SHARED_MIN_PREFIX) order.push_back(b);
   }
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return std::make_pair(batch.table(a)[0], a) < std::make_pair(batch.table(b)[0], b);
-  });
   auto groups_of = [&](int64_t queries) { return (queries * group + 15) / 16; };
-  for (size_t i = 0; i < order.size();) {
-    size_t j = i + 1;
-    while (j < order.size() && batch.table(order[j])[0] == batch.table(order[i])[0]) ++j;
-    int64_t shortest = seen_by_all(order[i]), common = 0;
-    for (size_t k = i; k < j; ++k) shortest = std::min(shortest, seen_by_all(order[k]));
-    while (common * block_size < shortest) {
-      bool same = true;
-      for (size_t k = i + 1; k < j && same; ++k) same = batch.table(order[k])[common] == batch.table(order[i])[common];
-      if (!same) break;
-      ++common;
-    }
-    const int64_t prefix = std::min(common * block_size, shortest);
-    if (static_cast<int64_t>(j - i) >= SHARING_ROWS && prefix >= SHARING_PREFIX) {
-      // Chunks of the run's queries, row after row; each chunk's cost both ways.
-      std::vector<Segment> chunk;
-      int64_t filled = 0;
-      auto close = [&]() {
-        int64_t own = 0, apart = 0;
-        for (const Segment& seg : chunk) {
-          const int64_t keys = batch.position(seg.b, seg.s1 - 1) + 1;  // of the segment's task apart
-          own += keys - prefix;
-          apart += groups_of(seg.s1 - seg.s0) * keys;
-        }
-        if (groups_of(filled) * (prefix + own) < apart) {
-          tasks.push_back({0, chunk, prefix});
-        } else {
-          for (const Segment& seg : chunk) tasks.push_back({0, {seg}, 0});
-        }
-        for (const Segment& seg : chunk) taken[seg.b] = 1;
-        chunk.clear();
-        filled = 0;
-      };
-      for (size_t k = i; k < j; ++k) {
-        const int64_t b = order[k], n = batch.queries(b);
-        for (int64_t s0 = 0; s0 < n;) {
-          const int64_t s1 = std::min(n, s0 + per_task - filled);
-          chunk.push_back({b, s0, s1});
-          filled += s1 - s0;
-          s0 = s1;
-          if (filled == per_task) close();
-        }
+  for (const SharedRun& run :
+       shared_runs(order, batch.tables, batch.max_blocks, block_size, SHARED_PREFILL_ROWS, seen_by_all)) {
+    // Chunks of the run's queries, row after row; each chunk's cost both ways.
+    const int64_t prefix = run.prefix;
+    std::vector<Segment> chunk;
+    int64_t filled = 0;
+    auto close = [&]() {
+      int64_t own = 0, apart = 0;
+      for (const Segment& seg : chunk) {
+        const int64_t keys = batch.position(seg.b, seg.s1 - 1) + 1;  // of the segment's task apart
+        own += keys - prefix;
+        apart += groups_of(seg.s1 - seg.s0) * keys;
       }
-      if (filled > 0) close();
+      if (groups_of(filled) * (prefix + own) < apart) {
+        tasks.push_back({0, chunk, prefix});
+      } else {
+        for (const Segment& seg : chunk) tasks.push_back({0, {seg}, 0});
+      }
+      for (const Segment& seg : chunk) taken[seg.b] = 1;
+      chunk.clear();
+      filled = 0;
+    };
+    for (size_t k = run.begin; k < run.end; ++k) {
+      const int64_t b = order[k], n = batch.queries(b);
+      for (int64_t s0 = 0; s0 < n;) {
+        const int64_t s1 = std::min(n, s0 + per_task - filled);
+        chunk.push_back({b, s0, s1});
+        filled += s1 - s0;
+        s0 = s1;
+        if (filled == per_task) close();
+      }
     }
-    i = j;
+    if (filled > 0) close();
   }
 }
 
@@ -806,10 +827,6 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
 
 namespace textgen_cpu {
 
-// Decode rows sharing a prefix of at least this many positions, this many rows or more, go through shared_task.
-constexpr int64_t SHARED_MIN_PREFIX = 64;
-constexpr int64_t SHARED_MIN_ROWS = 4;
-
 bool shared_prefix_decode([[maybe_unused]] const at::Tensor& q, [[maybe_unused]] const at::Tensor& k_cache,
                           [[maybe_unused]] const at::Tensor& v_cache, [[maybe_unused]] const at::Tensor& block_tables,
                           [[maybe_unused]] const at::Tensor& seq_lens, [[maybe_unused]] double scale,
@@ -817,48 +834,27 @@ bool shared_prefix_decode([[maybe_unused]] const at::Tensor& q, [[maybe_unused]]
 #if defined(__AVX512F__)
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, block_size = k_cache.size(1), max_blocks = block_tables.size(1);
-  if (!built(q.scalar_type()) || dim % 32 != 0 || group > MAX_ROWS || batch < SHARED_MIN_ROWS) return true;
+  if (!built(q.scalar_type()) || dim % 32 != 0 || group > MAX_ROWS || batch < SHARED_DECODE_ROWS) return true;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* lengths = seq_lens.data_ptr<int64_t>();
-  // Rows by their first block; each run of rows with the same one is a group, sharing the blocks all its rows have
-  // in common from the first on (and no more positions than its shortest row has).
   std::vector<int64_t> order;
   for (int64_t b = 0; b < batch; ++b) {
     if (lengths[b] >= SHARED_MIN_PREFIX) order.push_back(b);
   }
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return std::make_pair(tables[a * max_blocks], a) < std::make_pair(tables[b * max_blocks], b);
-  });
   const int64_t per_chunk = std::max<int64_t>(1, MAX_ROWS / group);
   std::vector<SharedGroup> chunks;
-  for (size_t i = 0; i < order.size();) {
-    size_t j = i + 1;
-    while (j < order.size() && tables[order[j] * max_blocks] == tables[order[i] * max_blocks]) ++j;
-    if (static_cast<int64_t>(j - i) >= SHARED_MIN_ROWS) {
-      int64_t shortest = lengths[order[i]];
-      for (size_t k = i; k < j; ++k) shortest = std::min(shortest, lengths[order[k]]);
-      const int32_t* first = tables + order[i] * max_blocks;
-      int64_t common = 0;
-      while (common * block_size < shortest) {
-        bool same = true;
-        for (size_t k = i + 1; k < j && same; ++k) same = tables[order[k] * max_blocks + common] == first[common];
-        if (!same) break;
-        ++common;
-      }
-      const int64_t prefix = std::min(common * block_size, shortest);
-      // Only where the shared keys are most of the rows' keys: the rows' own ones go row by row here, each head
-      // apart, which the per-row path reads faster (all of a slot's heads in one run).
-      int64_t own_keys = 0;
-      for (size_t k = i; k < j; ++k) own_keys += lengths[order[k]] - prefix;
-      if (prefix >= SHARED_MIN_PREFIX && own_keys <= static_cast<int64_t>(j - i) * prefix) {
-        for (size_t k = i; k < j; k += per_chunk) {
-          SharedGroup chunk{{}, prefix};
-          for (size_t u = k; u < std::min(j, k + per_chunk); ++u) chunk.rows.push_back(order[u]);
-          chunks.push_back(std::move(chunk));
-        }
-      }
+  auto seen = [&](int64_t b) { return lengths[b]; };
+  for (const SharedRun& run : shared_runs(order, tables, max_blocks, block_size, SHARED_DECODE_ROWS, seen)) {
+    // Only where the shared keys are most of the rows' keys: the rows' own ones go row by row here, each head
+    // apart, which the per-row path reads faster (all of a slot's heads in one run).
+    int64_t own_keys = 0;
+    for (size_t k = run.begin; k < run.end; ++k) own_keys += lengths[order[k]] - run.prefix;
+    if (own_keys > static_cast<int64_t>(run.end - run.begin) * run.prefix) continue;
+    for (size_t k = run.begin; k < run.end; k += per_chunk) {
+      SharedGroup chunk{{}, run.prefix};
+      for (size_t u = k; u < std::min(run.end, k + per_chunk); ++u) chunk.rows.push_back(order[u]);
+      chunks.push_back(std::move(chunk));
     }
-    i = j;
   }
   if (chunks.empty()) return true;
   const int64_t tasks = static_cast<int64_t>(chunks.size()) * kv_heads;
