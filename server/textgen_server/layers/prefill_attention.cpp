@@ -136,7 +136,10 @@ void task_scores(const T* K, const int64_t* offsets, int64_t keys, int64_t first
   constexpr int KT = 16 / NG;
   constexpr int64_t width = NG * 16;
   const __m512 none = _mm512_set1_ps(-INFINITY);
-  for (int g = 0; g < NG; ++g) top[g] = none;
+  // Each group's largest so far in a register: through `top`, which may alias `scores` for all the compiler knows,
+  // every key's max was a load and a store (benchmark/README.md, "Where issue 42 stands (2026-12-07 session 3)").
+  __m512 best[NG];
+  for (int g = 0; g < NG; ++g) best[g] = none;
   __m512 acc[NG * KT];
   const T* key[KT];
   for (int64_t t = 0; t < keys; t += KT) {
@@ -154,11 +157,12 @@ void task_scores(const T* K, const int64_t* offsets, int64_t keys, int64_t first
           const __mmask16 seen = _mm512_cmple_epi32_mask(lo[g], position) & _mm512_cmple_epi32_mask(position, hi[g]);
           x = _mm512_mask_blend_ps(seen, none, x);
         }
-        top[g] = _mm512_max_ps(top[g], x);
+        best[g] = _mm512_max_ps(best[g], x);
         _mm512_storeu_ps(scores + (t + k) * width + g * 16, x);
       }
     }
   }
+  for (int g = 0; g < NG; ++g) top[g] = best[g];
 }
 
 // task_scores for a task of `groups` lane groups (1 to 4).
