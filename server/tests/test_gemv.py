@@ -109,6 +109,8 @@ OP_CASES = pytest.mark.parametrize(
         (3, 130, 256, 64, False),  # rows one after another; two whole tiles of blocks and a partial one
         (2, 96, 40, 0, True),  # with AVX-512 a tile of two blocks after a whole one (with AVX2 a whole tile and four)
         (1, 2304, 768, 512, False),  # the small Llama's q/k/v, in runs of 512
+        (7, 120, 77, 0, True),  # bf16: a group of six rows and one; a whole tile whose last block is half outputs
+        (13, 64, 1030, 512, False),  # bf16: groups of 6, 6 and 1 rows over runs of 512, 512 and 6 values
         (0, 48, 32, 0, True),
     ],
 )
@@ -236,10 +238,14 @@ def test_float32_is_within_float32_s_tolerance(shape: tuple[int, int]) -> None:
 ROWS_IN_BUCKET = ((1,), (2, 5, 8), (9, 40), (65, 130))
 
 
-def expected_buckets() -> list[int]:
-    """The buckets a bias-free bf16 layer's `gemv` serves here: one row where it sums in runs; every bucket for
-    the AVX2 order on an AVX2 CPU, whose `F.linear` is torch's dot product at every row count."""
-    return [0] if IN_RUNS else list(range(len(BUCKET_ROWS)))
+def assert_expected_buckets(served: list[int]) -> None:
+    """The buckets a bf16 layer's `gemv` serves here: where it sums in runs, one row and those of 2-64 rows where
+    every row count gave F.linear's bits (which depends on the CPU's oneDNN), never prefills; every bucket for the
+    AVX2 order on an AVX2 CPU, whose `F.linear` is torch's dot product at every row count."""
+    if IN_RUNS:
+        assert 0 in served and len(BUCKET_ROWS) - 1 not in served
+    elif "avx512f" not in cpu_ops.cpu_flags():
+        assert served == list(range(len(BUCKET_ROWS)))
 
 
 @needs_gemv
@@ -251,8 +257,7 @@ def test_a_served_shape_gives_f_linear_s_bits(shape: tuple[int, int]) -> None:
     served = [b for b in range(len(BUCKET_ROWS)) if kernel.serves(b)]
     if not served:
         pytest.skip(f"F.linear sums {shape} in another order on this CPU: the kernel stays unused")
-    if IN_RUNS or "avx512f" not in cpu_ops.cpu_flags():
-        assert served == expected_buckets()
+    assert_expected_buckets(served)
     for bucket in served:
         for rows in ROWS_IN_BUCKET[bucket]:
             for _ in range(64 // rows or 1):
@@ -289,6 +294,36 @@ def test_a_shape_no_run_length_reproduces_is_never_chosen(
     assert f"{ENV}=gemv: linear where gemv does not serve" in caplog.records[-1].getMessage()
 
 
+@needs_runs
+def test_each_bucket_takes_the_run_length_that_gives_f_linear_s_bits_at_all_its_row_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # oneDNN's run length moves with the row count. A stand-in for the comparison with F.linear: runs of 512 give
+    # its bits at 1-5 rows, runs of 1024 at 3 rows and more. Checked into a folder of its own (no earlier finding).
+    monkeypatch.setenv(cache_dir.ENV, str(tmp_path))
+    checked: list[tuple[int, int]] = []
+
+    def same_bits(self: GemvKernel, weight: torch.Tensor, bias: object, chunk: int, rows: int, outputs: int) -> bool:
+        checked.append((chunk, rows))
+        return (chunk == 512 and rows <= 5) or (chunk == 1024 and rows >= 3)
+
+    monkeypatch.setattr(GemvKernel, "_same_bits", same_bits)
+    weight = torch.randn(64, 2048, generator=torch.Generator().manual_seed(8)).bfloat16()
+    kernel = GemvKernel(weight, None)
+    # 2-8 rows: no one length gives the bits at every count; 9-64: 1024; past 64 rows: never checked nor served.
+    assert kernel.k_chunks == (512, None, 1024, None)
+    assert [kernel.serves(b) for b in range(len(BUCKET_ROWS))] == [True, False, True, False]
+    assert max(rows for _, rows in checked) == 64 and (1024, 64) in checked
+    assert {rows for chunk, rows in checked if chunk == 1024} >= set(range(9, 65))
+    direct_ints = [None if (d := kernel.direct(b)) is None else d.ints for b in range(len(BUCKET_ROWS))]
+    assert direct_ints == [(64, 512), (64, 512), (64, 1024), (64, 512)]
+    # Read back at the next start, the check not run again.
+    checked.clear()
+    assert GemvKernel(weight, None).k_chunks == kernel.k_chunks and not checked
+    x = torch.randn(40, 2048).bfloat16()
+    assert torch.equal(kernel(x), written_out(x, weight, None, 1024))
+
+
 @needs_gemv
 def test_forcing_gemv_serves_its_buckets_and_f_linear_the_rest(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -303,7 +338,9 @@ def test_forcing_gemv_serves_its_buckets_and_f_linear_the_rest(
         choose_linear_kernels([layer])
     if layer.paths[0] != "gemv":
         pytest.skip("F.linear sums this shape in another order on this CPU")
-    served = expected_buckets()
+    kernel = GemvKernel(weight, bias)
+    served = [b for b in range(len(BUCKET_ROWS)) if kernel.serves(b)]
+    assert_expected_buckets(served)
     assert layer.paths == tuple("gemv" if b in served else "linear" for b in range(len(BUCKET_ROWS)))
     for rows in (1, 4, 40, 70):
         x = torch.randn(rows, 768, generator=g).bfloat16()

@@ -5,11 +5,12 @@ A projection y = x @ W^T + b has up to four paths on a CPU, each reading W in it
 - `mkl` (float32): MKL's packed GEMM on a weight packed once at load;
 - `onednn` (float32, bfloat16 where the CPU has native bf16 kernels, AMX included): oneDNN's GEMM on a weight
   reordered once at load into its blocked layout;
-- `gemv` (one row: float32 on CPUs with AVX-512 or AVX2 and FMA, bfloat16 with AVX512-BF16; any rows: bfloat16
-  with AVX2 and FMA but no AVX-512): textgen's own kernel (layers/linear_ops.cpp), which streams the weight from
-  memory faster than the libraries' at one row on some CPUs, and on AVX2 computes torch's own bf16 product
-  3-4x faster than torch at every row count. In bfloat16 it serves a bucket only where it reproduces
-  `F.linear`'s bits there, checked at load (see `GemvKernel`).
+- `gemv` (one row: float32 on CPUs with AVX-512 or AVX2 and FMA; up to 64 rows: bfloat16 with AVX512-BF16; any
+  rows: bfloat16 with AVX2 and FMA but no AVX-512): textgen's own kernel (layers/linear_ops.cpp), which streams the
+  weight from memory faster than the libraries' at one row on some CPUs, reads it once for up to six rows with
+  AVX512-BF16, and on AVX2 computes torch's own bf16 product 3-4x faster than torch at every row count. In
+  bfloat16 it serves a bucket only where it reproduces `F.linear`'s bits there, checked at load (see
+  `GemvKernel`).
 Which is fastest depends on the CPU (MKL's fp32 kernels are slow on some vendors' cores, oneDNN's blocked layout
 loses to them at one row on others) and on the row count. So the shard does not guess: for each distinct
 (out, in, dtype) shape it times every available path (one row on the shard's threads, more on one thread: see
@@ -207,11 +208,14 @@ class GemvKernel(Kernel):
     float32: one row; each output sums its products in order, in runs of FLOAT32_RUN values then added, which
     keeps it within float32's tolerance like the other paths (test_linear.py).
 
-    bfloat16 with AVX512-BF16: one row; oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in
-    order, in runs of K values that are then added; the run length is oneDNN's own choice (benchmark/README.md,
-    "gemv"). This kernel sums in runs of `k_chunk`, found at load per shape and thread count: the first of CHUNKS
-    whose outputs equal `F.linear`'s on CHECK_OUTPUTS random values; where none does (another CPU, AMX, another
-    oneDNN), the kernel serves no bucket and the shard never uses it.
+    bfloat16 with AVX512-BF16: up to 64 rows (the op takes up to six at once over each read of the weight);
+    oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in order, in runs of K values that are
+    then added; the run length is oneDNN's own choice, and it moves with the row count (on a Zen 4, for a K over
+    1024: 512 values at one row, 1024 at 2-64; benchmark/README.md, "gemv" and "bfloat16 at 2-64 rows"). This kernel
+    sums in runs of `k_chunks[b]` in bucket b, found at load per shape and thread count: the first of CHUNKS whose
+    outputs equal `F.linear`'s at every row count of the bucket (CHECK_ROWS), on CHECK_OUTPUTS random values at one
+    row and ROWS_CHECK_OUTPUTS at each other count; a bucket where none does (another CPU, AMX, another oneDNN, a
+    row count where oneDNN changes its runs) is not served. Past 64 rows (prefills) oneDNN's kernels keep it.
 
     bfloat16 on AVX2 (`gemv_sums_in_runs` False): the op sums in the order of torch's own dot product, which is
     `F.linear`'s there at every row count; it has that one order (k_chunk 0) and no bias. The same check at
@@ -224,6 +228,11 @@ class GemvKernel(Kernel):
     CHUNKS = (512, 1024, 256, 2048, 0)
     # Outputs compared per run length: enough for a wrong length to show dozens of differing ones (benchmark/README.md).
     CHECK_OUTPUTS = 2**19
+    # The row counts checked for each bucket bf16 runs may serve: all of them, as oneDNN's runs move with the count.
+    CHECK_ROWS = ((1,), tuple(range(2, 9)), tuple(range(9, 65)))
+    # Outputs compared at each row count past one: a wrong length differs in 1-5 of 10,000 outputs (one bf16 step),
+    # so 2**17 shows dozens.
+    ROWS_CHECK_OUTPUTS = 2**17
 
     @staticmethod
     def available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -236,37 +245,48 @@ class GemvKernel(Kernel):
         if self.packed.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():  # not the weight itself
             self.packed = in_huge_pages(self.packed)  # read whole at every one-row step: fewer TLB misses
         self.bias_f32 = None if bias is None else bias.float().contiguous()
+        # The run length of each bucket's sums; None where the kernel does not serve the bucket.
+        self.k_chunks: tuple[int | None, ...] = (None,) * len(BUCKET_ROWS)
         if weight.dtype == torch.float32:
-            self.k_chunk: int | None = self.FLOAT32_RUN
-            self.buckets: tuple[int, ...] = (0,)
+            self.k_chunks = (self.FLOAT32_RUN, *self.k_chunks[1:])
             return
         # Found once per CPU, torch, shape and thread count (layers/measurements.py): the check runs F.linear and
-        # the kernel on CHECK_OUTPUTS outputs per run length.
+        # the kernel at every row count of each bucket it may serve, per run length tried (`_check`).
         known = measurements(last_level_cache_bytes())
-        key = (
-            f"gemv run {self.out_features}x{self.in_features} bias {bias is not None} threads {torch.get_num_threads()}"
-        )
+        shape = f"{self.out_features}x{self.in_features}"
+        key = f"gemv runs {shape} bias {bias is not None} threads {torch.get_num_threads()}"
         found = known.get(key)
-        if not isinstance(found, dict) or "buckets" not in found:
+        if not isinstance(found, list) or len(found) != len(BUCKET_ROWS):
             found = self._check(weight, bias)
             known.put(key, found)
-        chunk, buckets = found["k_chunk"], found["buckets"]
-        self.k_chunk = chunk if isinstance(chunk, int) else None
-        self.buckets = tuple(buckets) if isinstance(buckets, list) else ()
+        self.k_chunks = tuple(chunk if isinstance(chunk, int) else None for chunk in found)
 
-    def _check(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, object]:
-        """The run length that gives `F.linear`'s bits, and the buckets where it does."""
+    @property
+    def k_chunk(self) -> int | None:
+        """The run length at one row."""
+        return self.k_chunks[0]
+
+    def _check(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[int | None]:
+        """Each bucket's run length that gives `F.linear`'s bits at every row count checked; None where none."""
         if torch.ops.textgen.gemv_sums_in_runs(weight.dtype):
-            for chunk in self.CHUNKS:
-                if chunk < self.in_features or chunk == 0:  # a run of K or more is the same sums as 0
-                    if self._same_bits(weight, bias, chunk, 1, self.CHECK_OUTPUTS):
-                        return {"k_chunk": chunk, "buckets": [0]}
-            return {"k_chunk": None, "buckets": []}
+            # A run of K or more is the same sums as 0.
+            chunks = [c for c in self.CHUNKS if c < self.in_features or c == 0]
+            found: list[int | None] = []
+            for counts in self.CHECK_ROWS:
+                outputs = self.CHECK_OUTPUTS if counts == (1,) else self.ROWS_CHECK_OUTPUTS
+                # The last bucket's length first.
+                tried = list(dict.fromkeys([c for c in found if c is not None][-1:] + chunks))
+                found.append(
+                    next(
+                        (c for c in tried if all(self._same_bits(weight, bias, c, rows, outputs) for rows in counts)),
+                        None,
+                    )
+                )
+            return found + [None] * (len(BUCKET_ROWS) - len(found))
         if bias is not None:
-            return {"k_chunk": None, "buckets": []}
+            return [None] * len(BUCKET_ROWS)
         share = self.CHECK_OUTPUTS // len(BUCKET_ROWS)
-        buckets = [i for i, rows in enumerate(BUCKET_ROWS) if self._same_bits(weight, None, 0, rows, share)]
-        return {"k_chunk": 0 if buckets else None, "buckets": buckets}
+        return [0 if self._same_bits(weight, None, 0, rows, share) else None for rows in BUCKET_ROWS]
 
     def _same_bits(self, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int, rows: int, outputs: int) -> bool:
         g = torch.Generator(device=weight.device).manual_seed(0)
@@ -282,17 +302,25 @@ class GemvKernel(Kernel):
             )
 
     def serves(self, bucket_index: int) -> bool:
-        return bucket_index in self.buckets
+        return self.k_chunks[bucket_index] is not None
+
+    def _chunk(self, bucket_index: int) -> int | None:
+        """The run length rows of the bucket are summed in: its own, else (a bucket not served, called all the same)
+        the first bucket's that has one."""
+        own = self.k_chunks[bucket_index]
+        return own if own is not None else next((c for c in self.k_chunks if c is not None), None)
 
     def direct(self, bucket_index: int) -> Direct | None:
-        if self.k_chunk is None:
+        chunk = self._chunk(bucket_index)
+        if chunk is None:
             return None
-        return Direct(DIRECT_GEMV, (self.packed, self.bias_f32, None), (self.out_features, self.k_chunk))
+        return Direct(DIRECT_GEMV, (self.packed, self.bias_f32, None), (self.out_features, chunk))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.k_chunk is None:
+        chunk = self._chunk(bucket(x.numel() // self.in_features))
+        if chunk is None:
             raise RuntimeError("gemv: no run length gives F.linear's bits for this shape on this CPU")
-        return torch.ops.textgen.gemv(x, self.packed, self.bias_f32, self.out_features, self.k_chunk)
+        return torch.ops.textgen.gemv(x, self.packed, self.bias_f32, self.out_features, chunk)
 
 
 KERNELS: dict[str, type[Kernel]] = {k.path: k for k in (PlainKernel, MklKernel, OnednnKernel, GemvKernel)}
