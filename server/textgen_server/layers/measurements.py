@@ -1,5 +1,6 @@
 """What a shard measured of this CPU at load, kept for its next starts: each projection shape's kernel times
-(linear_choice.time_paths) and the bfloat16 `gemv` run length that gives `F.linear`'s bits (linear_choice.GemvKernel).
+(linear_choice.time_paths) and the bfloat16 `gemv` run length of each bucket of rows that gives `F.linear`'s bits
+(linear_choice.GemvKernel).
 
 Measuring is most of a small model's load (every path timed per shape, each call after a read of twice the
 last-level cache), and its result depends only on the CPU, the libraries and the kernels. So the figures are kept
