@@ -5,10 +5,10 @@ A projection y = x @ W^T + b has up to four paths on a CPU, each reading W in it
 - `mkl` (float32): MKL's packed GEMM on a weight packed once at load;
 - `onednn` (float32, bfloat16 where the CPU has native bf16 kernels, AMX included): oneDNN's GEMM on a weight
   reordered once at load into its blocked layout;
-- `gemv` (one row: float32 on CPUs with AVX-512 or AVX2 and FMA; up to 64 rows: bfloat16 with AVX512-BF16; any
-  rows: bfloat16 with AVX2 and FMA but no AVX-512): textgen's own kernel (layers/linear_ops.cpp), which streams the
+- `gemv` (up to 64 rows: float32 on CPUs with AVX-512 or AVX2 and FMA, bfloat16 with AVX512-BF16; any rows:
+  bfloat16 with AVX2 and FMA but no AVX-512): textgen's own kernel (layers/linear_ops.cpp), which streams the
   weight from memory faster than the libraries' at one row on some CPUs, reads it once for up to six rows with
-  AVX512-BF16, and on AVX2 computes torch's own bf16 product 3-4x faster than torch at every row count. In
+  AVX-512, and on AVX2 computes torch's own bf16 product 3-4x faster than torch at every row count. In
   bfloat16 it serves a bucket only where it reproduces `F.linear`'s bits there, checked at load (see
   `GemvKernel`).
 Which is fastest depends on the CPU (MKL's fp32 kernels are slow on some vendors' cores, oneDNN's blocked layout
@@ -205,13 +205,14 @@ class GemvKernel(Kernel):
     """textgen::gemv (layers/linear_ops.cpp) on a weight packed in blocks of 16 (AVX-512) or 8 (AVX2) outputs
     (bfloat16 on AVX2: the weight as it is).
 
-    float32: one row; each output sums its products in order, in runs of FLOAT32_RUN values then added, which
-    keeps it within float32's tolerance like the other paths (test_linear.py).
+    float32: up to 64 rows (with AVX-512 up to six at once over each read of the weight, with AVX2 one at a time);
+    each output sums its products in order, in runs of FLOAT32_RUN values then added, which keeps it within
+    float32's tolerance like the other paths (test_linear.py).
 
     bfloat16 with AVX512-BF16: up to 64 rows (the op takes up to six at once over each read of the weight);
     oneDNN's bf16 kernels (behind `F.linear`) sum each output's products in order, in runs of K values that are
     then added; the run length is oneDNN's own choice, and it moves with the row count (on a Zen 4, for a K over
-    1024: 512 values at one row, 1024 at 2-64; benchmark/README.md, "gemv" and "bfloat16 at 2-64 rows"). This kernel
+    1024: 512 values at one row, 1024 at 2-64; benchmark/README.md, "gemv" and "2-64 rows in `gemv`"). This kernel
     sums in runs of `k_chunks[b]` in bucket b, found at load per shape and thread count: the first of CHUNKS whose
     outputs equal `F.linear`'s at every row count of the bucket (CHECK_ROWS), on CHECK_OUTPUTS random values at one
     row and ROWS_CHECK_OUTPUTS at each other count; a bucket where none does (another CPU, AMX, another oneDNN, a
@@ -247,8 +248,8 @@ class GemvKernel(Kernel):
         self.bias_f32 = None if bias is None else bias.float().contiguous()
         # The run length of each bucket's sums; None where the kernel does not serve the bucket.
         self.k_chunks: tuple[int | None, ...] = (None,) * len(BUCKET_ROWS)
-        if weight.dtype == torch.float32:
-            self.k_chunks = (self.FLOAT32_RUN, *self.k_chunks[1:])
+        if weight.dtype == torch.float32:  # no bits to match: 1-64 rows, the timing at load decides
+            self.k_chunks = (self.FLOAT32_RUN,) * len(self.CHECK_ROWS) + (None,)
             return
         # Found once per CPU, torch, shape and thread count (layers/measurements.py): the check runs F.linear and
         # the kernel at every row count of each bucket it may serve, per run length tried (`_check`).

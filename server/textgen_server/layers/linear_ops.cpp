@@ -1,7 +1,7 @@
 // A projection y = x @ W^T (+ b) by textgen's own kernels on x86 CPUs (layers/linear_choice.py, path `gemv`): one
-// row (batch-1 decode steps) in float32 with AVX-512 or with AVX2 and FMA; up to 64 rows (decode steps of a batch)
-// in bfloat16 where the CPU has AVX512-BF16; any number of rows in bfloat16 on a CPU with AVX2 and FMA but no
-// AVX-512. At one row a projection
+// row (batch-1 decode steps) in float32 with AVX2 and FMA; up to 64 rows (decode steps of a batch) in float32 with
+// AVX-512 and in bfloat16 where the CPU has AVX512-BF16; any number of rows in bfloat16 on a CPU with AVX2 and FMA
+// but no AVX-512. At one row a projection
 // reads its whole weight for two flops a value, so its speed is how fast the weight streams from memory; the GEMM
 // libraries' kernels reach well below the read bandwidth there on some CPUs (benchmark/README.md, "gemv"). This one
 // streams each thread's share of the weight as one contiguous run of memory, with software prefetch.
@@ -14,10 +14,9 @@
 //   on a Zen 4: benchmark/README.md). Its shape: bf16 [ceil(N/16), ceil(K/2), 32], float32 [ceil(N/LANES), K, LANES],
 //   over memory in that order. bf16 in the AVX2 build: w itself, [N, K] (each output's sum reads its own row,
 //   below).
-// textgen::gemv(x [..., K], packed, bias [N] float32 or None, n, k_chunk) -> y [..., N] in x's dtype (float32 row
-//   by row, each row streaming the whole weight; bfloat16 with AVX512-BF16 up to six rows at a time over each read
-//   of the weight, each row's sums as it would have alone; the bias is float32 whatever x's dtype, converted once by
-//   the caller, not on every call). Each
+// textgen::gemv(x [..., K], packed, bias [N] float32 or None, n, k_chunk) -> y [..., N] in x's dtype (with AVX-512
+//   up to six rows at a time over each read of the weight, each row's sums as it would have alone; with AVX2 row
+//   by row; the bias is float32 whatever x's dtype, converted once by the caller, not on every call). Each
 //   output sums in order, in runs of k_chunk values (0: one run) that are then added in order, plus the bias,
 //   in float32:
 //   - float32: one fused multiply-add a value;
@@ -197,81 +196,90 @@ void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T
   }
 }
 
-#if defined(__AVX512BF16__)
-// bf16 rows that share each read of a whole tile's weight: GROUP_ROWS x BLOCKS accumulators, a step's BLOCKS weight
-// vectors and one row's broadcast pair in registers (29 of the 32).
+#if defined(__AVX512F__)
+// Rows that share each read of a whole tile's weight (AVX-512): GROUP_ROWS x BLOCKS accumulators, a step's BLOCKS
+// weight vectors and one row's broadcast value (bf16: pair) in registers (29 of the 32).
 constexpr int GROUP_ROWS = 6;
 
-// y for R rows of x (`pairs`: each row's `steps` value pairs, an odd K's last one zero-padded) against one whole tile
-// of BLOCKS blocks (w at the tile, y at its first output, n_valid of the tile's outputs in y): each row's sums as
-// `tile` makes them for it alone, run by run, each weight vector read once for the R rows.
-template <int R>
-void group_tile(const uint32_t* pairs, int64_t steps, const at::BFloat16* w, const float* bias, at::BFloat16* y,
-                int64_t n, int64_t n_valid, int64_t k_chunk) {
-  constexpr int64_t block_stride = 2 * LANES, step_stride = BLOCKS * block_stride;
-  const int64_t run = k_chunk ? k_chunk / 2 : steps;
-  __m512 total[R][BLOCKS];
+// y for R rows of x (k apart) against one whole tile of BLOCKS blocks (w at the tile, y at its first output, n_valid
+// of the tile's outputs in y): each row's sums as `tile` makes them for it alone (`step`'s products, run by run), each
+// weight vector read once for the R rows.
+template <typename T, int R>
+void group_tile(const T* x, int64_t k, const T* w, int64_t steps, const float* bias, T* y, int64_t n, int64_t n_valid,
+                int64_t k_chunk) {
+  constexpr int64_t per_step = values_per_step<T>();
+  constexpr int64_t block_stride = per_step * LANES, step_stride = BLOCKS * block_stride;
+  const int64_t run = k_chunk ? k_chunk / per_step : steps;
+  Acc total[R][BLOCKS];
   for (int64_t start = 0; start < steps; start += run) {
     const int64_t stop = std::min(steps, start + run);
-    __m512 acc[R][BLOCKS];
+    Acc acc[R][BLOCKS];
     for (auto& row : acc) {
-      for (auto& a : row) a = _mm512_setzero_ps();
+      for (auto& a : row) a = zero();
     }
     for (int64_t p = start; p < stop; ++p) {
-      const at::BFloat16* at = w + p * step_stride;
-      __m512bh weights[BLOCKS];
+      const T* at = w + p * step_stride;
       for (int b = 0; b < BLOCKS; ++b) {
         _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * step_stride), _MM_HINT_T0);
-        weights[b] = (__m512bh)_mm512_loadu_si512(at + b * block_stride);
       }
-      for (int r = 0; r < R; ++r) {
-        const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r * steps + p]));
-        for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xs, weights[b]);
+      if constexpr (std::is_same_v<T, float>) {
+        __m512 weights[BLOCKS];
+        for (int b = 0; b < BLOCKS; ++b) weights[b] = _mm512_loadu_ps(at + b * block_stride);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xs = _mm512_set1_ps(x[r * k + p]);
+          for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_fmadd_ps(xs, weights[b], acc[r][b]);
+        }
+      } else {
+#if defined(__AVX512BF16__)
+        __m512bh weights[BLOCKS];
+        for (int b = 0; b < BLOCKS; ++b) weights[b] = (__m512bh)_mm512_loadu_si512(at + b * block_stride);
+        for (int r = 0; r < R; ++r) {
+          uint32_t pair = 0;  // an odd K's last pair has a zero partner, as in `step`
+          if (2 * p + 1 < k) {  // sizes the compiler knows: a load, not a call to memcpy
+            std::memcpy(&pair, x + r * k + 2 * p, 4);
+          } else {
+            std::memcpy(&pair, x + r * k + 2 * p, 2);
+          }
+          const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xs, weights[b]);
+        }
+#endif
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int b = 0; b < BLOCKS; ++b) total[r][b] = start ? _mm512_add_ps(total[r][b], acc[r][b]) : acc[r][b];
+      for (int b = 0; b < BLOCKS; ++b) total[r][b] = start ? add(total[r][b], acc[r][b]) : acc[r][b];
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < BLOCKS && b * LANES < n_valid; ++b) {
-      store<at::BFloat16>(total[r][b], bias ? bias + b * LANES : nullptr, y + r * n + b * LANES, n_valid - b * LANES);
+      store<T>(total[r][b], bias ? bias + b * LANES : nullptr, y + r * n + b * LANES, n_valid - b * LANES);
     }
   }
 }
 #endif
 
-// Every row of x [m, k] against the packed weight, the blocks BLOCKS at a time over threads. bf16 with AVX512-BF16
-// takes up to GROUP_ROWS rows at once over each whole tile (each weight vector read once for them), the others a
-// row at a time: the same sums. At 2-32 rows the groups ran 1.1-2.9x faster than oneDNN's kernels on a Zen 4, at 64
-// 1.0-1.1x (benchmark/README.md, "bfloat16 at 2-64 rows").
+// Every row of x [m, k] against the packed weight, the blocks BLOCKS at a time over threads. With AVX-512 up to
+// GROUP_ROWS rows go at once over each whole tile (each weight vector read once for them, where one row at a time
+// streamed the weight once a row and lost to the libraries' kernels from two rows on; benchmark/README.md, "2-64
+// rows in `gemv`"), the last tile's rows one at a time: the same sums either way.
 template <typename T>
 void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t steps, const float* bias, T* y,
           int64_t n, int64_t k_chunk) {
   static_assert(BLOCKS == 4, "the last tile takes 1, 2 or 3 blocks below");
   const int64_t block_elems = steps * values_per_step<T>() * LANES, tiles = (blocks + BLOCKS - 1) / BLOCKS;
-  std::vector<uint32_t> pairs;  // bf16 rows taken in groups: each row's value pairs, zero-padded
-#if defined(__AVX512BF16__)
-  if (std::is_same_v<T, at::BFloat16> && m > 1) {
-    pairs.assign(m * steps, 0);
-    for (int64_t r = 0; r < m; ++r) std::memcpy(pairs.data() + r * steps, x + r * k, k * sizeof(T));
-  }
-#endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = t * BLOCKS, n0 = b0 * LANES;
       const float* br = bias ? bias + n0 : nullptr;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (!pairs.empty() && b0 + BLOCKS <= blocks) {
-          for (int64_t r0 = 0; r0 < m; r0 += GROUP_ROWS) {
-            textgen_cpu::with_count<GROUP_ROWS>(std::min<int64_t>(GROUP_ROWS, m - r0), [&](auto count) {
-              group_tile<decltype(count)::value>(pairs.data() + r0 * steps, steps, w + b0 * block_elems, br,
-                                                 y + r0 * n + n0, n, n - n0, k_chunk);
-            });
-          }
-          continue;
+#if defined(__AVX512F__)
+      if (m > 1 && b0 + BLOCKS <= blocks) {
+        for (int64_t r0 = 0; r0 < m; r0 += GROUP_ROWS) {
+          textgen_cpu::with_count<GROUP_ROWS>(std::min<int64_t>(GROUP_ROWS, m - r0), [&](auto count) {
+            group_tile<T, decltype(count)::value>(x + r0 * k, k, w + b0 * block_elems, steps, br, y + r0 * n + n0, n,
+                                                  n - n0, k_chunk);
+          });
         }
+        continue;
       }
 #endif
       for (int64_t r = 0; r < m; ++r) {
