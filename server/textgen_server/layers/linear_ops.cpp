@@ -126,7 +126,11 @@ inline void step(const T* x, const T* at, int64_t block_stride, int64_t p, int64
     for (int b = 0; b < B; ++b) acc[b] = _mm512_fmadd_ps(xs, _mm512_loadu_ps(at + b * block_stride), acc[b]);
   } else {
     uint32_t pair = 0;  // an odd K's last pair has a zero partner: 0 * 0 added first changes no sum
-    std::memcpy(&pair, x + 2 * p, 2 * p + 1 < k ? 4 : 2);
+    if (2 * p + 1 < k) {  // sizes the compiler knows: a load, not a call to memcpy
+      std::memcpy(&pair, x + 2 * p, 4);
+    } else {
+      std::memcpy(&pair, x + 2 * p, 2);
+    }
     const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
     for (int b = 0; b < B; ++b)
       acc[b] = _mm512_dpbf16_ps(acc[b], xs, (__m512bh)_mm512_loadu_si512(at + b * block_stride));
@@ -202,8 +206,8 @@ void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T
 constexpr int GROUP_ROWS = 6;
 
 // y for R rows of x (k apart) against one whole tile of BLOCKS blocks (w at the tile, y at its first output, n_valid
-// of the tile's outputs in y): each row's sums as `tile` makes them for it alone (`step`'s products, run by run), each
-// weight vector read once for the R rows.
+// of the tile's outputs in y): each row's sums as `tile` makes them for it alone (`step`, run by run), the R rows'
+// steps one after another over the same weight vectors, which the compiler loads once for them.
 template <typename T, int R>
 void group_tile(const T* x, int64_t k, const T* w, int64_t steps, const float* bias, T* y, int64_t n, int64_t n_valid,
                 int64_t k_chunk) {
@@ -222,29 +226,7 @@ void group_tile(const T* x, int64_t k, const T* w, int64_t steps, const float* b
       for (int b = 0; b < BLOCKS; ++b) {
         _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * step_stride), _MM_HINT_T0);
       }
-      if constexpr (std::is_same_v<T, float>) {
-        __m512 weights[BLOCKS];
-        for (int b = 0; b < BLOCKS; ++b) weights[b] = _mm512_loadu_ps(at + b * block_stride);
-        for (int r = 0; r < R; ++r) {
-          const __m512 xs = _mm512_set1_ps(x[r * k + p]);
-          for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_fmadd_ps(xs, weights[b], acc[r][b]);
-        }
-      } else {
-#if defined(__AVX512BF16__)
-        __m512bh weights[BLOCKS];
-        for (int b = 0; b < BLOCKS; ++b) weights[b] = (__m512bh)_mm512_loadu_si512(at + b * block_stride);
-        for (int r = 0; r < R; ++r) {
-          uint32_t pair = 0;  // an odd K's last pair has a zero partner, as in `step`
-          if (2 * p + 1 < k) {  // sizes the compiler knows: a load, not a call to memcpy
-            std::memcpy(&pair, x + r * k + 2 * p, 4);
-          } else {
-            std::memcpy(&pair, x + r * k + 2 * p, 2);
-          }
-          const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          for (int b = 0; b < BLOCKS; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xs, weights[b]);
-        }
-#endif
-      }
+      for (int r = 0; r < R; ++r) step<T, BLOCKS>(x + r * k, at, block_stride, p, k, acc[r]);
     }
     for (int r = 0; r < R; ++r) {
       for (int b = 0; b < BLOCKS; ++b) total[r][b] = start ? add(total[r][b], acc[r][b]) : acc[r][b];
