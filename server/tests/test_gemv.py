@@ -277,7 +277,7 @@ def test_a_shape_no_run_length_reproduces_is_never_chosen(
     monkeypatch.delenv(ENV, raising=False)
     weight = torch.randn(256, 192, generator=torch.Generator().manual_seed(5)).bfloat16()
     kernel = GemvKernel(weight, None)
-    assert kernel.k_chunk is None and not kernel.serves(0)
+    assert kernel.k_chunks[0] is None and not kernel.serves(0)
     with pytest.raises(RuntimeError, match="no run length"):
         kernel(torch.randn(1, 192).bfloat16())
     times = time_paths(weight, None, available_paths(torch.bfloat16, CPU))

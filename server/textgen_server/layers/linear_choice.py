@@ -229,8 +229,11 @@ class GemvKernel(Kernel):
     CHUNKS = (512, 1024, 256, 2048, 0)
     # Outputs compared per run length: enough for a wrong length to show dozens of differing ones (benchmark/README.md).
     CHECK_OUTPUTS = 2**19
-    # The row counts checked for each bucket bf16 runs may serve: all of them, as oneDNN's runs move with the count.
-    CHECK_ROWS = ((1,), tuple(range(2, 9)), tuple(range(9, 65)))
+    # The row counts checked for each bucket bf16 runs may serve (all but the last, prefills): every count, as
+    # oneDNN's runs move with the count.
+    CHECK_ROWS = tuple(
+        tuple(range(low + 1, high + 1)) for low, high in zip((0, *BUCKET_LIMITS[:-1]), BUCKET_LIMITS, strict=True)
+    )
     # Outputs compared at each row count past one: a wrong length differs in 1-5 of 10,000 outputs (one bf16 step),
     # so 2**17 shows dozens.
     ROWS_CHECK_OUTPUTS = 2**17
@@ -261,11 +264,6 @@ class GemvKernel(Kernel):
             found = self._check(weight, bias)
             known.put(key, found)
         self.k_chunks = tuple(chunk if isinstance(chunk, int) else None for chunk in found)
-
-    @property
-    def k_chunk(self) -> int | None:
-        """The run length at one row."""
-        return self.k_chunks[0]
 
     def _check(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[int | None]:
         """Each bucket's run length that gives `F.linear`'s bits at every row count checked; None where none."""

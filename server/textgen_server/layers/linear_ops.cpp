@@ -170,112 +170,68 @@ inline void store(Acc total, const float* bias, T* y, int64_t valid) {
 #endif
 
 #if defined(TEXTGEN_GEMV)
-// y[blocks b0 .. b0+B) for one row x; w points at the tile of those B blocks in the packed weight, y at its first
-// output.
-template <typename T, int B>
-void tile(const T* x, const T* w, int64_t steps, int64_t k, const float* bias, T* y, int64_t n_valid,
+// Rows that go together over each read of a tile's weight: with AVX-512, R x B <= 24 accumulators, a step's B weight
+// vectors and one row's broadcast value (bf16: pair) in registers (29 of the 32); AVX2's 16 registers take one row.
+#if defined(__AVX512F__)
+constexpr int GROUP_ROWS = 6;
+#else
+constexpr int GROUP_ROWS = 1;
+#endif
+
+// y for R rows of x (k apart; y's n apart) and the B blocks of one tile (w at the tile in the packed weight, y at its
+// first output, n_valid of the tile's outputs in y): each row's sums as `step` makes them for it alone, run by run;
+// the R rows' steps one after another over the same weight vectors, which the compiler loads once for them.
+template <typename T, int B, int R>
+void tile(const T* x, int64_t k, const T* w, int64_t steps, const float* bias, T* y, int64_t n, int64_t n_valid,
           int64_t k_chunk) {
   constexpr int64_t per_step = values_per_step<T>();
   constexpr int64_t block_stride = per_step * LANES;  // a step's values of one block, its blocks side by side
   constexpr int64_t step_stride = B * block_stride;
   const int64_t run = k_chunk ? k_chunk / per_step : steps;  // steps summed before they join the total
-  Acc total[B];
+  Acc total[R][B];
   for (int64_t start = 0; start < steps; start += run) {
     const int64_t stop = std::min(steps, start + run);
-    Acc acc[B];
-    for (int b = 0; b < B; ++b) acc[b] = zero();
-    for (int64_t p = start; p < stop; ++p) {
-      const T* at = w + p * step_stride;
-      for (int b = 0; b < B; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * step_stride),
-                     _MM_HINT_T0);
-      step<T, B>(x, at, block_stride, p, k, acc);
-    }
-    for (int b = 0; b < B; ++b) total[b] = start ? add(total[b], acc[b]) : acc[b];
-  }
-  for (int b = 0; b < B; ++b) {
-    const int64_t valid = n_valid - b * LANES;
-    if (valid <= 0) break;
-    store<T>(total[b], bias ? bias + b * LANES : nullptr, y + b * LANES, valid);
-  }
-}
-
-#if defined(__AVX512F__)
-// Rows that share each read of a whole tile's weight (AVX-512): GROUP_ROWS x BLOCKS accumulators, a step's BLOCKS
-// weight vectors and one row's broadcast value (bf16: pair) in registers (29 of the 32).
-constexpr int GROUP_ROWS = 6;
-
-// y for R rows of x (k apart) against one whole tile of BLOCKS blocks (w at the tile, y at its first output, n_valid
-// of the tile's outputs in y): each row's sums as `tile` makes them for it alone (`step`, run by run), the R rows'
-// steps one after another over the same weight vectors, which the compiler loads once for them.
-template <typename T, int R>
-void group_tile(const T* x, int64_t k, const T* w, int64_t steps, const float* bias, T* y, int64_t n, int64_t n_valid,
-                int64_t k_chunk) {
-  constexpr int64_t per_step = values_per_step<T>();
-  constexpr int64_t block_stride = per_step * LANES, step_stride = BLOCKS * block_stride;
-  const int64_t run = k_chunk ? k_chunk / per_step : steps;
-  Acc total[R][BLOCKS];
-  for (int64_t start = 0; start < steps; start += run) {
-    const int64_t stop = std::min(steps, start + run);
-    Acc acc[R][BLOCKS];
+    Acc acc[R][B];
     for (auto& row : acc) {
       for (auto& a : row) a = zero();
     }
     for (int64_t p = start; p < stop; ++p) {
       const T* at = w + p * step_stride;
-      for (int b = 0; b < BLOCKS; ++b) {
-        _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * step_stride), _MM_HINT_T0);
-      }
-      for (int r = 0; r < R; ++r) step<T, BLOCKS>(x + r * k, at, block_stride, p, k, acc[r]);
+      for (int b = 0; b < B; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(at + b * block_stride + PREFETCH_STEPS * step_stride),
+                     _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) step<T, B>(x + r * k, at, block_stride, p, k, acc[r]);
     }
     for (int r = 0; r < R; ++r) {
-      for (int b = 0; b < BLOCKS; ++b) total[r][b] = start ? add(total[r][b], acc[r][b]) : acc[r][b];
+      for (int b = 0; b < B; ++b) total[r][b] = start ? add(total[r][b], acc[r][b]) : acc[r][b];
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < BLOCKS && b * LANES < n_valid; ++b) {
+    for (int b = 0; b < B && b * LANES < n_valid; ++b) {
       store<T>(total[r][b], bias ? bias + b * LANES : nullptr, y + r * n + b * LANES, n_valid - b * LANES);
     }
   }
 }
-#endif
 
-// Every row of x [m, k] against the packed weight, the blocks BLOCKS at a time over threads. With AVX-512 up to
-// GROUP_ROWS rows go at once over each whole tile (each weight vector read once for them, where one row at a time
-// streamed the weight once a row and lost to the libraries' kernels from two rows on; benchmark/README.md, "2-64
-// rows in `gemv`"), the last tile's rows one at a time: the same sums either way.
+// Every row of x [m, k] against the packed weight, the tiles of BLOCKS blocks over threads, up to GROUP_ROWS rows at
+// once over each read of a tile (one row at a time streamed the weight once a row and lost to the libraries' kernels
+// from two rows on; benchmark/README.md, "2-64 rows in `gemv`"): the same sums either way.
 template <typename T>
 void rows(const T* x, int64_t m, int64_t k, const T* w, int64_t blocks, int64_t steps, const float* bias, T* y,
           int64_t n, int64_t k_chunk) {
-  static_assert(BLOCKS == 4, "the last tile takes 1, 2 or 3 blocks below");
   const int64_t block_elems = steps * values_per_step<T>() * LANES, tiles = (blocks + BLOCKS - 1) / BLOCKS;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = t * BLOCKS, n0 = b0 * LANES;
-      const float* br = bias ? bias + n0 : nullptr;
-#if defined(__AVX512F__)
-      if (m > 1 && b0 + BLOCKS <= blocks) {
-        for (int64_t r0 = 0; r0 < m; r0 += GROUP_ROWS) {
-          textgen_cpu::with_count<GROUP_ROWS>(std::min<int64_t>(GROUP_ROWS, m - r0), [&](auto count) {
-            group_tile<T, decltype(count)::value>(x + r0 * k, k, w + b0 * block_elems, steps, br, y + r0 * n + n0, n,
-                                                  n - n0, k_chunk);
+      for (int64_t r0 = 0; r0 < m; r0 += GROUP_ROWS) {
+        // The last tile takes the 1-3 blocks left.
+        textgen_cpu::with_count<BLOCKS>(std::min<int64_t>(BLOCKS, blocks - b0), [&](auto b) {
+          textgen_cpu::with_count<GROUP_ROWS>(std::min<int64_t>(GROUP_ROWS, m - r0), [&](auto r) {
+            tile<T, decltype(b)::value, decltype(r)::value>(x + r0 * k, k, w + b0 * block_elems, steps,
+                                                            bias ? bias + n0 : nullptr, y + r0 * n + n0, n, n - n0,
+                                                            k_chunk);
           });
-        }
-        continue;
-      }
-#endif
-      for (int64_t r = 0; r < m; ++r) {
-        const T* xr = x + r * k;
-        T* yr = y + r * n + n0;
-        if (b0 + BLOCKS <= blocks) {
-          tile<T, BLOCKS>(xr, w + b0 * block_elems, steps, k, br, yr, n - n0, k_chunk);
-        } else if (blocks - b0 == 3) {
-          tile<T, 3>(xr, w + b0 * block_elems, steps, k, br, yr, n - n0, k_chunk);
-        } else if (blocks - b0 == 2) {
-          tile<T, 2>(xr, w + b0 * block_elems, steps, k, br, yr, n - n0, k_chunk);
-        } else {
-          tile<T, 1>(xr, w + b0 * block_elems, steps, k, br, yr, n - n0, k_chunk);
-        }
+        });
       }
     }
   });

@@ -72,13 +72,12 @@ struct Segment {
   int64_t b, s0, s1;
 };
 
-// One task: a KV head and up to MAX_ROWS query rows: some of one row's queries (prefix 0), or the queries of rows
+// One task of each KV head: up to MAX_ROWS query rows: some of one row's queries (prefix 0), or the queries of rows
 // whose block tables begin with the same blocks (a prefix-cache hit's questions), positions [0, prefix) shared. A
 // shared task's keys are the shared ones once, then each segment's own positions (from prefix to its last query's)
 // in turn: each query sees the shared keys and its own row's up to its position. Its lanes are filled with the
 // queries of several rows where one row's would leave some empty, and each shared key is read once for them all.
 struct Task {
-  int64_t head;
   std::vector<Segment> segments;
   int64_t prefix;
 };
@@ -379,13 +378,15 @@ struct Rows {
   int64_t queries(int64_t b) const { return cu[b + 1] - cu[b]; }
   int64_t position(int64_t b, int64_t s) const { return lengths[b] - queries(b) + s; }  // of query s
   const int32_t* table(int64_t b) const { return tables + b * max_blocks; }
+  int64_t end(const Segment& seg) const { return position(seg.b, seg.s1 - 1) + 1; }  // its last query sees [0, end)
 };
 
-// One task. Returns false (writing nothing) where a row's block table names a block outside the pool.
+// One task, of KV head `head`. Returns false (writing nothing) where a row's block table names a block outside the
+// pool.
 template <typename T>
-bool run_task(const Task& task, const Rows& batch, const T* Q, int64_t q_token, int64_t q_head, const T* K,
-              const T* V, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group, int64_t dim,
-              int64_t window, float scale, Scratch& scratch, T* out, int64_t out_token) {
+bool run_task(const Task& task, int64_t head, const Rows& batch, const T* Q, int64_t q_token, int64_t q_head,
+              const T* K, const T* V, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group,
+              int64_t dim, int64_t window, float scale, Scratch& scratch, T* out, int64_t out_token) {
   constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   int64_t queries = 0;
   for (const Segment& seg : task.segments) queries += seg.s1 - seg.s0;
@@ -401,23 +402,23 @@ bool run_task(const Task& task, const Rows& batch, const T* Q, int64_t q_token, 
     keys = last - first + 1;
     total = batch.lengths[one.b];
     offsets.resize(keys);
-    if (!pool_offsets(batch.table(one.b), first, keys, block_size, num_blocks, kv_heads, task.head, dim,
+    if (!pool_offsets(batch.table(one.b), first, keys, block_size, num_blocks, kv_heads, head, dim,
                       offsets.data())) {
       return false;
     }
   } else {
     keys = prefix;
-    for (const Segment& seg : task.segments) keys += batch.position(seg.b, seg.s1 - 1) + 1 - prefix;
+    for (const Segment& seg : task.segments) keys += batch.end(seg) - prefix;
     total = keys;
     offsets.resize(keys);
-    if (!pool_offsets(batch.table(one.b), 0, prefix, block_size, num_blocks, kv_heads, task.head, dim,
+    if (!pool_offsets(batch.table(one.b), 0, prefix, block_size, num_blocks, kv_heads, head, dim,
                       offsets.data())) {
       return false;
     }
     int64_t at = prefix;
     for (const Segment& seg : task.segments) {
-      const int64_t own = batch.position(seg.b, seg.s1 - 1) + 1 - prefix;
-      if (!pool_offsets(batch.table(seg.b), prefix, own, block_size, num_blocks, kv_heads, task.head, dim,
+      const int64_t own = batch.end(seg) - prefix;
+      if (!pool_offsets(batch.table(seg.b), prefix, own, block_size, num_blocks, kv_heads, head, dim,
                         offsets.data() + at)) {
         return false;
       }
@@ -442,10 +443,10 @@ bool run_task(const Task& task, const Rows& batch, const T* Q, int64_t q_token, 
         hi[r] = static_cast<int32_t>(prefix == 0 ? position : own_keys + position - prefix);
         lo[r] = static_cast<int32_t>(prefix == 0 ? from : own_keys);
         token[r] = batch.cu[seg.b] + s;
-        set_lane(lanes, groups, r, Q + token[r] * q_token + (task.head * group + g) * q_head, steps, scale);
+        set_lane(lanes, groups, r, Q + token[r] * q_token + (head * group + g) * q_head, steps, scale);
       }
     }
-    own_keys += batch.position(seg.b, seg.s1 - 1) + 1 - prefix;
+    own_keys += batch.end(seg) - prefix;
   }
   for (; r < width; ++r) {
     lo[r] = static_cast<int32_t>(first);
@@ -476,7 +477,7 @@ bool run_task(const Task& task, const Rows& batch, const T* Q, int64_t q_token, 
     for (int64_t c = 0; c < dim; c += BLOCK_COLUMNS) {
       sum_block(scratch, V, offsets.data(), width, dim, r0, c, t0, t1, sums);
       for (int64_t i = r0; i < r1; ++i) {
-        T* o = out + token[i] * out_token + (task.head * group + i % group) * dim + c;
+        T* o = out + token[i] * out_token + (head * group + i % group) * dim + c;
         const float* row = sums + (i - r0) * BLOCK_COLUMNS;
         for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) store_as(o + d, row[bf16 ? paired_column(d) : d]);
       }
@@ -704,14 +705,14 @@ void shared_tasks(const Rows& batch, int64_t rows, int64_t block_size, int64_t p
     auto close = [&]() {
       int64_t own = 0, apart = 0;
       for (const Segment& seg : chunk) {
-        const int64_t keys = batch.position(seg.b, seg.s1 - 1) + 1;  // of the segment's task apart
+        const int64_t keys = batch.end(seg);  // of the segment's task apart
         own += keys - prefix;
         apart += groups_of(seg.s1 - seg.s0) * keys;
       }
       if (groups_of(filled) * (prefix + own) < apart) {
-        tasks.push_back({0, chunk, prefix});
+        tasks.push_back({chunk, prefix});
       } else {
-        for (const Segment& seg : chunk) tasks.push_back({0, {seg}, 0});
+        for (const Segment& seg : chunk) tasks.push_back({{seg}, 0});
       }
       for (const Segment& seg : chunk) taken[seg.b] = 1;
       chunk.clear();
@@ -740,29 +741,22 @@ void run_tasks(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int64_t group = heads / kv_heads, per_task = std::max<int64_t>(1, MAX_ROWS / group);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
   const Rows batch{block_tables.data_ptr<int32_t>(), block_tables.size(1), lengths, cu};
-  // Head 0's tasks: rows sharing a cached prefix together where that pays (not under a window, whose rows do not
-  // all see the shared keys), the others a row at a time.
+  // Each KV head's tasks: rows sharing a cached prefix together where that pays (not under a window, whose rows do
+  // not all see the shared keys), the others a row at a time.
   std::vector<Task> plan;
   std::vector<uint8_t> taken(rows, 0);
   if (window == 0) shared_tasks(batch, rows, block_size, per_task, group, plan, taken);
   for (int64_t b = 0; b < rows; ++b) {
     const int64_t n = batch.queries(b);
     for (int64_t s0 = 0; n > 1 && !taken[b] && s0 < n; s0 += per_task) {
-      plan.push_back({0, {{b, s0, std::min(n, s0 + per_task)}}, 0});
+      plan.push_back({{{b, s0, std::min(n, s0 + per_task)}}, 0});
     }
-  }
-  // Head by head: rows sharing a cached prefix read the same keys and values one task after another, while they
-  // are in cache.
-  std::vector<Task> tasks;
-  tasks.reserve(plan.size() * kv_heads);
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    for (const Task& task : plan) tasks.push_back({h, task.segments, task.prefix});
   }
   const auto* Q = reinterpret_cast<const T*>(q.data_ptr());
   const auto* K = reinterpret_cast<const T*>(k_cache.data_ptr());
   const auto* V = reinterpret_cast<const T*>(v_cache.data_ptr());
   auto* O = reinterpret_cast<T*>(out.data_ptr());
-  const int64_t task_count = static_cast<int64_t>(tasks.size());
+  const int64_t per_head = static_cast<int64_t>(plan.size()), task_count = per_head * kv_heads;
   if (task_count == 0) return;
   bool bad_block = false;
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -771,8 +765,10 @@ void run_tasks(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < task_count; ++i) {
-      if (!run_task<T>(tasks[i], batch, Q, q.stride(0), q.stride(1), K, V, num_blocks, block_size, kv_heads, group,
-                       dim, window, static_cast<float>(scale), scratch, O, heads * dim)) {
+      // Head by head: rows sharing a cached prefix read the same keys and values one task after another, while they
+      // are in cache.
+      if (!run_task<T>(plan[i % per_head], i / per_head, batch, Q, q.stride(0), q.stride(1), K, V, num_blocks,
+                       block_size, kv_heads, group, dim, window, static_cast<float>(scale), scratch, O, heads * dim)) {
 #pragma omp atomic write
         bad_block = true;
       }
