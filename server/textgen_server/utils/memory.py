@@ -4,7 +4,10 @@ glibc serves allocations above its mmap threshold (at most 32 MiB by default) wi
 unmaps them on free. A CPU prefill allocates and frees activations of tens to hundreds of MiB per layer,
 so every step page-faults that memory in again: a large share of a 64-prompt prefill of the small model
 (benchmark/shard_w1.py; figures in benchmark/README.md). Serving such allocations from the heap, and never
-trimming it, makes the process keep its peak activation memory (reached at warmup) for reuse instead.
+trimming it, makes the process keep its peak activation memory (reached at warmup) for reuse instead. That
+heap must be the main one: glibc gives other threads arenas of their own, whose heaps hold at most 64 MiB, and
+serves a larger allocation there with a fresh mmap whatever the threshold; the shard's model runs on a thread
+of its own (model_thread.py).
 """
 
 from __future__ import annotations
@@ -20,17 +23,23 @@ logger = logging.getLogger(__name__)
 # mallopt parameters (malloc.h) and the largest value they take (an int).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 LIMIT = 2**31 - 1
 
 
 def keep_freed_memory() -> bool:
-    """Allocations below 2 GiB come from the heap, which is never trimmed. False where libc is not glibc."""
+    """Allocations below 2 GiB, on every thread, come from the main heap, which is never trimmed. Call it before
+    the process starts a thread that allocates: glibc fixes how many arenas it makes when a thread first needs
+    one. False where libc is not glibc."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         logger.debug("no glibc mallopt: freed memory goes back to the OS")
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, LIMIT)) and bool(mallopt(M_TRIM_THRESHOLD, LIMIT))
+    return all(
+        mallopt(option, value)
+        for option, value in ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, LIMIT), (M_TRIM_THRESHOLD, LIMIT))
+    )
 
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
