@@ -1,6 +1,6 @@
 """keep_freed_memory: a freed large activation buffer stays in the process for the next step, whichever thread
-freed it. in_huge_pages: a
-weight's copy on 2 MiB-aligned memory advised for huge pages, its bytes and nothing past them."""
+freed it. in_huge_pages: a weight's copy on 2 MiB-aligned memory advised for huge pages, its bytes and nothing past
+them."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     gc.freeze()
     gc.enable()
-    keep_freed_memory()
+    keep_freed_memory()  # before the model thread starts, so that it allocates from the main heap (utils/memory.py)
     if config.otlp_endpoint:
         setup_tracing(config.otlp_endpoint, config.otlp_service_name)
     # Loaded on the thread that will run it: model_thread.py says why the main thread runs no torch kernel.

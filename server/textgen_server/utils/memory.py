@@ -29,8 +29,8 @@ LIMIT = 2**31 - 1
 
 def keep_freed_memory() -> bool:
     """Allocations below 2 GiB, on every thread, come from the main heap, which is never trimmed. Call it before
-    the process starts a thread that allocates: glibc fixes how many arenas it makes when a thread first needs
-    one. False where libc is not glibc."""
+    the process starts a thread that allocates: a thread that already has an arena of its own keeps it. False
+    where libc is not glibc."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
