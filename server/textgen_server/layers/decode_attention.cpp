@@ -66,6 +66,14 @@ namespace {
 
 using namespace textgen_cpu;
 
+// One KV head's lines (`bytes` from element `head` of each of n slots) asked into L1. The paged op asks for the next
+// KV head's keys or values of a tile while it sums the current head's: each head's 16 runs of 128 bytes (bf16,
+// heads of 64) otherwise wait on memory one head at a time (benchmark/README.md, "The next head's lines").
+template <typename T>
+inline void prefetch_head(const T* base, const int64_t* slots, int64_t n, int64_t head, int64_t bytes) {
+  for (int64_t u = 0; u < n; ++u) prefetch_lines(base + slots[u] + head, bytes);
+}
+
 // s[0, n) <- exp(s - max(s)), one value at a time; returns their sum.
 inline float exps(float* s, int64_t n) {
   float top = -INFINITY, total = 0.f;
@@ -448,7 +456,7 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0, rows = length - start;
   const int64_t heads = (h1 - h0) * group;
   // A slot holds all KV heads side by side: the task's heads are one contiguous run of `span` bytes per slot.
-  const int64_t span = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
+  const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(T)), span = (h1 - h0) * head_bytes;
   slots.resize(rows);  // each key's offset in the pool at the task's first KV head, in elements
   if (!pool_offsets(table, start, rows, block_size, num_blocks, kv_heads, h0, dim, slots.data())) return false;
   queries.resize(heads * dim);
@@ -481,6 +489,9 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
       for (int64_t i = 0; i < heads; ++i) {
         if (next > 0) prefetch_share(K, slots.data() + t + 16, next, span, i, heads);
         for (int s = 0; s < 16; ++s) keys[s] = K + slots[t + s] + (i / group) * dim;
+        if (i + 1 < heads && (i + 1) % group == 0) {
+          prefetch_head(K, slots.data() + t, 16, (i + 1) / group * dim, head_bytes);
+        }
         _mm512_storeu_ps(scores.data() + i * rows + t, round_as(T{}, dots(i, keys)));
       }
     }
@@ -514,6 +525,9 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     const int64_t n = std::min<int64_t>(CHUNK, rows - c), next = std::min<int64_t>(CHUNK, rows - c - n);
     for (int64_t i = 0; i < heads; ++i) {
       if (next > 0) prefetch_share(V, slots.data() + c + n, next, span, i, heads);
+      if (i + 1 < heads && (i + 1) % group == 0) {
+        prefetch_head(V, slots.data() + c, n, (i + 1) / group * dim, head_bytes);
+      }
       accumulate_as(pairs, scores.data() + i * rows + c, V + (i / group) * dim, slots.data() + c, n, dim,
                     acc.data() + i * dim);
     }
