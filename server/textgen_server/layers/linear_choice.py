@@ -273,8 +273,9 @@ class GemvKernel(Kernel):
             found: list[int | None] = []
             for counts in self.CHECK_ROWS:
                 outputs = self.CHECK_OUTPUTS if counts == (1,) else self.ROWS_CHECK_OUTPUTS
-                # The last bucket's length first.
-                tried = list(dict.fromkeys([c for c in found if c is not None][-1:] + chunks))
+                # The length the last bucket found first.
+                last = next((c for c in reversed(found) if c is not None), None)
+                tried = chunks if last is None else [last, *(c for c in chunks if c != last)]
                 found.append(
                     next(
                         (c for c in tried if all(self._same_bits(weight, bias, c, rows, outputs) for rows in counts)),

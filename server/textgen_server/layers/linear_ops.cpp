@@ -1,10 +1,10 @@
-// A projection y = x @ W^T (+ b) by textgen's own kernels on x86 CPUs (layers/linear_choice.py, path `gemv`): one
-// row (batch-1 decode steps) in float32 with AVX2 and FMA; up to 64 rows (decode steps of a batch) in float32 with
-// AVX-512 and in bfloat16 where the CPU has AVX512-BF16; any number of rows in bfloat16 on a CPU with AVX2 and FMA
-// but no AVX-512. At one row a projection
-// reads its whole weight for two flops a value, so its speed is how fast the weight streams from memory; the GEMM
-// libraries' kernels reach well below the read bandwidth there on some CPUs (benchmark/README.md, "gemv"). This one
-// streams each thread's share of the weight as one contiguous run of memory, with software prefetch.
+// A projection y = x @ W^T (+ b) by textgen's own kernels on x86 CPUs (layers/linear_choice.py, path `gemv`): the
+// rows of decode steps (up to 64) in float32 with AVX-512 or with AVX2 and FMA (there row by row) and in bfloat16
+// where the CPU has AVX512-BF16; any number of rows in bfloat16 on a CPU with AVX2 and FMA but no AVX-512. At one
+// row a projection reads its whole weight for two flops a value, so its speed is how fast the weight streams from
+// memory; the GEMM libraries' kernels reach well below the read bandwidth there on some CPUs (benchmark/README.md,
+// "gemv"). This one streams each thread's share of the weight as one contiguous run of memory, with software
+// prefetch.
 //
 // textgen::gemv_pack(w [N, K]) -> packed: float32, and bf16 with AVX512-BF16, in blocks of LANES outputs (16 with
 //   AVX-512, 8 with AVX2: one float32 vector), zero-padded: a step's values of block b are output n = b LANES + i's
