@@ -12,7 +12,8 @@ import torch
 from textgen_server.layers import attention_kernels
 from textgen_server.layers import paged_attention as paged_attention_module
 from textgen_server.layers.cpu_ops import kernel_available
-from textgen_server.layers.paged_attention import paged_attention, use_paged_kernel, write_kv
+from textgen_server.layers.paged_attention import paged_attention, pool_rows, use_paged_kernel, write_kv
+from textgen_server.models.kv_pool import KVPool, PoolShape
 
 CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(
@@ -210,6 +211,69 @@ def test_float16_takes_the_torch_path() -> None:
     got = run(case, 32**-0.5, None)
     case.q, case.keys, case.values = case.q.float(), [k.float() for k in case.keys], [v.float() for v in case.values]
     torch.testing.assert_close(got.float(), reference(case, 32**-0.5, None), rtol=1e-2, atol=2e-3)
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """`cache`'s values in the CPU pool's head-major order (models/kv_pool.py): the same [N, S, Hkv, D] tensor, each
+    block's slots of one KV head side by side in memory."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("window", [None, 6])
+def test_head_major_pool_gives_the_same_bits(
+    path: str, dtype: torch.dtype, block_size: int, batch: str, window: int | None
+) -> None:
+    case = make_case(BATCHES[batch], dtype, block_size, 8, 2, 64)
+    expected = run(case, 0.125, window)
+    case.k_cache, case.v_cache = head_major(case.k_cache), head_major(case.v_cache)
+    assert not case.k_cache.is_contiguous() or block_size == 1
+    assert torch.equal(run(case, 0.125, window), expected)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_major_pool_in_the_op_over_long_rows(dtype: torch.dtype) -> None:
+    # Several tiles a row, an odd last tile, heads split over tasks at a small batch and not at a large one.
+    for rows in ([(1, n) for n in (300, 257, 200, 129, 64, 33, 20, 1)], [(1, 75)]):
+        case = make_case(rows, dtype, 16, 12, 12, 64, seed=3)
+        expected = run(case, 0.125, None)
+        case.k_cache, case.v_cache = head_major(case.k_cache), head_major(case.v_cache)
+        assert torch.equal(run(case, 0.125, None), expected)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_write_kv_and_pool_rows_in_a_head_major_pool(fused: bool) -> None:
+    if fused and not kernel_available():
+        pytest.skip("no C++ compiler to build the ops")
+    flat = torch.zeros(4, 16, 3, 8, dtype=torch.bfloat16)
+    pool = head_major(torch.zeros_like(flat))
+    slots = torch.tensor([37, 2, 63, 16])
+    k, v = torch.randn(4, 3, 8).bfloat16(), torch.randn(4, 3, 8).bfloat16()
+    write_kv(flat, flat.clone(), slots, k, v, fused)
+    values = pool.clone()
+    write_kv(pool, values, slots, k, v, fused)
+    assert torch.equal(pool, flat) and torch.equal(pool_rows(values, slots), v)
+    assert torch.equal(pool_rows(pool, slots.view(2, 2)), k.view(2, 2, 3, 8))
+    if fused:
+        keys, vals = torch.ops.textgen.gather_kv(pool, values, slots)
+        assert torch.equal(keys, k.transpose(0, 1)) and torch.equal(vals, v.transpose(0, 1))
+
+
+def test_ops_refuse_a_pool_in_another_order() -> None:
+    if not kernel_available():
+        pytest.skip("no C++ compiler to build the ops")
+    pool = torch.zeros(4, 3, 16, 8).transpose(0, 1)  # blocks not outermost
+    with pytest.raises(RuntimeError, match="head-major"):
+        torch.ops.textgen.write_kv(pool, pool, torch.tensor([0]), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8))
+
+
+def test_the_cpu_pool_is_head_major() -> None:
+    pool = KVPool(PoolShape(2, 16, 4, 64, torch.float32), 3, CPU)
+    for cache in (*pool.keys, *pool.values):
+        assert cache.shape == (3, 16, 4, 64) and cache.stride() == (4 * 16 * 64, 64, 16 * 64, 1)
 
 
 def test_write_kv_stores_each_token_at_its_slot() -> None:

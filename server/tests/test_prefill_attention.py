@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from test_paged_attention import Case, make_case, reference
+from test_paged_attention import Case, head_major, make_case, reference
 
 from textgen_server.layers.cpu_ops import kernel_available
 from textgen_server.layers.paged_attention import paged_attention, prefill_op
@@ -211,6 +211,17 @@ def test_decode_rows_sharing_a_prefix_agree_with_the_torch_path(
     own = [0, 1, 7, 16, 40, 3, 90, 25, 2, 5, 11, 64, 33, 8, 9, 10, 12, 13, 14, 15]
     case = shared_case(own, 300, dtype, block_size, heads)
     assert_agrees(attend(case), attend(case, kernel=False), reference(case, 0.125, None), 0.99)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_sharing_a_prefix_read_a_head_major_pool_to_the_same_bits(dtype: torch.dtype) -> None:
+    # The shared-prefix groups of the decode op and the prefill op's shared tasks, over the CPU pool's order.
+    for queries in (None, [2, 70, 20, 33, 1, 5, 17, 40]):
+        own = [2, 70, 29, 33, 1, 12, 17, 60]
+        case = shared_case(own, 300, dtype, 16, (32, 4, 64), queries)
+        expected = attend(case)
+        case.k_cache, case.v_cache = head_major(case.k_cache), head_major(case.v_cache)
+        assert torch.equal(attend(case), expected)
 
 
 def test_a_shared_prefix_block_outside_the_pool_is_refused() -> None:

@@ -100,21 +100,14 @@ T* on_cache_line(std::vector<T>& storage, int64_t count) {
   return storage.data() + (-reinterpret_cast<uintptr_t>(storage.data()) & 63) / sizeof(T);
 }
 
-// The pool offsets (in elements) of a row's positions [first, first + count) at KV head `head`, for the paged pool
-// [N, S, Hkv, D]: position p sits in slot table[p / S] * S + p % S. False where the table names a block outside the
-// pool (out then partly written).
-inline bool pool_offsets(const int32_t* table, int64_t first, int64_t count, int64_t block_size, int64_t num_blocks,
-                         int64_t kv_heads, int64_t head, int64_t dim, int64_t* out) {
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t pos = first + t, block = table[pos / block_size];
-    if (block < 0 || block >= num_blocks) return false;
-    out[t] = ((block * block_size + pos % block_size) * kv_heads + head) * dim;
-  }
-  return true;
-}
+// The prefetch helpers, and any function or lambda that calls one, are always inlined: gcc's interprocedural
+// analysis counts `__builtin_prefetch` as touching no memory, so a function whose only effects are prefetches is
+// "const" to it, and a call to one that was not inlined first is deleted as dead code (at -O3 every prefetch of the
+// paged decode op went so, through two lambdas; benchmark/README.md, "A head's slots side by side").
+#define TEXTGEN_PREFETCH inline __attribute__((always_inline))
 
 // Every cache line of `bytes` bytes from p, into all cache levels.
-inline void prefetch_lines(const void* p, int64_t bytes) {
+TEXTGEN_PREFETCH void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
 }
@@ -126,8 +119,8 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
 // flight, and strided demand loads do not start the hardware's streams (benchmark/README.md, "W1's decode steps:
 // reading the KV cache, and prefetches into L2").
 template <typename T>
-inline void prefetch_share(const T* base, const int64_t* offsets, int64_t count, int64_t bytes, int64_t part,
-                           int64_t parts) {
+TEXTGEN_PREFETCH void prefetch_share(const T* base, const int64_t* offsets, int64_t count, int64_t bytes,
+                                     int64_t part, int64_t parts) {
   const int64_t lines = (bytes + 63) / 64, total = count * lines;
   const int64_t first = part * total / parts, last = (part + 1) * total / parts;
   int64_t run = first / lines, line = first % lines;

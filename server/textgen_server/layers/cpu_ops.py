@@ -43,7 +43,7 @@ SOURCES = tuple(
         "decode_blocks.cpp",
     )
 )
-HEADERS = (_HERE / "cpu_ops.h", _HERE / "torch_order.h")
+HEADERS = (_HERE / "cpu_ops.h", _HERE / "kv_pool.h", _HERE / "torch_order.h")
 ENV_SWITCH = "TEXTGEN_CPU_DECODE_KERNEL"
 # The CPU the ops are compiled for (gcc's -march): this machine's by default. An older target (x86-64-v3: the AVX2
 # servers) builds and tests another vector path on an AVX-512 machine (tests/test_cpu_targets.py).

@@ -10,9 +10,10 @@
 //
 // textgen::paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window) -> out:
 // bfloat16 or float32, over the paged KV pool of paged_attention.py. Shapes: q [B, H, D] (unscaled; any row and
-// head strides), k_cache / v_cache [N, S, Hkv, D] (S slots per block), block_tables int32 [B, M], seq_lens int64
-// [B]. Row b's key at position p sits in slot block_tables[b, p / S] * S + p % S; the row attends to positions
-// [max(0, seq_lens[b] - window), seq_lens[b]) (window 0: from 0). Returns [B, H, D].
+// head strides), k_cache / v_cache [N, S, Hkv, D] (S slots per block; contiguous or head-major, kv_pool.h),
+// block_tables int32 [B, M], seq_lens int64 [B]. Row b's key at position p sits in slot block_tables[b, p / S] * S +
+// p % S; the row attends to positions [max(0, seq_lens[b] - window), seq_lens[b]) (window 0: from 0). Returns
+// [B, H, D].
 // Without a window, rows whose block tables begin with the same blocks (at least 4 rows, 64 positions: a prefix-cache
 // hit's prompt) are computed a group at a time by prefill_attention.cpp (`shared_prefix_decode`): the group's queries
 // are the lanes of one task per KV head over the shared keys, so each shared key is read and multiplied once for up
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "kv_pool.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -71,8 +73,20 @@ using namespace textgen_cpu;
 // (bf16, heads of 64; a slot's heads lie side by side) reach L1 only when that head's loads ask for them, and the
 // sums wait on them head after head (benchmark/README.md, "The next head's lines").
 template <typename T>
-inline void prefetch_head(const T* base, const int64_t* slots, int64_t n, int64_t head, int64_t bytes) {
+TEXTGEN_PREFETCH void prefetch_head(const T* base, const int64_t* slots, int64_t n, int64_t head, int64_t bytes) {
   for (int64_t u = 0; u < n; ++u) prefetch_lines(base + slots[u] + head, bytes);
+}
+
+// prefetch_head for the head-major pool (kv_pool.h), where a block's slots of one KV head lie side by side: each run
+// of consecutive slots asked for as one run of lines.
+template <typename T>
+TEXTGEN_PREFETCH void prefetch_runs(const T* base, const int64_t* slots, int64_t n, int64_t head, int64_t dim) {
+  for (int64_t u = 0; u < n;) {
+    int64_t v = u + 1;
+    while (v < n && slots[v] == slots[v - 1] + dim) ++v;
+    prefetch_lines(base + slots[u] + head, (v - u) * dim * static_cast<int64_t>(sizeof(T)));
+    u = v;
+  }
 }
 
 // s[0, n) <- exp(s - max(s)), one value at a time; returns their sum.
@@ -339,15 +353,15 @@ inline void accumulate(const float* p, const T* base, const int64_t* offsets, in
 }
 
 #if defined(__AVX512F__)
-// The dots of one query (`dim` floats, a multiple of 16) with the keys of 16 slots (`keys[s]`), each summed as
-// `dot` sums it (16 lanes of fmadds over the columns, then `fold_add`, by fold16). Returns them in slot order.
+// The dots of one query (`dim` floats, a multiple of 16) with the keys of 16 slots (`keys[s] + head`), each summed
+// as `dot` sums it (16 lanes of fmadds over the columns, then `fold_add`, by fold16). Returns them in slot order.
 template <typename T>
-inline __m512 dot16(const float* q, const T* const* keys, int64_t dim) {
+inline __m512 dot16(const float* q, const T* const* keys, int64_t head, int64_t dim) {
   __m512 a[16];
   for (int s = 0; s < 16; ++s) a[s] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 16) {
     const __m512 qd = _mm512_loadu_ps(q + d);
-    for (int s = 0; s < 16; ++s) a[s] = _mm512_fmadd_ps(qd, load16(keys[s] + d), a[s]);
+    for (int s = 0; s < 16; ++s) a[s] = _mm512_fmadd_ps(qd, load16(keys[s] + head + d), a[s]);
   }
   return fold16(a);
 }
@@ -370,14 +384,17 @@ inline float dot_pairs(const float* q, const uint16_t* key, int64_t dim) {
   return fold_add(a);
 }
 
-// The dots of one query (`dim` floats, a multiple of 32) with the keys of 16 slots, each summed as dot_pairs sums
-// it (the query's pairs made once a step for the 16 slots; fold16 folds as fold_add does). Returns them in slot order.
-inline __m512 dot16_pairs(const float* q, const uint16_t* const* keys, int64_t dim) {
+// The dots of one query (`dim` floats, a multiple of 32) with the keys of 16 slots (`keys[s] + head`), each summed
+// as dot_pairs sums it (the query's pairs made once a step for the 16 slots; fold16 folds as fold_add does). Returns
+// them in slot order.
+inline __m512 dot16_pairs(const float* q, const uint16_t* const* keys, int64_t head, int64_t dim) {
   __m512 a[16];
   for (int s = 0; s < 16; ++s) a[s] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 32) {
     const __m512bh qp = pairs_of(q + d);
-    for (int s = 0; s < 16; ++s) a[s] = _mm512_dpbf16_ps(a[s], qp, (__m512bh)_mm512_loadu_si512(keys[s] + d));
+    for (int s = 0; s < 16; ++s) {
+      a[s] = _mm512_dpbf16_ps(a[s], qp, (__m512bh)_mm512_loadu_si512(keys[s] + head + d));
+    }
   }
   return fold16(a);
 }
@@ -450,16 +467,34 @@ inline void accumulate_as([[maybe_unused]] bool pairs, const float* p, const T* 
 // One task: row `b`, KV heads [h0, h1). `slots` and `scores` are the thread's scratch; returns false (reading
 // nothing) when the row's block table names a block outside the pool.
 template <typename T>
-bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const int32_t* table,
-               int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group, int64_t dim, int64_t length,
-               int64_t window, float scale, int64_t h0, int64_t h1, std::vector<int64_t>& slots,
-               std::vector<float>& queries, std::vector<float>& scores, std::vector<float>& acc, T* out) {
+bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const int32_t* table, const Pool& pool,
+               int64_t group, int64_t length, int64_t window, float scale, int64_t h0, int64_t h1,
+               std::vector<int64_t>& slots, std::vector<float>& queries, std::vector<float>& scores,
+               std::vector<float>& acc, T* out) {
   const int64_t start = window > 0 ? std::max<int64_t>(0, length - window) : 0, rows = length - start;
-  const int64_t heads = (h1 - h0) * group;
-  // A slot holds all KV heads side by side: the task's heads are one contiguous run of `span` bytes per slot.
+  const int64_t heads = (h1 - h0) * group, dim = pool.dim, hs = pool.head_stride();
+  // The task's heads of a slot: one run of `span` bytes in TGI's order; in the head-major pool runs of `head_bytes`
+  // `hs` elements apart, each head's slots of a block side by side (kv_pool.h).
   const int64_t head_bytes = dim * static_cast<int64_t>(sizeof(T)), span = (h1 - h0) * head_bytes;
   slots.resize(rows);  // each key's offset in the pool at the task's first KV head, in elements
-  if (!pool_offsets(table, start, rows, block_size, num_blocks, kv_heads, h0, dim, slots.data())) return false;
+  if (!pool_offsets(table, start, rows, pool, h0, slots.data())) return false;
+  // The lines of the slot at `offset` (all the task's heads), asked into L1.
+  auto ask_slot = [&](const T* base, int64_t offset) __attribute__((always_inline)) {
+    if (!pool.head_major) return prefetch_lines(base + offset, span);
+    for (int64_t h = 0; h < h1 - h0; ++h) prefetch_lines(base + offset + h * hs, head_bytes);
+  };
+  // On query head i's turn, its share of the next tile's `n` slots: spread over the heads into L2 in TGI's order
+  // (prefetch_share); in the head-major pool the KV head's own runs, into L1, once a KV head.
+  auto ask_next = [&](const T* base, const int64_t* next_slots, int64_t n, int64_t i) __attribute__((always_inline)) {
+    if (!pool.head_major) return prefetch_share(base, next_slots, n, span, i, heads);
+    if (i % group == 0) prefetch_runs(base, next_slots, n, i / group * hs, dim);
+  };
+  // Before query head i + 1 of a new KV head, that head's lines of the current `n` slots, into L1.
+  auto ask_head = [&](const T* base, const int64_t* tile, int64_t n, int64_t i) __attribute__((always_inline)) {
+    if (i + 1 >= heads || (i + 1) % group != 0) return;
+    if (pool.head_major) return prefetch_runs(base, tile, n, (i + 1) / group * hs, dim);
+    prefetch_head(base, tile, n, (i + 1) / group * hs, head_bytes);
+  };
   queries.resize(heads * dim);
   for (int64_t i = 0; i < heads; ++i) {
     const T* q = Q + (h0 * group + i) * q_head_stride;
@@ -479,20 +514,18 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     auto dots = [&](int64_t i, const T* const* keys) {
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, uint16_t>) {
-        if (pairs) return dot16_pairs(queries.data() + i * dim, keys, dim);
+        if (pairs) return dot16_pairs(queries.data() + i * dim, keys, (i / group) * hs, dim);
       }
 #endif
-      return dot16(queries.data() + i * dim, keys, dim);
+      return dot16(queries.data() + i * dim, keys, (i / group) * hs, dim);
     };
-    const T* keys[16];
+    const T* keys[16];  // the tile's slots at the task's first KV head; a head's are `hs` elements on
     for (; t + 16 <= rows; t += 16) {
       const int64_t next = std::min<int64_t>(16, rows - t - 16);  // slots of the next tile
+      for (int s = 0; s < 16; ++s) keys[s] = K + slots[t + s];
       for (int64_t i = 0; i < heads; ++i) {
-        if (next > 0) prefetch_share(K, slots.data() + t + 16, next, span, i, heads);
-        for (int s = 0; s < 16; ++s) keys[s] = K + slots[t + s] + (i / group) * dim;
-        if (i + 1 < heads && (i + 1) % group == 0) {
-          prefetch_head(K, slots.data() + t, 16, (i + 1) / group * dim, head_bytes);
-        }
+        if (next > 0) ask_next(K, slots.data() + t + 16, next, i);
+        ask_head(K, slots.data() + t, 16, i);
         _mm512_storeu_ps(scores.data() + i * rows + t, round_as(T{}, dots(i, keys)));
       }
     }
@@ -503,9 +536,9 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     const T* keys[4];
     float four[4];
     for (; t + 4 <= rows; t += 4) {
-      for (int64_t u = t + ahead; u < std::min(t + 4 + ahead, rows); ++u) prefetch_lines(K + slots[u], span);
+      for (int64_t u = t + ahead; u < std::min(t + 4 + ahead, rows); ++u) ask_slot(K, slots[u]);
       for (int64_t i = 0; i < heads; ++i) {
-        for (int s = 0; s < 4; ++s) keys[s] = K + slots[t + s] + (i / group) * dim;
+        for (int s = 0; s < 4; ++s) keys[s] = K + slots[t + s] + (i / group) * hs;
         dot4(queries.data() + i * dim, keys, dim, four);
         for (int s = 0; s < 4; ++s) scores[i * rows + t + s] = round_as(T{}, four[s]);
       }
@@ -513,10 +546,10 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   }
 #endif
   for (; t < rows; ++t) {
-    if (t + ahead < rows) prefetch_lines(K + slots[t + ahead], span);
+    if (t + ahead < rows && !pool.head_major) ask_slot(K, slots[t + ahead]);
     const T* key = K + slots[t];
     for (int64_t i = 0; i < heads; ++i) {
-      scores[i * rows + t] = round_as(T{}, dot_as(pairs, queries.data() + i * dim, key + (i / group) * dim, dim));
+      scores[i * rows + t] = round_as(T{}, dot_as(pairs, queries.data() + i * dim, key + (i / group) * hs, dim));
     }
   }
   for (int64_t i = 0; i < heads; ++i) softmax<T>(scores.data() + i * rows, rows);
@@ -525,11 +558,9 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   for (int64_t c = 0; c < rows; c += CHUNK) {
     const int64_t n = std::min<int64_t>(CHUNK, rows - c), next = std::min<int64_t>(CHUNK, rows - c - n);
     for (int64_t i = 0; i < heads; ++i) {
-      if (next > 0) prefetch_share(V, slots.data() + c + n, next, span, i, heads);
-      if (i + 1 < heads && (i + 1) % group == 0) {
-        prefetch_head(V, slots.data() + c, n, (i + 1) / group * dim, head_bytes);
-      }
-      accumulate_as(pairs, scores.data() + i * rows + c, V + (i / group) * dim, slots.data() + c, n, dim,
+      if (next > 0) ask_next(V, slots.data() + c + n, next, i);
+      ask_head(V, slots.data() + c, n, i);
+      accumulate_as(pairs, scores.data() + i * rows + c, V + (i / group) * hs, slots.data() + c, n, dim,
                     acc.data() + i * dim);
     }
   }
@@ -546,8 +577,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                   at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
+  const Pool pool = pool_of(k_cache, v_cache, "paged_decode_attention");
+  const int64_t kv_heads = pool.kv_heads, group = heads / kv_heads, max_blocks = block_tables.size(1);
   const auto* Q = reinterpret_cast<const T*>(q.data_ptr());
   const auto* K = reinterpret_cast<const T*>(k_cache.data_ptr());
   const auto* V = reinterpret_cast<const T*>(v_cache.data_ptr());
@@ -582,9 +613,8 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = rest[task / shares], share = task % shares;
       const int64_t h0 = share * kv_heads / shares, h1 = (share + 1) * kv_heads / shares;
-      if (!paged_row(Q + b * q_row, q_head, K, V, tables + b * max_blocks, num_blocks, block_size, kv_heads,
-                     group, dim, lengths[b], window, static_cast<float>(scale), h0, h1, slots, queries, scores, acc,
-                     O + b * heads * dim)) {
+      if (!paged_row(Q + b * q_row, q_head, K, V, tables + b * max_blocks, pool, group, lengths[b], window,
+                     static_cast<float>(scale), h0, h1, slots, queries, scores, acc, O + b * heads * dim)) {
 #pragma omp atomic write
         bad_block = true;
       }
@@ -601,8 +631,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "paged_decode_attention: the caches must have q's dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D] with unit head_dim stride");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(), "paged_decode_attention: caches must be contiguous [N, S, Hkv, D]");
+  pool_of(k_cache, v_cache, "paged_decode_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
               "paged_decode_attention: block_tables must be contiguous int32 [B, M]");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),

@@ -15,7 +15,7 @@
 //   gate/up projection), silu as torch computes it: x / (1 + exp(-x)) with torch's own vector exp (an exp that
 //   underflows is flushed to 0, which changes no result: 1 + it is 1 either way).
 // textgen::write_kv(k_cache, v_cache, slots, k, v): k, v [T, Hkv, D] (rows any stride) stored at `slots` of the
-//   pools [N, S, Hkv, D] (slot s = block * S + offset).
+//   pools [N, S, Hkv, D] (slot s = block * S + offset; TGI's order or head-major, kv_pool.h).
 // textgen::gather_kv(k_cache, v_cache, slots) -> (k, v): the pools' rows at `slots` (int64 [T]) head by head, each
 //   [Hkv, T, D] contiguous: a prefill row's keys and values in the layout transformers' eager attention multiplies,
 //   in one pass where torch gathers the rows and then copies them again to transpose them.
@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "cpu_ops.h"
+#include "kv_pool.h"
 
 namespace {
 
@@ -264,21 +265,25 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// The caches' shape and the slots as write_kv and gather_kv take them, every slot inside the pool.
-void check_pool(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
-              op, ": caches must be contiguous [N, S, Hkv, D] of one dtype");
+// The caches' pool (kv_pool.h) and the slots as write_kv and gather_kv take them, every slot inside the pool.
+Pool check_pool(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots) {
+  const Pool pool = pool_of(k_cache, v_cache, op);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), op,
               ": slots must be contiguous int64 [T]");
   const int64_t* s = slots.data_ptr<int64_t>();
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t capacity = pool.num_blocks * pool.block_size;
   for (int64_t t = 0; t < slots.size(0); ++t) TORCH_CHECK(s[t] >= 0 && s[t] < capacity, op, ": slot out of range");
+  return pool;
+}
+
+// The element offset of slot `slot`'s head `head` in the pool.
+inline int64_t slot_at(const Pool& pool, int64_t slot, int64_t head) {
+  return pool.at(slot / pool.block_size, slot % pool.block_size, head);
 }
 
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v) {
-  check_pool("write_kv", k_cache, v_cache, slots);
+  const Pool pool = check_pool("write_kv", k_cache, v_cache, slots);
   const int64_t tokens = slots.size(0), row = k_cache.size(2) * k_cache.size(3);
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->scalar_type() == k_cache.scalar_type() && t->dim() == 3 && t->size(0) == tokens &&
@@ -286,27 +291,35 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                 "write_kv: k and v must be [T, Hkv, D] of the caches' dtype, each token's heads contiguous");
   }
   const int64_t* s = slots.data_ptr<int64_t>();
-  const int64_t bytes = row * k_cache.element_size();
+  const int64_t element = k_cache.element_size(), bytes = row * element, head_bytes = pool.dim * element;
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  const int64_t k_stride = k.stride(0) * element, v_stride = v.stride(0) * element;
   at::parallel_for(0, tokens, GRAIN * 16, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
-      std::memcpy(kc + s[t] * bytes, kp + t * k_stride, bytes);
-      std::memcpy(vc + s[t] * bytes, vp + t * v_stride, bytes);
+      if (!pool.head_major) {  // a slot's heads side by side: one copy
+        std::memcpy(kc + s[t] * bytes, kp + t * k_stride, bytes);
+        std::memcpy(vc + s[t] * bytes, vp + t * v_stride, bytes);
+        continue;
+      }
+      for (int64_t h = 0; h < pool.kv_heads; ++h) {
+        const int64_t at = slot_at(pool, s[t], h) * element;
+        std::memcpy(kc + at, kp + t * k_stride + h * head_bytes, head_bytes);
+        std::memcpy(vc + at, vp + t * v_stride + h * head_bytes, head_bytes);
+      }
     }
   });
 }
 
 std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& k_cache, const at::Tensor& v_cache,
                                              const at::Tensor& slots) {
-  check_pool("gather_kv", k_cache, v_cache, slots);
-  const int64_t tokens = slots.size(0), heads = k_cache.size(2), dim = k_cache.size(3);
+  const Pool pool = check_pool("gather_kv", k_cache, v_cache, slots);
+  const int64_t tokens = slots.size(0), heads = pool.kv_heads, dim = pool.dim;
   at::Tensor k = at::empty({heads, tokens, dim}, k_cache.options());
   at::Tensor v = at::empty({heads, tokens, dim}, v_cache.options());
-  const int64_t bytes = dim * k_cache.element_size(), row = heads * bytes;
+  const int64_t element = k_cache.element_size(), bytes = dim * element;
   const int64_t* s = slots.data_ptr<int64_t>();
   const auto* kc = static_cast<const char*>(k_cache.data_ptr());
   const auto* vc = static_cast<const char*>(v_cache.data_ptr());
@@ -315,8 +328,9 @@ std::tuple<at::Tensor, at::Tensor> gather_kv(const at::Tensor& k_cache, const at
   at::parallel_for(0, tokens, GRAIN * 16, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(kp + (h * tokens + t) * bytes, kc + s[t] * row + h * bytes, bytes);
-        std::memcpy(vp + (h * tokens + t) * bytes, vc + s[t] * row + h * bytes, bytes);
+        const int64_t at = slot_at(pool, s[t], h) * element;
+        std::memcpy(kp + (h * tokens + t) * bytes, kc + at, bytes);
+        std::memcpy(vp + (h * tokens + t) * bytes, vc + at, bytes);
       }
     }
   });

@@ -43,13 +43,27 @@ def write_kv(
     fused: bool = False,
 ) -> None:
     """Store k, v [T, kv_heads, head_dim] at slots [T] (int64) of the pools [num_blocks, block_size, kv_heads,
-    head_dim]; slot `s` is `block * block_size + offset`. `fused`: with `textgen::write_kv` (fused_ops.cpp)."""
+    head_dim] (contiguous or head-major, models/kv_pool.py); slot `s` is `block * block_size + offset`. `fused`:
+    with `textgen::write_kv` (fused_ops.cpp)."""
     if fused and k.dtype == k_cache.dtype:
         torch.ops.textgen.write_kv(k_cache, v_cache, slots, k, v)
         return
-    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    if k_cache.is_contiguous():
+        kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+
+def pool_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The pool's slots `slots` (int64, any shape), [*slots.shape, kv_heads, head_dim]: through its flat view where
+    the pool is contiguous (a GPU's), by block and offset where it is head-major (a CPU's, models/kv_pool.py)."""
+    if cache.is_contiguous():
+        return cache.view(-1, cache.shape[2], cache.shape[3])[slots]
+    return cache[slots // cache.shape[1], slots % cache.shape[1]]
 
 
 def use_paged_kernel(dtype: torch.dtype, device: torch.device) -> bool:
@@ -73,8 +87,8 @@ def paged_attention(
     """Causal attention of a step's query tokens through the KV pool; returns [T, heads, head_dim] in q's dtype.
 
     - q [T, heads, head_dim]: the rows' query tokens one row after another (any token and head strides);
-    - k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim], contiguous, q's dtype; heads // kv_heads
-      query heads share a KV head;
+    - k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim], contiguous or head-major (models/kv_pool.py),
+      q's dtype; heads // kv_heads query heads share a KV head;
     - cu_seqlens_q [B + 1] (int32 / int64 host tensor or list of ints): row b's queries are q[cu[b]:cu[b + 1]],
       at least one per row;
     - seq_lens [B] (int32 / int64 host tensor or list of ints): row b attends to its first seq_lens[b] positions,
@@ -175,7 +189,7 @@ def decode_rows(
     the call can be captured. Positions past a row's length read its position 0, which is written (a
     masked column's zero weight times an unwritten slot's NaN would be NaN).
     """
-    block_size, kv_heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
     if lengths.device.type == "cpu":
         tables = tables[:, : -(-int(lengths.max()) // block_size)]
     device = q.device
@@ -186,8 +200,8 @@ def decode_rows(
     if window is not None:
         visible &= keys > last - window
     slots = _slots(tables, torch.where(visible, keys, 0), block_size)
-    k = k_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)  # [B, Hkv, width, D]
-    v = v_cache.view(-1, kv_heads, dim)[slots].transpose(1, 2)
+    k = pool_rows(k_cache, slots).transpose(1, 2)  # [B, Hkv, width, D]
+    v = pool_rows(v_cache, slots).transpose(1, 2)
     attend = attention_for(q.dtype, device)
     return attend(q.unsqueeze(2), k, v, visible.view(q.shape[0], 1, 1, -1), scale).squeeze(2)
 
@@ -224,15 +238,15 @@ def _row(
     torch's matmul then copies neither operand, where the keys gathered in the pool's [L, Hkv, D] order cost it a
     transposing copy of both (benchmark/README.md, "W2 on AVX-512")."""
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    if reads_pool(q.dtype, q.device):
+    if reads_pool(q.dtype, q.device) and k_cache.is_contiguous():  # its ops read the pool's flat [slots, Hkv, D] view
         return pool_causal_attention(
             q, k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim), slots, scale, window
         )
     if gather_op:
         keys, values = torch.ops.textgen.gather_kv(k_cache, v_cache, slots)
     else:
-        keys = k_cache.view(-1, kv_heads, dim).index_select(0, slots).transpose(0, 1).contiguous()
-        values = v_cache.view(-1, kv_heads, dim).index_select(0, slots).transpose(0, 1).contiguous()
+        keys = pool_rows(k_cache, slots).transpose(0, 1).contiguous()
+        values = pool_rows(v_cache, slots).transpose(0, 1).contiguous()
     attend = attention_for(q.dtype, q.device)
     return causal_attention(
         q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), scale, window, attend

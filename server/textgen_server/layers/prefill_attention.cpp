@@ -8,9 +8,10 @@
 //   writes out[cu[b]:cu[b + 1]] for every row b of at least two queries and leaves the other rows' tokens as they
 //   are (decode rows are paged_decode_attention's). Shapes as paged_decode_attention's (decode_attention.cpp): q /
 //   out [T, H, D] bfloat16 or float32 (q: any token and head strides; out contiguous), k_cache / v_cache
-//   [N, S, Hkv, D] of q's dtype, block_tables int32 [B, M], seq_lens int64 [B], cu_seqlens_q int64 [B + 1]. Query i
-//   of row b's n queries sits at position seq_lens[b] - n + i and sees the positions up to it (window > 0: the last
-//   `window` of them). D a multiple of 32, at most 64 query heads a KV head.
+//   [N, S, Hkv, D] of q's dtype (contiguous or head-major, kv_pool.h), block_tables int32 [B, M], seq_lens int64
+//   [B], cu_seqlens_q int64 [B + 1]. Query i of row b's n queries sits at position seq_lens[b] - n + i and sees the
+//   positions up to it (window > 0: the last `window` of them). D a multiple of 32, at most 64 query heads a KV
+//   head.
 // shared_prefix_decode (namespace textgen_cpu, called by decode_attention.cpp's paged_decode_attention): the decode
 //   rows of a step that share the first blocks of their tables, a group at a time, with the same tasks (below).
 // textgen::paged_prefill_attention_built(dtype) -> bool: whether this build has the op's products for `dtype`:
@@ -45,6 +46,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "kv_pool.h"
 
 namespace {
 
@@ -385,8 +387,8 @@ struct Rows {
 // pool.
 template <typename T>
 bool run_task(const Task& task, int64_t head, const Rows& batch, const T* Q, int64_t q_token, int64_t q_head,
-              const T* K, const T* V, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t group,
-              int64_t dim, int64_t window, float scale, Scratch& scratch, T* out, int64_t out_token) {
+              const T* K, const T* V, const Pool& pool, int64_t group, int64_t dim, int64_t window, float scale,
+              Scratch& scratch, T* out, int64_t out_token) {
   constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   int64_t queries = 0;
   for (const Segment& seg : task.segments) queries += seg.s1 - seg.s0;
@@ -402,8 +404,7 @@ bool run_task(const Task& task, int64_t head, const Rows& batch, const T* Q, int
     keys = last - first + 1;
     total = batch.lengths[one.b];
     offsets.resize(keys);
-    if (!pool_offsets(batch.table(one.b), first, keys, block_size, num_blocks, kv_heads, head, dim,
-                      offsets.data())) {
+    if (!pool_offsets(batch.table(one.b), first, keys, pool, head, offsets.data())) {
       return false;
     }
   } else {
@@ -411,15 +412,13 @@ bool run_task(const Task& task, int64_t head, const Rows& batch, const T* Q, int
     for (const Segment& seg : task.segments) keys += batch.end(seg) - prefix;
     total = keys;
     offsets.resize(keys);
-    if (!pool_offsets(batch.table(one.b), 0, prefix, block_size, num_blocks, kv_heads, head, dim,
-                      offsets.data())) {
+    if (!pool_offsets(batch.table(one.b), 0, prefix, pool, head, offsets.data())) {
       return false;
     }
     int64_t at = prefix;
     for (const Segment& seg : task.segments) {
       const int64_t own = batch.end(seg) - prefix;
-      if (!pool_offsets(batch.table(seg.b), prefix, own, block_size, num_blocks, kv_heads, head, dim,
-                        offsets.data() + at)) {
+      if (!pool_offsets(batch.table(seg.b), prefix, own, pool, head, offsets.data() + at)) {
         return false;
       }
       at += own;
@@ -498,16 +497,15 @@ struct SharedGroup {
 // KV head `head`. Rounds as it does (query, scores and probabilities to bf16 in bf16; the sums in float32).
 template <typename T>
 bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row, int64_t q_head, const T* K,
-                 const T* V, const int32_t* tables, int64_t max_blocks, const int64_t* lengths, int64_t num_blocks,
-                 int64_t block_size, int64_t kv_heads, int64_t group, int64_t dim, float scale, Scratch& scratch,
-                 std::vector<float>& own, std::vector<int64_t>& own_offsets, T* out) {
+                 const T* V, const int32_t* tables, int64_t max_blocks, const int64_t* lengths, const Pool& pool,
+                 int64_t group, int64_t dim, float scale, Scratch& scratch, std::vector<float>& own,
+                 std::vector<int64_t>& own_offsets, T* out) {
   constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   const int64_t count = static_cast<int64_t>(grp.rows.size()), rows = count * group;
   const int64_t groups = (rows + 15) / 16, width = groups * 16, keys = grp.prefix;
   auto& offsets = scratch.offsets;
   offsets.resize(keys);
-  if (!pool_offsets(tables + grp.rows[0] * max_blocks, 0, keys, block_size, num_blocks, kv_heads, head, dim,
-                    offsets.data())) {
+  if (!pool_offsets(tables + grp.rows[0] * max_blocks, 0, keys, pool, head, offsets.data())) {
     return false;
   }
   // Each row's own keys, [prefix, length).
@@ -516,7 +514,7 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
   own_offsets.assign(count * longest, 0);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t b = grp.rows[i];
-    if (!pool_offsets(tables + b * max_blocks, keys, lengths[b] - keys, block_size, num_blocks, kv_heads, head, dim,
+    if (!pool_offsets(tables + b * max_blocks, keys, lengths[b] - keys, pool, head,
                       own_offsets.data() + i * longest)) {
       return false;
     }
@@ -632,7 +630,7 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
         }
         _mm512_store_ps(column, a0);
         _mm512_store_ps(column + 16, a1);
-        T* o = out + grp.rows[i] * group * kv_heads * dim + (head * group + r % group) * dim + c;
+        T* o = out + grp.rows[i] * group * pool.kv_heads * dim + (head * group + r % group) * dim + c;
         for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) store_as(o + d, column[d]);
       }
     }
@@ -739,7 +737,8 @@ void run_tasks(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                int64_t window) {
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), rows = block_tables.size(0);
   const int64_t group = heads / kv_heads, per_task = std::max<int64_t>(1, MAX_ROWS / group);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const Pool pool = pool_of(k_cache, v_cache, "paged_prefill_attention");
+  const int64_t block_size = pool.block_size;
   const Rows batch{block_tables.data_ptr<int32_t>(), block_tables.size(1), lengths, cu};
   // Each KV head's tasks: rows sharing a cached prefix together where that pays (not under a window, whose rows do
   // not all see the shared keys), the others a row at a time.
@@ -767,8 +766,8 @@ void run_tasks(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     for (int64_t i = 0; i < task_count; ++i) {
       // Head by head: rows sharing a cached prefix read the same keys and values one task after another, while they
       // are in cache.
-      if (!run_task<T>(plan[i % per_head], i / per_head, batch, Q, q.stride(0), q.stride(1), K, V, num_blocks,
-                       block_size, kv_heads, group, dim, window, static_cast<float>(scale), scratch, O, heads * dim)) {
+      if (!run_task<T>(plan[i % per_head], i / per_head, batch, Q, q.stride(0), q.stride(1), K, V, pool, group, dim,
+                       window, static_cast<float>(scale), scratch, O, heads * dim)) {
 #pragma omp atomic write
         bad_block = true;
       }
@@ -790,8 +789,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
               "paged_prefill_attention: q must be [T, H, D] with unit head_dim stride");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(),
               "paged_prefill_attention: out must be contiguous, of q's shape");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous(), "paged_prefill_attention: caches must be contiguous [N, S, Hkv, D]");
+  pool_of(k_cache, v_cache, "paged_prefill_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
               "paged_prefill_attention: block_tables must be contiguous int32 [B, M]");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
@@ -834,6 +832,7 @@ bool shared_prefix_decode([[maybe_unused]] const at::Tensor& q, [[maybe_unused]]
 #if defined(__AVX512F__)
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  const Pool pool = pool_of(k_cache, v_cache, "paged_decode_attention");
   if (!built(q.scalar_type()) || dim % 32 != 0 || group > MAX_ROWS || batch < SHARED_DECODE_ROWS) return true;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* lengths = seq_lens.data_ptr<int64_t>();
@@ -877,14 +876,14 @@ bool shared_prefix_decode([[maybe_unused]] const at::Tensor& q, [[maybe_unused]]
         ok = shared_task<uint16_t>(chunk, head, reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0),
                                    q.stride(1), reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
                                    reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), tables, max_blocks, lengths,
-                                   k_cache.size(0), block_size, kv_heads, group, dim, static_cast<float>(scale),
-                                   scratch, own, own_offsets, reinterpret_cast<uint16_t*>(out.data_ptr()));
+                                   pool, group, dim, static_cast<float>(scale), scratch, own, own_offsets,
+                                   reinterpret_cast<uint16_t*>(out.data_ptr()));
 #endif
       } else {
         ok = shared_task<float>(chunk, head, q.data_ptr<float>(), q.stride(0), q.stride(1),
                                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, max_blocks, lengths,
-                                k_cache.size(0), block_size, kv_heads, group, dim, static_cast<float>(scale), scratch,
-                                own, own_offsets, out.data_ptr<float>());
+                                pool, group, dim, static_cast<float>(scale), scratch, own, own_offsets,
+                                out.data_ptr<float>());
       }
       if (!ok) {
 #pragma omp atomic write

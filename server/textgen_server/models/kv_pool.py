@@ -3,7 +3,12 @@
 Who owns what (TGI v3's split, see ARCHITECTURE.md "The v3 engine"): the router's block allocator decides
 which blocks a request gets (`Request.blocks` / `slots`); the shard owns the memory. Per layer, keys and values
 are one tensor each, `[num_blocks, block_size, kv_heads, head_dim]` (TGI's flashinfer/flashdecoding layout):
-slot `s = block * block_size + offset` is row `s` of its `[num_blocks * block_size, kv_heads, head_dim]` view.
+slot `s = block * block_size + offset` is `[s // block_size, s % block_size]`. On a GPU the tensor is contiguous, as
+TGI's kernels read it; on a CPU it is head-major, `[num_blocks, kv_heads, block_size, head_dim]` storage viewed in
+that shape, so that a block holds each KV head's slots side by side: the decode attention reads a row's keys head
+by head, and a head's slots of a block are then one run of memory, which this CPU serves at the read rate where a
+slot's heads side by side left 16 runs a tile (benchmark/README.md, "A head's slots side by side"; the C++ ops
+take both orders, layers/kv_pool.h).
 Block 0 is reserved (TGI's health check and padding target): the router never hands it to a request.
 
 Requests that arrive without blocks (the warmup batch, shard-level benchmarks, a client without an
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from textgen_common.free_blocks import FreeBlocks
+from textgen_server.layers.attention_kernels import reads_pool
 from textgen_server.utils import cgroup
 
 # Share of the free memory the pool may take, as TGI's get_free_memory on CPU.
@@ -66,6 +72,18 @@ def pool_blocks(shape: PoolShape, free_bytes: int) -> int:
     return int(blocks)
 
 
+def pool_tensor(shape: PoolShape, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """One layer's keys or values, [num_blocks, block_size, kv_heads, head_dim], uninitialised: head-major on a CPU
+    (the module docstring), contiguous on a GPU and where a prefill's attention reads the pool through its flat
+    `[slots, kv_heads, head_dim]` view (`reads_pool`: bf16 on a CPU with AVX2 but not AVX-512)."""
+    if device.type != "cpu" or reads_pool(shape.dtype, device):
+        return torch.empty(
+            num_blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=shape.dtype, device=device
+        )
+    storage = torch.empty(num_blocks, shape.kv_heads, shape.block_size, shape.head_dim, dtype=shape.dtype)
+    return storage.transpose(1, 2)
+
+
 class KVPool:
     """Every layer's key and value blocks. Allocated uninitialised: a slot is written before any row reads it,
     and on a CPU untouched pages cost no memory until a request first writes them."""
@@ -78,9 +96,8 @@ class KVPool:
             )
         self.shape = shape
         self.num_blocks = num_blocks
-        dims = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
-        self.keys = [torch.empty(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.empty(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.keys = [pool_tensor(shape, num_blocks, device) for _ in range(shape.num_layers)]
+        self.values = [pool_tensor(shape, num_blocks, device) for _ in range(shape.num_layers)]
         self.allocator = SelfAllocator(num_blocks)
 
     @property
