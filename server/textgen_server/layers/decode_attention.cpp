@@ -69,9 +69,9 @@ namespace {
 using namespace textgen_cpu;
 
 // One KV head's lines (`bytes` from element `head` of each of n slots) asked into L1. The paged op asks for the next
-// KV head's keys or values of a tile while it sums the current head's: otherwise each head's 16 runs of 128 bytes
-// (bf16, heads of 64; a slot's heads lie side by side) reach L1 only when that head's loads ask for them, and the
-// sums wait on them head after head (benchmark/README.md, "The next head's lines").
+// KV head's keys or values of a tile while it sums the current head's: otherwise, in TGI's order (a slot's heads side
+// by side), each head's 16 runs of 128 bytes (bf16, heads of 64) reach L1 only when that head's loads ask for them,
+// and the sums wait on them head after head (benchmark/README.md, "The next head's lines").
 template <typename T>
 TEXTGEN_PREFETCH void prefetch_head(const T* base, const int64_t* slots, int64_t n, int64_t head, int64_t bytes) {
   for (int64_t u = 0; u < n; ++u) prefetch_lines(base + slots[u] + head, bytes);
