@@ -91,6 +91,7 @@ struct Scratch {
                                   // [dim][groups] (float32)
   std::vector<float> scores;      // [keys][rows]: key-major, rows padded to whole groups; then the weights
   std::vector<__m512i> values;    // [keys / 2][dim / 16]: keys 2j, 2j + 1 interleaved column by column
+  std::vector<int64_t> paired;    // the offsets of the keys `values` holds, in its order (bf16)
   std::vector<float> zeros;       // a key of zeros, for the keys past a tile's last
 };
 
@@ -324,15 +325,23 @@ inline void value_block(const uint32_t* weights, int64_t width, const __m512i* v
 #endif
 
 // The values' side of a task before its blocks' sums: bf16 interleaves its keys' values once (task_values);
-// float32 reads them in the pool.
+// float32 reads them in the pool. The pairs of the leading keys the thread's last task had too are kept: a KV head's
+// tasks over one cached prefix (or one long row's query blocks) follow one another, and each interleaved the same
+// shared keys again (the scratch lives for one call, one layer's pool).
 template <typename T>
 void prepare_values([[maybe_unused]] Scratch& scratch, [[maybe_unused]] const T* V,
                     [[maybe_unused]] const int64_t* offsets, [[maybe_unused]] int64_t keys,
                     [[maybe_unused]] int64_t dim) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, uint16_t>) {
+    const auto& paired = scratch.paired;
+    const int64_t limit = std::min<int64_t>(keys, static_cast<int64_t>(paired.size()));
+    int64_t kept = 0;
+    while (kept < limit && paired[kept] == offsets[kept]) ++kept;
+    kept -= kept % 2;  // whole pairs
     scratch.values.resize((keys + 1) / 2 * (dim / 16));
-    task_values(V, offsets, keys, dim, scratch.values.data());
+    task_values(V, offsets + kept, keys - kept, dim, scratch.values.data() + kept / 2 * (dim / 16));
+    scratch.paired.assign(offsets, offsets + keys);
   }
 #endif
 }
