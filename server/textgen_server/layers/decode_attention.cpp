@@ -47,7 +47,7 @@ namespace textgen_cpu {
 // prefill_attention.cpp: the decode rows of `q` [B, H, D] that share a prefix of their block tables with others, a
 // group of them at a time, into `out`; marks those it computed in `done`. False where a block table names a block
 // outside the pool.
-bool shared_prefix_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+bool shared_prefix_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Pool& pool,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                           const at::Tensor& out, std::vector<uint8_t>& done);
 }  // namespace textgen_cpu
@@ -68,19 +68,12 @@ namespace {
 
 using namespace textgen_cpu;
 
-// One KV head's lines (`bytes` from element `head` of each of n slots) asked into L1. The paged op asks for the next
-// KV head's keys or values of a tile while it sums the current head's: otherwise, in TGI's order (a slot's heads side
-// by side), each head's 16 runs of 128 bytes (bf16, heads of 64) reach L1 only when that head's loads ask for them,
-// and the sums wait on them head after head (benchmark/README.md, "The next head's lines").
+// One KV head's lines (`dim` values from element `head` of each of n slots) asked into L1, slots that lie side by
+// side (the head-major pool's, kv_pool.h) as one run. The paged op asks for the next KV head's keys or values of a
+// tile while it sums the current head's: otherwise each head's runs reach L1 only when that head's loads ask for
+// them, and the sums wait on them head after head (benchmark/README.md, "The next head's lines").
 template <typename T>
-TEXTGEN_PREFETCH void prefetch_head(const T* base, const int64_t* slots, int64_t n, int64_t head, int64_t bytes) {
-  for (int64_t u = 0; u < n; ++u) prefetch_lines(base + slots[u] + head, bytes);
-}
-
-// prefetch_head for the head-major pool (kv_pool.h), where a block's slots of one KV head lie side by side: each run
-// of consecutive slots asked for as one run of lines.
-template <typename T>
-TEXTGEN_PREFETCH void prefetch_runs(const T* base, const int64_t* slots, int64_t n, int64_t head, int64_t dim) {
+TEXTGEN_PREFETCH void prefetch_head(const T* base, const int64_t* slots, int64_t n, int64_t head, int64_t dim) {
   for (int64_t u = 0; u < n;) {
     int64_t v = u + 1;
     while (v < n && slots[v] == slots[v - 1] + dim) ++v;
@@ -487,13 +480,11 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   // (prefetch_share); in the head-major pool the KV head's own runs, into L1, once a KV head.
   auto ask_next = [&](const T* base, const int64_t* next_slots, int64_t n, int64_t i) __attribute__((always_inline)) {
     if (!pool.head_major) return prefetch_share(base, next_slots, n, span, i, heads);
-    if (i % group == 0) prefetch_runs(base, next_slots, n, i / group * hs, dim);
+    if (i % group == 0) prefetch_head(base, next_slots, n, i / group * hs, dim);
   };
   // Before query head i + 1 of a new KV head, that head's lines of the current `n` slots, into L1.
   auto ask_head = [&](const T* base, const int64_t* tile, int64_t n, int64_t i) __attribute__((always_inline)) {
-    if (i + 1 >= heads || (i + 1) % group != 0) return;
-    if (pool.head_major) return prefetch_runs(base, tile, n, (i + 1) / group * hs, dim);
-    prefetch_head(base, tile, n, (i + 1) / group * hs, head_bytes);
+    if (i + 1 < heads && (i + 1) % group == 0) prefetch_head(base, tile, n, (i + 1) / group * hs, dim);
   };
   queries.resize(heads * dim);
   for (int64_t i = 0; i < heads; ++i) {
@@ -546,7 +537,7 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
   }
 #endif
   for (; t < rows; ++t) {
-    if (t + ahead < rows && !pool.head_major) ask_slot(K, slots[t + ahead]);
+    if (t + ahead < rows) ask_slot(K, slots[t + ahead]);
     const T* key = K + slots[t];
     for (int64_t i = 0; i < heads; ++i) {
       scores[i * rows + t] = round_as(T{}, dot_as(pairs, queries.data() + i * dim, key + (i / group) * hs, dim));
@@ -573,11 +564,10 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
 }
 
 template <typename T>
-void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const Pool& pool,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                   at::Tensor& out) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const Pool pool = pool_of(k_cache, v_cache, "paged_decode_attention");
   const int64_t kv_heads = pool.kv_heads, group = heads / kv_heads, max_blocks = block_tables.size(1);
   const auto* Q = reinterpret_cast<const T*>(q.data_ptr());
   const auto* K = reinterpret_cast<const T*>(k_cache.data_ptr());
@@ -588,7 +578,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
   // Rows sharing a cached prefix first, a group of them at a time (prefill_attention.cpp); the others below.
   std::vector<uint8_t> done(batch, 0);
-  TORCH_CHECK(window > 0 || shared_prefix_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, done),
+  TORCH_CHECK(window > 0 || shared_prefix_decode(q, k_cache, v_cache, pool, block_tables, seq_lens, scale, out, done),
               "paged_decode_attention: a block table names a block outside the pool");
   std::vector<int64_t> rest;
   for (int64_t b = 0; b < batch; ++b) {
@@ -631,7 +621,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               "paged_decode_attention: the caches must have q's dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [B, H, D] with unit head_dim stride");
-  pool_of(k_cache, v_cache, "paged_decode_attention");
+  const Pool pool = pool_of(k_cache, v_cache, "paged_decode_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
               "paged_decode_attention: block_tables must be contiguous int32 [B, M]");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
@@ -649,9 +639,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   at::Tensor out = at::empty({batch, heads, dim}, q.options());
   if (dtype == at::kBFloat16) {
-    paged_decode<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, out);
+    paged_decode<uint16_t>(q, k_cache, v_cache, pool, block_tables, seq_lens, scale, window, out);
   } else {
-    paged_decode<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, window, out);
+    paged_decode<float>(q, k_cache, v_cache, pool, block_tables, seq_lens, scale, window, out);
   }
   return out;
 }

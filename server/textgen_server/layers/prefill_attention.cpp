@@ -742,11 +742,10 @@ void shared_tasks(const Rows& batch, int64_t rows, int64_t block_size, int64_t p
 // Every task of the step's rows of several queries, over the threads.
 template <typename T>
 void run_tasks(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-               const at::Tensor& block_tables, const int64_t* lengths, const int64_t* cu, double scale,
-               int64_t window) {
-  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2), rows = block_tables.size(0);
+               const Pool& pool, const at::Tensor& block_tables, const int64_t* lengths, const int64_t* cu,
+               double scale, int64_t window) {
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = pool.kv_heads, rows = block_tables.size(0);
   const int64_t group = heads / kv_heads, per_task = std::max<int64_t>(1, MAX_ROWS / group);
-  const Pool pool = pool_of(k_cache, v_cache, "paged_prefill_attention");
   const int64_t block_size = pool.block_size;
   const Rows batch{block_tables.data_ptr<int32_t>(), block_tables.size(1), lengths, cu};
   // Each KV head's tasks: rows sharing a cached prefix together where that pays (not under a window, whose rows do
@@ -798,7 +797,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
               "paged_prefill_attention: q must be [T, H, D] with unit head_dim stride");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(),
               "paged_prefill_attention: out must be contiguous, of q's shape");
-  pool_of(k_cache, v_cache, "paged_prefill_attention");
+  [[maybe_unused]] const Pool pool = pool_of(k_cache, v_cache, "paged_prefill_attention");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
               "paged_prefill_attention: block_tables must be contiguous int32 [B, M]");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
@@ -822,11 +821,11 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
   }
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) {
-    return run_tasks<uint16_t>(out, q, k_cache, v_cache, block_tables, lengths, cu, scale, window);
+    return run_tasks<uint16_t>(out, q, k_cache, v_cache, pool, block_tables, lengths, cu, scale, window);
   }
 #endif
 #if defined(__AVX512F__)
-  run_tasks<float>(out, q, k_cache, v_cache, block_tables, lengths, cu, scale, window);
+  run_tasks<float>(out, q, k_cache, v_cache, pool, block_tables, lengths, cu, scale, window);
 #endif
 }
 
@@ -835,13 +834,13 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& q, const a
 namespace textgen_cpu {
 
 bool shared_prefix_decode([[maybe_unused]] const at::Tensor& q, [[maybe_unused]] const at::Tensor& k_cache,
-                          [[maybe_unused]] const at::Tensor& v_cache, [[maybe_unused]] const at::Tensor& block_tables,
+                          [[maybe_unused]] const at::Tensor& v_cache, [[maybe_unused]] const Pool& pool,
+                          [[maybe_unused]] const at::Tensor& block_tables,
                           [[maybe_unused]] const at::Tensor& seq_lens, [[maybe_unused]] double scale,
                           [[maybe_unused]] const at::Tensor& out, [[maybe_unused]] std::vector<uint8_t>& done) {
 #if defined(__AVX512F__)
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, block_size = k_cache.size(1), max_blocks = block_tables.size(1);
-  const Pool pool = pool_of(k_cache, v_cache, "paged_decode_attention");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = pool.kv_heads;
+  const int64_t group = heads / kv_heads, block_size = pool.block_size, max_blocks = block_tables.size(1);
   if (!built(q.scalar_type()) || dim % 32 != 0 || group > MAX_ROWS || batch < SHARED_DECODE_ROWS) return true;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* lengths = seq_lens.data_ptr<int64_t>();
