@@ -36,12 +36,14 @@ def torch_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         norm.fused = True
 
 
+# Widths the ops take 16 lanes at a time, and ones with a tail of fewer (its masked loads and stores).
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_rms_norm_and_residual_add_match_torch(dtype: torch.dtype, rows: int) -> None:
-    norm = RMSNorm(randn(768, dtype=dtype, scale=0.2, seed=1) + 1, 1e-6)
+@pytest.mark.parametrize("hidden", [768, 776])
+def test_rms_norm_and_residual_add_match_torch(dtype: torch.dtype, rows: int, hidden: int) -> None:
+    norm = RMSNorm(randn(hidden, dtype=dtype, scale=0.2, seed=1) + 1, 1e-6)
     assert norm.fused
-    x, residual = randn(rows, 768, dtype=dtype, scale=3), randn(rows, 768, dtype=dtype, seed=2)
+    x, residual = randn(rows, hidden, dtype=dtype, scale=3), randn(rows, hidden, dtype=dtype, seed=2)
     total, normed = norm.add(x, residual)
     assert torch.equal(total, x + residual)
     for fused, reference in ((normed, torch_norm(norm, x + residual)), (norm(x), torch_norm(norm, x))):
@@ -53,9 +55,11 @@ def test_rms_norm_and_residual_add_match_torch(dtype: torch.dtype, rows: int) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_rotary_in_place_matches_torch_bit_for_bit(dtype: torch.dtype, rows: int) -> None:
-    """Query and key heads of a fused q/k/v output (a strided view), rotated at scattered positions."""
-    heads, kv_heads, dim = 12, 4, 64
+@pytest.mark.parametrize("dim", [64, 80])
+def test_rotary_in_place_matches_torch_bit_for_bit(dtype: torch.dtype, rows: int, dim: int) -> None:
+    """Query and key heads of a fused q/k/v output (a strided view), rotated at scattered positions; a head of 80
+    (Phi's) rotates halves of 40, 16 lanes twice and a tail of 8, the last key head's right beside the values."""
+    heads, kv_heads = 12, 4
     qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype, scale=2)
     positions = torch.randint(0, 4000, (rows,), generator=torch.Generator().manual_seed(3)).float()
     freqs = positions[:, None] / 10000 ** (torch.arange(0, dim, 2).float() / dim)

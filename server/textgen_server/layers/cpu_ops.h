@@ -212,17 +212,34 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// 16 values (the lanes of `m`, others 0) as float32, and back: a bfloat16 store rounds as torch does.
+// 16 values (the lanes of `m`, others 0) as float32, and back: a bfloat16 store rounds as torch does. All 16 lanes
+// take the plain load or store, only a part the masked one: on the Zen 5 a masked load from the line a masked store
+// had just written waited for that store to leave (rotary_ in place, 16 lanes at a time, 3.5-4x the time;
+// benchmark/README.md, "Masked loads behind masked stores").
 inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  const __m256i raw = m == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                  : _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const float* p, __mmask16 m) {
+  return m == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+}
 inline void store16(uint16_t* p, __m512 f, __mmask16 m) {
   const __m512i bits = _mm512_castps_si512(round_bf16(f));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+  if (m == 0xFFFF) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+  } else {
+    _mm256_mask_storeu_epi16(p, m, packed);
+  }
 }
-inline void store16(float* p, __m512 f, __mmask16 m) { _mm512_mask_storeu_ps(p, m, f); }
+inline void store16(float* p, __m512 f, __mmask16 m) {
+  if (m == 0xFFFF) {
+    _mm512_storeu_ps(p, f);
+  } else {
+    _mm512_mask_storeu_ps(p, m, f);
+  }
+}
 #endif
 
 // torch's vectorized exp: Sleef_expf16_u10, exported by libtorch_cpu (the Cephes polynomial above where it is
