@@ -73,14 +73,6 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
-// Where bf16 values of two keys interleaved column by column (vpunpck{l,h}wd, within 128-bit lanes) put column d
-// of each 32, as the pair products summing them keep it: columns 8k .. 8k + 3 of 128-bit lane k in the first 16,
-// 8k + 4 .. 8k + 7 in the second (decode_attention.cpp's accumulate_pairs, prefill_attention.cpp's task_values).
-inline int64_t paired_column(int64_t d) {
-  const int64_t r = d % 32, k = r / 8, j = r % 8;
-  return d - r + (j < 4 ? 4 * k + j : 16 + 4 * k + j - 4);
-}
-
 // f(std::integral_constant<int, R>{}) with R = count, 1 <= count <= MAX: a run-time count of rows to the template
 // argument of a kernel for that many (whose accumulators then stay in registers).
 template <int MAX, typename F>
@@ -238,6 +230,31 @@ inline void store16(float* p, __m512 f, __mmask16 m) {
     _mm512_storeu_ps(p, f);
   } else {
     _mm512_mask_storeu_ps(p, m, f);
+  }
+}
+
+// The paired order: where bf16 values of two keys interleaved column by column (vpunpck{l,h}wd, within 128-bit
+// lanes) put the columns of each 32, as the pair products summing them keep them: columns 8k .. 8k + 3 in 128-bit
+// lane k of the first 16, 8k + 4 .. 8k + 7 in lane k of the second (decode_attention.cpp's accumulate_pairs,
+// prefill_attention.cpp's task_values). unpair puts 32 sums in that order (first: the first 16, second: the last
+// 16) back in column order with two permutes; a loop over the columns' places compiled to gathers (the prefill op's
+// output took 15% of a task's samples on W1's prompts).
+inline void unpair(__m512& first, __m512& second) {
+  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 columns = _mm512_permutex2var_ps(first, low, second);
+  second = _mm512_permutex2var_ps(first, high, second);
+  first = columns;
+}
+
+// A row of `dim` (a multiple of 32) sums in the paired order to `out` in column order, rounded as store_as.
+template <typename T>
+inline void store_unpaired(T* out, const float* sums, int64_t dim) {
+  for (int64_t c = 0; c < dim; c += 32) {
+    __m512 first = _mm512_loadu_ps(sums + c), second = _mm512_loadu_ps(sums + c + 16);
+    unpair(first, second);
+    store16(out + c, first, first_lanes(16));
+    store16(out + c + 16, second, first_lanes(16));
   }
 }
 #endif

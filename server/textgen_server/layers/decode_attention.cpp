@@ -401,7 +401,7 @@ inline uint32_t bf16_bits(float f) {
 
 // acc += sum_t p[t] * base[offsets[t] + d] by pair products: slots t and t + 1 interleaved column by column
 // (vpunpck{l,h}wd, within 128-bit lanes), times the pair (p[t], p[t + 1]). acc is kept in that interleaved
-// order, `paired_column` giving where column d sits; an odd last slot pairs with itself at weight 0. n <= CHUNK.
+// order (the paired order, cpu_ops.h); an odd last slot pairs with itself at weight 0. n <= CHUNK.
 inline void accumulate_pairs(const float* p, const uint16_t* base, const int64_t* offsets, int64_t n, int64_t dim,
                              float* acc) {
   int weights[CHUNK / 2];  // the pairs (p[t], p[t + 1]) as bf16 bits, once for every column
@@ -445,7 +445,7 @@ inline float dot_as([[maybe_unused]] bool pairs, const float* q, const T* key, i
   return dot(q, key, dim);
 }
 
-// accumulate, by pair products (acc in paired_column's order) where `pairs`.
+// accumulate, by pair products (acc in the paired order) where `pairs`.
 template <typename T>
 inline void accumulate_as([[maybe_unused]] bool pairs, const float* p, const T* base, const int64_t* offsets, int64_t n,
                           int64_t dim, float* acc) {
@@ -556,9 +556,13 @@ bool paged_row(const T* Q, int64_t q_head_stride, const T* K, const T* V, const 
     }
   }
   for (int64_t i = 0; i < heads; ++i) {
-    for (int64_t d = 0; d < dim; ++d) {
-      store_as(out + (h0 * group + i) * dim + d, acc[i * dim + (pairs ? paired_column(d) : d)]);
+#if defined(__AVX512BF16__)
+    if (pairs) {
+      store_unpaired(out + (h0 * group + i) * dim, acc.data() + i * dim, dim);
+      continue;
     }
+#endif
+    for (int64_t d = 0; d < dim; ++d) store_as(out + (h0 * group + i) * dim + d, acc[i * dim + d]);
   }
   return true;
 }

@@ -257,8 +257,8 @@ void task_softmax(float* scores, int64_t keys, int64_t width, int64_t first, int
 }
 
 #if defined(__AVX512BF16__)
-// Keys 2j and 2j + 1's values interleaved column by column (vpunpck{l,h}wd within 128-bit lanes: paired_column's
-// order), zeros standing in for a key past the last.
+// Keys 2j and 2j + 1's values interleaved column by column (vpunpck{l,h}wd within 128-bit lanes: the paired
+// order, cpu_ops.h), zeros standing in for a key past the last.
 void task_values(const uint16_t* V, const int64_t* offsets, int64_t keys, int64_t dim, __m512i* values) {
   const int64_t vectors = dim / 16;
   for (int64_t t = 0; t < keys; t += 2) {
@@ -303,7 +303,7 @@ inline void value_block(const float* p, int64_t width, const float* V, const int
 
 #if defined(__AVX512BF16__)
 // bfloat16: BLOCK_ROWS query rows' weighted sums of the values' columns [c, c + 32) over key pairs [j0, j1), by pair
-// products; written to sums[row][32] in paired_column's order. (Four rows of 64 columns ran as fast.)
+// products; written to sums[row][32] in the paired order. (Four rows of 64 columns ran as fast.)
 inline void value_block(const uint32_t* weights, int64_t width, const __m512i* values, int64_t vectors, int64_t c,
                         int64_t j0, int64_t j1, float* sums) {
   __m512 acc[BLOCK_ROWS][2];
@@ -347,7 +347,7 @@ void prepare_values([[maybe_unused]] Scratch& scratch, [[maybe_unused]] const T*
 }
 
 // BLOCK_ROWS rows' weighted sums from row r0 of the task's weights, over keys [t0, t1) and the values' columns
-// [c, c + 32), to sums (value_block's; in bf16 in paired_column's order).
+// [c, c + 32), to sums (value_block's; in bf16 in the paired order).
 template <typename T>
 void sum_block(const Scratch& scratch, [[maybe_unused]] const T* V, [[maybe_unused]] const int64_t* offsets,
                int64_t width, [[maybe_unused]] int64_t dim, int64_t r0, int64_t c, int64_t t0, int64_t t1,
@@ -487,7 +487,11 @@ bool run_task(const Task& task, int64_t head, const Rows& batch, const T* Q, int
       for (int64_t i = r0; i < r1; ++i) {
         T* o = out + token[i] * out_token + (head * group + i % group) * dim + c;
         const float* row = sums + (i - r0) * BLOCK_COLUMNS;
-        for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) store_as(o + d, row[bf16 ? paired_column(d) : d]);
+        if constexpr (bf16) {
+          store_unpaired(o, row, BLOCK_COLUMNS);
+        } else {
+          for (int64_t d = 0; d < BLOCK_COLUMNS; d += 16) store16(o + d, _mm512_load_ps(row + d), first_lanes(16));
+        }
       }
     }
   }
@@ -626,9 +630,8 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t i = r / group, mine = lengths[grp.rows[i]] - keys;
         const float* row = sums + (r - r0) * BLOCK_COLUMNS;
-        alignas(64) float column[BLOCK_COLUMNS];
-        for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) column[d] = row[bf16 ? paired_column(d) : d];
-        __m512 a0 = _mm512_load_ps(column), a1 = _mm512_load_ps(column + 16);
+        __m512 a0 = _mm512_load_ps(row), a1 = _mm512_load_ps(row + 16);
+        if constexpr (bf16) unpair(a0, a1);
         if ((r + 1) % group == 0) ask(V + c, i + 1, 0, AHEAD);
         for (int64_t t = 0; t < mine; ++t) {
           if (r % group == 0) ask(V + c, i, t + AHEAD, t + AHEAD + 1);
@@ -637,10 +640,9 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
           a0 = _mm512_fmadd_ps(p, load16(v), a0);
           a1 = _mm512_fmadd_ps(p, load16(v + 16), a1);
         }
-        _mm512_store_ps(column, a0);
-        _mm512_store_ps(column + 16, a1);
         T* o = out + grp.rows[i] * group * pool.kv_heads * dim + (head * group + r % group) * dim + c;
-        for (int64_t d = 0; d < BLOCK_COLUMNS; ++d) store_as(o + d, column[d]);
+        store16(o, a0, first_lanes(16));
+        store16(o + 16, a1, first_lanes(16));
       }
     }
   }
