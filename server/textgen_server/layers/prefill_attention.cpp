@@ -487,11 +487,10 @@ bool run_task(const Task& task, int64_t head, const Rows& batch, const T* Q, int
       for (int64_t i = r0; i < r1; ++i) {
         T* o = out + token[i] * out_token + (head * group + i % group) * dim + c;
         const float* row = sums + (i - r0) * BLOCK_COLUMNS;
-        if constexpr (bf16) {
-          store_unpaired(o, row, BLOCK_COLUMNS);
-        } else {
-          for (int64_t d = 0; d < BLOCK_COLUMNS; d += 16) store16(o + d, _mm512_load_ps(row + d), first_lanes(16));
-        }
+        __m512 first = _mm512_load_ps(row), second = _mm512_load_ps(row + 16);
+        if constexpr (bf16) unpair(first, second);
+        store16(o, first, first_lanes(16));
+        store16(o + 16, second, first_lanes(16));
       }
     }
   }
