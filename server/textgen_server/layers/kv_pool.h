@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace textgen_cpu {
@@ -45,12 +46,15 @@ inline Pool pool_of(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
 
 // The pool offsets (in elements) of a row's positions [first, first + count) at KV head `head`: position p sits in
 // slot p % S of block table[p / S]. False where the table names a block outside the pool (out then partly written).
+// A block at a time: a division per position (S is known only at run time) took 4% of the prefill op on W2's rows.
 inline bool pool_offsets(const int32_t* table, int64_t first, int64_t count, const Pool& pool, int64_t head,
                          int64_t* out) {
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t pos = first + t, block = table[pos / pool.block_size];
+  for (int64_t t = 0; t < count;) {
+    const int64_t pos = first + t, block = table[pos / pool.block_size], slot = pos % pool.block_size;
     if (block < 0 || block >= pool.num_blocks) return false;
-    out[t] = pool.at(block, pos % pool.block_size, head);
+    const int64_t n = std::min(pool.block_size - slot, count - t), at = pool.at(block, slot, head);
+    for (int64_t i = 0; i < n; ++i) out[t + i] = at + i * pool.slot_stride();
+    t += n;
   }
   return true;
 }
