@@ -25,13 +25,19 @@ alternating, tokens/s per row and the tokens a step emits. On the random model g
 (the cost of guessing); with `--cycling` the model is first made to loop (builder.build_cycling_model), so every
 guess after the first period is confirmed (the gain at best).
 
+With `--peer GGUF` it measures batch 1 against llama.cpp (issue 42's peer): llama.cpp's `llama-bench` (`--llama-bench`;
+by default where ../shared/tools/llama-cpp-peer.sh builds it) on GGUF, the same model converted by that script,
+with the issue's command (`-p 0 -n 64 -r 3`, the same threads), runs alternating with the shard's: llama.cpp,
+textgen, llama.cpp, ... Each textgen run is divided by the mean of the llama.cpp runs either side of it, so a
+drift of the host's speed within minutes (20-40% on the 2-core VMs) moves both sides of a ratio.
+
 With `--decode-ahead` it measures the shard's decode ahead (server/textgen_server/decode_ahead.py): two shards
 started side by side, one as served (decode ahead on) and one with TEXTGEN_DECODE_AHEAD=0, runs alternating
 between them, and the ratio of step times per pair of runs.
 
 Usage: python benchmark/shard_decode.py [--batch 1 --batch 8 ...] [--runs 3] [--threads 2] [--model-dir DIR]
        [--grammar | --lora-adapters N | --speculate N [--cycling] | --quantize gptq|gptq-8|awq|eetq [--lm-head]
-       | --decode-ahead]
+       | --decode-ahead | --peer GGUF [--llama-bench PATH]]
 """
 
 from __future__ import annotations
@@ -58,9 +64,13 @@ from textgen_benchmark.decode import (
     progress,
     shard_steps,
 )
+from textgen_benchmark.peer import LLAMA_BENCH, bracketed_ratios, llama_bench_tokens_per_second
 from textgen_benchmark.shard import DTYPES, small_model, start_shard, stop
 from textgen_server.config import DECODE_AHEAD_ENV as AHEAD_ENV
 from textgen_server.models.cache_names import cache_keyword
+
+# The shard's runs in each of its turns against llama.cpp: the median step of three, as `make bench --runs 3`.
+PEER_SHARD_RUNS = 3
 
 
 @torch.inference_mode()
@@ -232,6 +242,33 @@ def ahead_steps(model_dir: Path, batches: list[int], runs: int, threads: int, dt
         )
 
 
+def peer_steps(model_dir: Path, runs: int, threads: int, dtype: str, gguf: Path, binary: Path) -> None:
+    """Batch-1 decode rate of a shard against llama-bench's on `gguf`, runs alternating (llama.cpp first and
+    last); the per-run ratios over the llama.cpp runs either side, their median and spread."""
+    uds = f"/tmp/textgen-bench-peer-{os.getpid()}"
+    proc = start_shard(model_dir, uds, threads, dtype=dtype)
+    ours: list[float] = []
+    peers = [llama_bench_tokens_per_second(binary, gguf, threads)]
+    try:
+        for _ in range(runs):
+            steps = asyncio.run(shard_steps(f"{uds}-0", proc.pid, model_dir, [1], PEER_SHARD_RUNS))
+            ours.append(1 / steps[1].wall)
+            peers.append(llama_bench_tokens_per_second(binary, gguf, threads))
+    finally:
+        stop(proc)
+    ratios = bracketed_ratios(ours, peers)
+    print(f"peer: {binary} on {gguf}\n")
+    print("| run | textgen tok/s | llama.cpp tok/s before / after | textgen / llama.cpp |")
+    print("|----:|--------------:|-------------------------------:|--------------------:|")
+    for i, (x, r) in enumerate(zip(ours, ratios, strict=True)):
+        print(f"| {i + 1} | {x:.1f} | {peers[i]:.1f} / {peers[i + 1]:.1f} | {r:.3f} |")
+    print(
+        f"\nbatch 1: textgen {statistics.median(ours):.1f} tok/s, llama.cpp {statistics.median(peers):.1f} tok/s "
+        f"(medians); textgen / llama.cpp per run {statistics.median(ratios):.3f} "
+        f"({min(ratios):.3f}-{max(ratios):.3f})"
+    )
+
+
 # The decoder projections, which eetq quantizes at load.
 PROJECTION = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
@@ -315,6 +352,16 @@ def quantized_steps(
         )
 
 
+def check_peer(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--peer's inputs: llama-bench and the GGUF file there, batch 1 only (llama-bench decodes one sequence)."""
+    if not args.llama_bench.is_file():
+        parser.error(f"no llama-bench at {args.llama_bench}: build it with ../shared/tools/llama-cpp-peer.sh")
+    if not args.peer.is_file():
+        parser.error(f"no GGUF file at {args.peer}: ../shared/tools/llama-cpp-peer.sh writes one per model")
+    if args.batch not in (None, [1]):
+        parser.error("--peer measures batch 1 (llama-bench decodes one sequence)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, action="append", help="batch sizes (default 1, 8, 32)")
@@ -340,7 +387,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--group-size", type=int, default=128, help="with --quantize: the quantization groups")
     parser.add_argument("--lm-head", action="store_true", help="with --quantize gptq: the LM head quantized too")
+    parser.add_argument(
+        "--peer", type=Path, metavar="GGUF", help="batch 1 against llama.cpp's llama-bench on GGUF, runs alternating"
+    )
+    parser.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH, help="with --peer: the llama-bench binary")
     args = parser.parse_args(argv)
+    if args.peer is not None:
+        check_peer(parser, args)
     if args.lm_head and (args.quantize or "").partition("-")[0] != "gptq":
         parser.error("--lm-head goes with --quantize gptq or gptq-8")
     dtype = getattr(torch, args.dtype)
@@ -370,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.decode_ahead:
         ahead_steps(model_dir, batches, args.runs, args.threads, args.dtype)
+        return
+    if args.peer is not None:
+        peer_steps(model_dir, args.runs, args.threads, args.dtype, args.peer, args.llama_bench)
         return
     proc = start_shard(model_dir, uds, args.threads, dtype=args.dtype)
     try:

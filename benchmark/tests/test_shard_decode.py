@@ -1,5 +1,5 @@
-"""shard_decode.py --grammar / --speculate / --quantize / --decode-ahead and speculation_cost.py on the tiny model,
-with real shard processes (conftest.py): they run and print their figures."""
+"""shard_decode.py --grammar / --speculate / --quantize / --decode-ahead / --peer and speculation_cost.py on the tiny
+model, with real shard processes (conftest.py): they run and print their figures."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
+
+from textgen_benchmark.peer import LLAMA_BENCH, PEER_CACHE, bracketed_ratios
 
 ONE_THREAD = ("--threads", "1")
 
@@ -69,3 +71,32 @@ def test_quantize_option_measures_quantized_against_float_shards(
 def test_lm_head_goes_with_gptq_only(run_script: Callable[..., str]) -> None:
     with pytest.raises(SystemExit):
         run_script("shard_decode", "--quantize", "eetq", "--lm-head")
+
+
+def test_peer_ratios_divide_each_run_by_the_peer_runs_either_side() -> None:
+    assert bracketed_ratios([100.0, 90.0], [200.0, 100.0, 80.0]) == [100 / 150, 90 / 90]
+    with pytest.raises(ValueError, match="2 runs need 3 peer runs"):
+        bracketed_ratios([100.0, 90.0], [200.0, 100.0])
+
+
+def test_peer_option_without_llama_bench_says_how_to_build_it(
+    tiny_llama: Path, tmp_path: Path, run_script: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"")
+    with pytest.raises(SystemExit):
+        run_script("shard_decode", "--peer", str(gguf), "--llama-bench", str(tmp_path / "none"))
+    assert "no llama-bench at" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    not (LLAMA_BENCH.is_file() and any(PEER_CACHE.glob("*-bf16.gguf"))),
+    reason="llama.cpp's llama-bench and a GGUF: ../shared/tools/llama-cpp-peer.sh builds them",
+)
+def test_peer_option_alternates_the_shard_with_llama_bench(tiny_llama: Path, run_script: Callable[..., str]) -> None:
+    gguf = next(PEER_CACHE.glob("*-bf16.gguf"))  # any model: this checks the alternation, not a ratio
+    out = run_script("shard_decode", "--peer", str(gguf), "--model-dir", str(tiny_llama), "--runs", "2", *ONE_THREAD)
+    rows = re.findall(r"^\| (\d) \| [0-9.]+ \| ([0-9.]+) / ([0-9.]+) \| [0-9.]+ \|$", out, re.M)
+    assert [r[0] for r in rows] == ["1", "2"], out
+    assert rows[0][2] == rows[1][1], out  # the llama.cpp run between two shard runs brackets both
+    assert re.search(r"textgen / llama.cpp per run [0-9.]+ \([0-9.]+-[0-9.]+\)", out), out
