@@ -71,6 +71,14 @@ from textgen_server.models.cache_names import cache_keyword
 
 # The shard's runs in each of its turns against llama.cpp: the median step of three, as `make bench --runs 3`.
 PEER_SHARD_RUNS = 3
+# The modes --peer does not combine with: flag -> its argparse attribute.
+OTHER_MODES = {
+    "--grammar": "grammar",
+    "--lora-adapters": "lora_adapters",
+    "--speculate": "speculate",
+    "--quantize": "quantize",
+    "--decode-ahead": "decode_ahead",
+}
 
 
 @torch.inference_mode()
@@ -353,7 +361,16 @@ def quantized_steps(
 
 
 def check_peer(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--peer's inputs: llama-bench and the GGUF file there, batch 1 only (llama-bench decodes one sequence)."""
+    """--peer's inputs: llama-bench and the GGUF file there, batch 1 only (llama-bench decodes one sequence), the
+    float model alone; --llama-bench only with it."""
+    if args.peer is None:
+        if args.llama_bench is not None:
+            parser.error("--llama-bench goes with --peer")
+        return
+    others = [flag for flag, on in OTHER_MODES.items() if getattr(args, on)]
+    if others:
+        parser.error(f"--peer measures the model as it is, not with {', '.join(others)}")
+    args.llama_bench = args.llama_bench or LLAMA_BENCH
     if not args.llama_bench.is_file():
         parser.error(f"no llama-bench at {args.llama_bench}: build it with ../shared/tools/llama-cpp-peer.sh")
     if not args.peer.is_file():
@@ -390,10 +407,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--peer", type=Path, metavar="GGUF", help="batch 1 against llama.cpp's llama-bench on GGUF, runs alternating"
     )
-    parser.add_argument("--llama-bench", type=Path, default=LLAMA_BENCH, help="with --peer: the llama-bench binary")
+    parser.add_argument("--llama-bench", type=Path, help=f"with --peer: the llama-bench binary ({LLAMA_BENCH})")
     args = parser.parse_args(argv)
-    if args.peer is not None:
-        check_peer(parser, args)
+    check_peer(parser, args)
     if args.lm_head and (args.quantize or "").partition("-")[0] != "gptq":
         parser.error("--lm-head goes with --quantize gptq or gptq-8")
     dtype = getattr(torch, args.dtype)

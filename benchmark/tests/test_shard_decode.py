@@ -79,14 +79,21 @@ def test_peer_ratios_divide_each_run_by_the_peer_runs_either_side() -> None:
         bracketed_ratios([100.0, 90.0], [200.0, 100.0])
 
 
-def test_peer_option_without_llama_bench_says_how_to_build_it(
-    tiny_llama: Path, tmp_path: Path, run_script: Callable[..., str], capsys: pytest.CaptureFixture[str]
+def test_peer_option_refuses_what_it_cannot_measure(
+    tmp_path: Path, run_script: Callable[..., str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"")
     with pytest.raises(SystemExit):
         run_script("shard_decode", "--peer", str(gguf), "--llama-bench", str(tmp_path / "none"))
     assert "no llama-bench at" in capsys.readouterr().err
+    for other in (("--decode-ahead",), ("--speculate", "2")):
+        with pytest.raises(SystemExit):
+            run_script("shard_decode", "--peer", str(gguf), *other)
+        assert "--peer measures the model as it is, not with " + other[0] in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_script("shard_decode", "--llama-bench", str(tmp_path / "none"))
+    assert "--llama-bench goes with --peer" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(
