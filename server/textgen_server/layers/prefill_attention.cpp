@@ -341,7 +341,8 @@ void prepare_values([[maybe_unused]] Scratch& scratch, [[maybe_unused]] const T*
     kept -= kept % 2;  // whole pairs
     scratch.values.resize((keys + 1) / 2 * (dim / 16));
     task_values(V, offsets + kept, keys - kept, dim, scratch.values.data() + kept / 2 * (dim / 16));
-    scratch.paired.assign(offsets, offsets + keys);
+    scratch.paired.resize(keys);  // its first `kept` already hold these offsets
+    std::copy(offsets + kept, offsets + keys, scratch.paired.begin() + kept);
   }
 #endif
 }
