@@ -104,6 +104,12 @@ TEXTGEN_PREFETCH void prefetch_lines(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
 }
 
+// The same with intent to write (prefetchw where the CPU has it): for lines the caller is about to store to.
+TEXTGEN_PREFETCH void prefetch_lines_for_write(void* p, int64_t bytes) {
+  char* c = static_cast<char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 1, 3);
+}
+
 // Share `part` of `parts` of the cache lines of `count` runs of `bytes` bytes at base + offsets[r] (elements of T),
 // in order, asked into L2 (prefetcht2) only. A task that takes a tile's runs in several passes (head by head)
 // calls it once a pass for the next tile, so those lines arrive spread over the work. In a bare loop over a tile

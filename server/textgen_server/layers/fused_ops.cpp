@@ -41,6 +41,12 @@ using namespace textgen_cpu;
 // less than waking the pool.
 constexpr int64_t GRAIN = 16;
 
+// How many tokens ahead rotary_ and write_kv ask for the lines they will read and write. Their rows are most often
+// column ranges of the fused qkv projection's output (rows 3 * H * D apart), and write_kv's slots scatter over the
+// pool: neither is a stream the hardware prefetcher follows, so each token waited for its lines (benchmark/README.md,
+// "The prefill's strided rows, asked for ahead").
+constexpr int64_t TOKENS_AHEAD = 2;
+
 // Calls f with a value of the element type the ops read `t`'s data as: float for float32, uint16_t (the raw
 // bits) for bfloat16.
 template <typename F>
@@ -187,6 +193,12 @@ void rotate(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const T* s = static_cast<const T*>(sin.data_ptr());
   at::parallel_for(0, tokens, GRAIN, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
+      if (t + TOKENS_AHEAD < hi) {
+        for (int64_t h = 0; h < heads; ++h) {
+          prefetch_lines_for_write(base + (t + TOKENS_AHEAD) * token_stride + h * head_stride,
+                                   dim * static_cast<int64_t>(sizeof(T)));
+        }
+      }
       for (int64_t h = 0; h < heads; ++h) {
         rotate_head(base + t * token_stride + h * head_stride, c + t * dim, s + t * dim, dim / 2);
       }
@@ -299,6 +311,17 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
   const int64_t k_stride = k.stride(0) * element, v_stride = v.stride(0) * element;
   at::parallel_for(0, tokens, GRAIN * 16, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
+      if (t + TOKENS_AHEAD < hi) {  // that token's k and v rows, and the slot they go to
+        const int64_t next = t + TOKENS_AHEAD;
+        prefetch_lines(kp + next * k_stride, bytes);
+        prefetch_lines(vp + next * v_stride, bytes);
+        for (int64_t h = 0; h < (pool.head_major ? pool.kv_heads : 1); ++h) {
+          const int64_t at = pool.head_major ? slot_at(pool, s[next], h) * element : s[next] * bytes;
+          const int64_t run = pool.head_major ? head_bytes : bytes;
+          prefetch_lines_for_write(kc + at, run);
+          prefetch_lines_for_write(vc + at, run);
+        }
+      }
       if (!pool.head_major) {  // a slot's heads side by side: one copy
         std::memcpy(kc + s[t] * bytes, kp + t * k_stride, bytes);
         std::memcpy(vc + s[t] * bytes, vp + t * v_stride, bytes);
