@@ -81,6 +81,27 @@ def test_silu_mul_matches_torch_bit_for_bit(dtype: torch.dtype, rows: int) -> No
     assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_over_every_bfloat16_gate(dtype: torch.dtype) -> None:
+    """Every bfloat16 bit pattern as a gate (infinities and NaNs too), so every input of the exp in bfloat16, through
+    cpu_ops.h's inline copy of torch's vector exp. The op flushes subnormals (FlushDenormals): a gate, silu or result
+    that is one is left out; a NaN only has to be one."""
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(dtype)
+    gate, up = gate.reshape(32, 2048), randn(32, 2048, dtype=dtype, scale=4)
+    out, expected = ops.silu_mul(torch.cat([gate, up], dim=1)), F.silu(gate) * up
+    tiny = torch.finfo(torch.float32).tiny
+
+    def not_subnormal(x: torch.Tensor) -> torch.Tensor:
+        return (x == 0) | ~(x.float().abs() < tiny)
+
+    kept = not_subnormal(gate) & not_subnormal(F.silu(gate.float())) & not_subnormal(expected)
+    assert int(kept.sum()) > 60_000
+    assert torch.equal(out.isnan(), expected.isnan())
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    numbers = kept & ~expected.isnan()
+    assert torch.equal(out.view(bits)[numbers], expected.view(bits)[numbers])
+
+
 def test_silu_mul_on_a_width_with_a_tail() -> None:
     """A width torch's vector loop does not divide: the rest goes through the scalar exp, as torch's does."""
     gate_up = randn(3, 2 * 1001, dtype=torch.bfloat16, scale=4)

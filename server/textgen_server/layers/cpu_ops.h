@@ -167,6 +167,14 @@ inline __m512 fold16(const __m512 (&a)[16]) {
 #endif
 
 #if defined(__AVX512F__)
+// c[0] x^(N-1) + c[1] x^(N-2) + ... + c[N-1] by Horner's rule, a fused multiply-add a coefficient.
+template <int N>
+inline __m512 horner(__m512 x, const float (&c)[N]) {
+  __m512 y = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < N; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(c[i]));
+  return y;
+}
+
 // e^x for x <= 0 (Cephes' expf polynomial on x - n ln 2, scaled by 2^n): within about one float32 ulp of the
 // libm's, as torch's own vectorized exp is. A scalar exp per score cost more than reading the keys.
 inline __m512 exp_nonpositive(__m512 x) {
@@ -175,14 +183,9 @@ inline __m512 exp_nonpositive(__m512 x) {
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
+  const __m512 y = horner(r, {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f});
+  return _mm512_scalef_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f))), n);
 }
 
 // round_bf16 on 16 lanes
@@ -265,12 +268,25 @@ inline void store_unpaired(T* out, const float* sums, int64_t dim) {
 }
 #endif
 
-// torch's vectorized exp: Sleef_expf16_u10, exported by libtorch_cpu (the Cephes polynomial above where it is
-// missing).
 #if defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
-
-inline __m512 torch_exp(__m512 x) { return Sleef_expf16_u10 ? Sleef_expf16_u10(x) : exp_nonpositive(x); }
+// torch's vectorized exp on an AVX-512 CPU (SLEEF's 1-ulp expf, Sleef_expf16_u10 in libtorch_cpu), written out here
+// to the same bits for every float32 (all 2^32 inputs compared with libtorch's, with and without FTZ/DAZ, NaN
+// payloads included; test_fused_ops.py compares every bfloat16 through silu_mul). The call into libtorch took 6.5 of
+// silu_mul's 9.6 ns a vector (benchmark/README.md, "torch's exp, inline").
+// x = q ln2 + s, q = round(x / ln2), ln2 in two parts (Cody-Waite); e^s by a degree-7 polynomial, times 2^q. SLEEF
+// multiplies by two powers of two (2^(q/2) each, so that q down to -149 reaches the subnormals); vscalefps rounds
+// once where that does, so the same bits in one instruction. 0 below -104, infinity above 100.
+inline __m512 torch_exp(__m512 x) {
+  const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(1.44269502163f))));
+  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), x);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187e-06f), s);
+  const __m512 u = horner(s, {1.98527617612853646e-4f, 1.39304355252534151e-3f, 8.33336077630519867e-3f,
+                               4.16664853692054749e-2f, 1.66666671633720398e-1f, 0.5f});
+  __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s), _mm512_set1_ps(1.f));
+  e = _mm512_scalef_ps(e, qf);
+  e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.f), _CMP_NLT_US), e);
+  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(_mm512_set1_ps(100.f), x, _CMP_LT_OQ), _mm512_set1_ps(INFINITY));
+}
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
