@@ -12,8 +12,9 @@
 //   order than torch's, so `out` may differ from torch's by one unit in the last place, rarely.
 // textgen::rotary_(x, cos, sin): x [T, H, D] rotated in place, x * cos + rotate_half(x) * sin, cos / sin [T, D].
 // textgen::silu_mul(gate_up) -> out: [T, 2I] -> [T, I], silu(gate) * up (transformers' MLP after its fused
-//   gate/up projection), silu as torch computes it: x / (1 + exp(-x)) with torch's own vector exp (an exp that
-//   underflows is flushed to 0, which changes no result: 1 + it is 1 either way).
+//   gate/up projection), silu as torch computes it: x / (1 + exp(-x)) with torch's vector exp (cpu_ops.h). Subnormals
+//   are flushed to 0 (FlushDenormals): an exp that underflows changes no result (1 + it is 1 either way), but a
+//   subnormal gate, silu or product is 0 here where torch keeps it (below 2^-126: no model's activation).
 // textgen::write_kv(k_cache, v_cache, slots, k, v): k, v [T, Hkv, D] (rows any stride) stored at `slots` of the
 //   pools [N, S, Hkv, D] (slot s = block * S + offset; TGI's order or head-major, kv_pool.h).
 // textgen::gather_kv(k_cache, v_cache, slots) -> (k, v): the pools' rows at `slots` (int64 [T]) head by head, each
