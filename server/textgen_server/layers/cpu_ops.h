@@ -290,8 +290,31 @@ inline __m512 torch_exp(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// torch's vectorized exp on an AVX2 CPU (8 lanes); null where libtorch_cpu does not export it.
-extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
+// c[0] x^(N-1) + ... + c[N-1] on 8 lanes, as horner above.
+template <int N>
+inline __m256 horner(__m256 x, const float (&c)[N]) {
+  __m256 y = _mm256_set1_ps(c[0]);
+  for (int i = 1; i < N; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c[i]));
+  return y;
+}
+
+// torch's vectorized exp on an AVX2 CPU (SLEEF's 1-ulp expf, Sleef_expf8_u10 in libtorch_cpu), written out as the
+// AVX-512 one above is, with SLEEF's two power-of-two products (AVX2 has no vscalefps): the same bits for every
+// float32 (all 2^32 inputs compared with libtorch's, with and without FTZ/DAZ, NaN payloads included).
+inline __m256 torch_exp(__m256 x) {
+  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(x, _mm256_set1_ps(1.44269502163f)));
+  const __m256 qf = _mm256_cvtepi32_ps(q);
+  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), x);
+  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187e-06f), s);
+  const __m256 u = horner(s, {1.98527617612853646e-4f, 1.39304355252534151e-3f, 8.33336077630519867e-3f,
+                               4.16664853692054749e-2f, 1.66666671633720398e-1f, 0.5f});
+  __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s), _mm256_set1_ps(1.f));
+  const __m256i half = _mm256_srai_epi32(q, 1), bias = _mm256_set1_epi32(127);
+  e = _mm256_mul_ps(e, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23)));
+  e = _mm256_mul_ps(e, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_add_epi32(q, bias), half), 23)));
+  e = _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-104.f), _CMP_LT_OQ), e);
+  return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(_mm256_set1_ps(100.f), x, _CMP_LT_OQ));
+}
 
 // The AVX2 counterparts of the 16-lane helpers above, for CPUs without AVX-512 (8 float32 lanes).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

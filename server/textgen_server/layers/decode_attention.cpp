@@ -118,27 +118,24 @@ inline void softmax(float* s, int64_t n) {
   const __m512 inv16 = _mm512_set1_ps(1.f / total);
   for (t = 0; t + 16 <= n; t += 16) _mm512_storeu_ps(s + t, round_as(T{}, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv16)));
 #elif defined(__AVX2__)
-  if (Sleef_expf8_u10 != nullptr) {  // torch's vector exp, 8 scores at a time
-    __m256 top8 = _mm256_set1_ps(-INFINITY), total8 = _mm256_setzero_ps();
-    for (; t + 8 <= n; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + t));
-    float top = reduce_max(top8);
-    for (int64_t u = t; u < n; ++u) top = std::max(top, s[u]);
-    const __m256 shift = _mm256_set1_ps(top);
-    for (t = 0; t + 8 <= n; t += 8) {
-      const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-      _mm256_storeu_ps(s + t, e);
-      total8 = _mm256_add_ps(total8, e);
-    }
-    for (int64_t u = t; u < n; ++u) {
-      s[u] = std::exp(s[u] - top);
-      total += s[u];
-    }
-    total += fold_add(total8);
-    const __m256 inv8 = _mm256_set1_ps(1.f / total);
-    for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, round_as(T{}, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv8)));
-  } else {
-    total = exps(s, n);
+  // torch's vector exp, 8 scores at a time
+  __m256 top8 = _mm256_set1_ps(-INFINITY), total8 = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + t));
+  float top = reduce_max(top8);
+  for (int64_t u = t; u < n; ++u) top = std::max(top, s[u]);
+  const __m256 shift = _mm256_set1_ps(top);
+  for (t = 0; t + 8 <= n; t += 8) {
+    const __m256 e = torch_exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    _mm256_storeu_ps(s + t, e);
+    total8 = _mm256_add_ps(total8, e);
   }
+  for (int64_t u = t; u < n; ++u) {
+    s[u] = std::exp(s[u] - top);
+    total += s[u];
+  }
+  total += fold_add(total8);
+  const __m256 inv8 = _mm256_set1_ps(1.f / total);
+  for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, round_as(T{}, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv8)));
 #else
   total = exps(s, n);
 #endif
@@ -713,40 +710,37 @@ inline void causal_softmax_row(const uint16_t* in, uint16_t* out, float* e, int6
   }
   if (c < total) std::memset(out + c, 0, (total - c) * sizeof(uint16_t));
 #elif defined(__AVX2__)
-  if (Sleef_expf8_u10 != nullptr) {  // torch's AVX2 path: the same steps, 8 lanes
-    const int64_t first = lo - lo % 8, end = hi + 1 + (8 - (hi + 1) % 8) % 8;  // whole 8-column chunks
-    // The scores in float32, -inf where masked: whole visible chunks eight at a time (the conversion is exact, so
-    // any way of making it gives the same floats), the chunks at the edges value by value.
-    const int64_t inner = std::min((lo + 7) & ~int64_t(7), end), inner_end = std::max(inner, (hi + 1) & ~int64_t(7));
-    auto edge = [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
-    };
-    edge(first, inner);
-    for (int64_t c = inner; c < inner_end; c += 8) _mm256_storeu_ps(e + c, load8(in + c));
-    edge(inner_end, end);
-    __m256 top8 = _mm256_set1_ps(-INFINITY);
-    for (int64_t c = first; c < end; c += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(e + c));
-    const __m256 shift = _mm256_set1_ps(reduce_max(top8));
-    float sum = 0.f;
-    __m256 lanes = _mm256_setzero_ps();
-    for (int64_t c = first; c < end; c += 8) {
-      const __m256 ex = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(e + c), shift));  // masked: exp(-inf) = 0
-      _mm256_storeu_ps(e + c, ex);
-      lanes = _mm256_add_ps(lanes, ex);
-    }
-    if (total < 8) {
-      for (int64_t t = lo; t <= hi; ++t) sum += e[t];
-    } else {
-      sum = fold_add(lanes);
-    }
-    const float inv = 1.f / sum;
-    std::memset(out, 0, first * sizeof(uint16_t));
-    int64_t c = first;
-    for (; c + 8 <= total && c < end; c += 8) store8(out + c, _mm256_mul_ps(_mm256_loadu_ps(e + c), _mm256_set1_ps(inv)));
-    for (; c < total; ++c) out[c] = c > hi ? 0 : float_to_bf16(e[c] * inv);
-    return;
+  // torch's AVX2 path: the same steps, 8 lanes
+  const int64_t first = lo - lo % 8, end = hi + 1 + (8 - (hi + 1) % 8) % 8;  // whole 8-column chunks
+  // The scores in float32, -inf where masked: whole visible chunks eight at a time (the conversion is exact, so
+  // any way of making it gives the same floats), the chunks at the edges value by value.
+  const int64_t inner = std::min((lo + 7) & ~int64_t(7), end), inner_end = std::max(inner, (hi + 1) & ~int64_t(7));
+  auto edge = [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) e[t] = t < lo || t > hi ? -INFINITY : bf16_to_float(in[t]);
+  };
+  edge(first, inner);
+  for (int64_t c = inner; c < inner_end; c += 8) _mm256_storeu_ps(e + c, load8(in + c));
+  edge(inner_end, end);
+  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t c = first; c < end; c += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(e + c));
+  const __m256 shift = _mm256_set1_ps(reduce_max(top8));
+  float sum = 0.f;
+  __m256 lanes = _mm256_setzero_ps();
+  for (int64_t c = first; c < end; c += 8) {
+    const __m256 ex = torch_exp(_mm256_sub_ps(_mm256_loadu_ps(e + c), shift));  // masked: exp(-inf) = 0
+    _mm256_storeu_ps(e + c, ex);
+    lanes = _mm256_add_ps(lanes, ex);
   }
-  causal_softmax_scalar(in, out, e, total, lo, hi);
+  if (total < 8) {
+    for (int64_t t = lo; t <= hi; ++t) sum += e[t];
+  } else {
+    sum = fold_add(lanes);
+  }
+  const float inv = 1.f / sum;
+  std::memset(out, 0, first * sizeof(uint16_t));
+  int64_t c = first;
+  for (; c + 8 <= total && c < end; c += 8) store8(out + c, _mm256_mul_ps(_mm256_loadu_ps(e + c), _mm256_set1_ps(inv)));
+  for (; c < total; ++c) out[c] = c > hi ? 0 : float_to_bf16(e[c] * inv);
 #else
   causal_softmax_scalar(in, out, e, total, lo, hi);
 #endif

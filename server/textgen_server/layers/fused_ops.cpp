@@ -237,16 +237,14 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
     }
   }
 #elif defined(__AVX2__)
-  if (Sleef_expf8_u10 != nullptr) {  // torch's AVX2 vector path: 16 bfloat16 or 8 float32 values at a time
-    const int64_t step = std::is_same_v<T, uint16_t> ? 16 : 8;
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + step <= n; i += step) {
-      for (int64_t j = i; j < i + step; j += 8) {
-        const __m256 g = load8(gate + j);
-        const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        const __m256 act = round_as(T{}, _mm256_div_ps(g, _mm256_add_ps(one, e)));
-        store8(out + j, _mm256_mul_ps(act, load8(up + j)));
-      }
+  const int64_t step = std::is_same_v<T, uint16_t> ? 16 : 8;
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + step <= n; i += step) {
+    for (int64_t j = i; j < i + step; j += 8) {
+      const __m256 g = load8(gate + j);
+      const __m256 e = torch_exp(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      const __m256 act = round_as(T{}, _mm256_div_ps(g, _mm256_add_ps(one, e)));
+      store8(out + j, _mm256_mul_ps(act, load8(up + j)));
     }
   }
 #endif

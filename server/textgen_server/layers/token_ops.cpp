@@ -51,13 +51,7 @@ constexpr int W = 8;
 constexpr bool TREE = true;
 constexpr const char* CAPABILITY = "AVX2";
 
-inline void exp_lanes(float* v) {
-  if (Sleef_expf8_u10) {
-    _mm256_storeu_ps(v, Sleef_expf8_u10(_mm256_loadu_ps(v)));
-  } else {
-    for (int l = 0; l < W; ++l) v[l] = std::exp(v[l]);
-  }
-}
+inline void exp_lanes(float* v) { _mm256_storeu_ps(v, torch_exp(_mm256_loadu_ps(v))); }
 inline float log_lane(float x) {
   return Sleef_logf8_u10 ? _mm256_cvtss_f32(Sleef_logf8_u10(_mm256_set1_ps(x))) : std::log(x);
 }
