@@ -268,6 +268,15 @@ inline void store_unpaired(T* out, const float* sums, int64_t dim) {
 }
 #endif
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// SLEEF's expf, which torch_exp follows on either vector width: 1 / ln 2, ln 2 in two parts (Cody-Waite), and the
+// coefficients of e^s's polynomial, highest power first.
+constexpr float EXP_LOG2E = 1.44269502163f;
+constexpr float EXP_LN2_HI = 0.693145751953125f, EXP_LN2_LO = 1.428606765330187e-06f;
+constexpr float EXP_POLY[] = {1.98527617612853646e-4f, 1.39304355252534151e-3f, 8.33336077630519867e-3f,
+                              4.16664853692054749e-2f, 1.66666671633720398e-1f, 0.5f};
+#endif
+
 #if defined(__AVX512F__)
 // torch's vectorized exp on an AVX-512 CPU (SLEEF's 1-ulp expf, Sleef_expf16_u10 in libtorch_cpu), written out here
 // to the same bits for every float32 (all 2^32 inputs compared with libtorch's, with and without FTZ/DAZ, NaN
@@ -277,11 +286,10 @@ inline void store_unpaired(T* out, const float* sums, int64_t dim) {
 // multiplies by two powers of two (2^(q/2) each, so that q down to -149 reaches the subnormals); vscalefps rounds
 // once where that does, so the same bits in one instruction. 0 below -104, infinity above 100.
 inline __m512 torch_exp(__m512 x) {
-  const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(1.44269502163f))));
-  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), x);
-  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187e-06f), s);
-  const __m512 u = horner(s, {1.98527617612853646e-4f, 1.39304355252534151e-3f, 8.33336077630519867e-3f,
-                               4.16664853692054749e-2f, 1.66666671633720398e-1f, 0.5f});
+  const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E))));
+  __m512 s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-EXP_LN2_HI), x);
+  s = _mm512_fmadd_ps(qf, _mm512_set1_ps(-EXP_LN2_LO), s);
+  const __m512 u = horner(s, EXP_POLY);
   __m512 e = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s), _mm512_set1_ps(1.f));
   e = _mm512_scalef_ps(e, qf);
   e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.f), _CMP_NLT_US), e);
@@ -302,12 +310,11 @@ inline __m256 horner(__m256 x, const float (&c)[N]) {
 // AVX-512 one above is, with SLEEF's two power-of-two products (AVX2 has no vscalefps): the same bits for every
 // float32 (all 2^32 inputs compared with libtorch's, with and without FTZ/DAZ, NaN payloads included).
 inline __m256 torch_exp(__m256 x) {
-  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(x, _mm256_set1_ps(1.44269502163f)));
+  const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)));
   const __m256 qf = _mm256_cvtepi32_ps(q);
-  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), x);
-  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187e-06f), s);
-  const __m256 u = horner(s, {1.98527617612853646e-4f, 1.39304355252534151e-3f, 8.33336077630519867e-3f,
-                               4.16664853692054749e-2f, 1.66666671633720398e-1f, 0.5f});
+  __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-EXP_LN2_HI), x);
+  s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-EXP_LN2_LO), s);
+  const __m256 u = horner(s, EXP_POLY);
   __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s), _mm256_set1_ps(1.f));
   const __m256i half = _mm256_srai_epi32(q, 1), bias = _mm256_set1_epi32(127);
   e = _mm256_mul_ps(e, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23)));

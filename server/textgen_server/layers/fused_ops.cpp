@@ -314,11 +314,10 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
         const int64_t next = t + TOKENS_AHEAD;
         prefetch_lines(kp + next * k_stride, bytes);
         prefetch_lines(vp + next * v_stride, bytes);
-        for (int64_t h = 0; h < (pool.head_major ? pool.kv_heads : 1); ++h) {
-          const int64_t at = pool.head_major ? slot_at(pool, s[next], h) * element : s[next] * bytes;
-          const int64_t run = pool.head_major ? head_bytes : bytes;
-          prefetch_lines_for_write(kc + at, run);
-          prefetch_lines_for_write(vc + at, run);
+        for (int64_t h = 0; h < pool.kv_heads; ++h) {  // a head's run, wherever the pool's layout puts it
+          const int64_t at = slot_at(pool, s[next], h) * element;
+          prefetch_lines_for_write(kc + at, head_bytes);
+          prefetch_lines_for_write(vc + at, head_bytes);
         }
       }
       if (!pool.head_major) {  // a slot's heads side by side: one copy

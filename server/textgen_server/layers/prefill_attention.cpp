@@ -583,7 +583,7 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
           acc[u] = _mm512_fmadd_ps(qd, load16(key + d), acc[u]);
         }
       }
-      const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1u);
+      const __mmask16 m = first_lanes(n);
       const __m512 x = round_as(T{}, fold16(acc));
       store16(own.data() + r * longest + t0, x, m);
       largest[r] = std::max(largest[r], _mm512_mask_reduce_max_ps(m, x));
@@ -606,7 +606,7 @@ bool shared_task(const SharedGroup& grp, int64_t head, const T* Q, int64_t q_row
     const int64_t mine = lengths[grp.rows[r / group]] - keys;
     float* e = own.data() + r * longest;
     for (int64_t t = 0; t < mine; t += 16) {
-      const __mmask16 m = static_cast<__mmask16>(mine - t >= 16 ? 0xFFFF : (1u << (mine - t)) - 1u);
+      const __mmask16 m = first_lanes(mine - t);
       const __m512 x = exp_nonpositive(_mm512_sub_ps(load16(e + t, m), _mm512_set1_ps(largest[r])));
       store16(e + t, x, m);
       inverse[r] += _mm512_mask_reduce_add_ps(m, x);
